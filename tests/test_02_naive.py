@@ -1,0 +1,90 @@
+import json
+import os
+import time
+
+import pytest
+
+import common
+from conftest import ROOT, load, run_script, spawned_workers, verification, verify_args, write_fake_mnist
+
+CASES = list(common.VERIFY_CASES)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_naive_ddp_matches_single_process(world_size, case):
+    r = verification("02_naive_ddp", world_size)[case]
+    assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
+    if world_size == 1 and "accum" not in common.VERIFY_CASES[case]:
+        # same arithmetic as single-process training (micro-batches change the sum order)
+        assert r["bitwise"], "one rank must reproduce single-process training bit for bit"
+
+
+def test_a_wrapper_that_does_not_average_fails_verification():
+    import workers
+    res = common.launch(workers.verify_broken, verify_args(2))
+    assert not res["plain"]["ok"] and res["plain"]["max_diff"] > 1e-4
+
+
+def test_mnist_path_on_a_tiny_dataset_in_mnist_format(tmp_path):
+    write_fake_mnist(tmp_path)
+    x, y = common.load_mnist(str(tmp_path), download=False)
+    assert x.shape == (64, 784) and 0 <= x.min() and x.max() <= 1 and y.max() < 10
+    p = run_script("02_naive_ddp.py", "--world-size", "2", "--data", "mnist", "--data-root", str(tmp_path),
+                   "--no-bench", "--verify-steps", "2")
+    assert p.returncode == 0, p.stderr
+    assert "verify 02_naive_ddp at 2 rank(s): PASS" in p.stdout
+
+
+def test_missing_mnist_says_how_to_get_it(tmp_path):
+    p = run_script("02_naive_ddp.py", "--data", "mnist", "--data-root", str(tmp_path / "nothing"))
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "--download" in p.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--world-size", "0"], "--world-size must be at least 1"),
+    (["--backend", "nccl", "--world-size", "2"], "nccl needs one GPU per rank"),
+    (["--world-size", "2", "--batch-size", "3"], "does not divide"),
+    (["--model-size", "huge"], "unknown --model-size"),
+])
+def test_bad_input_exits_2_with_one_line_and_spawns_nothing(argv, words):
+    p = run_script("02_naive_ddp.py", *argv, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], p.stderr
+    assert p.stdout == ""  # nothing ran: no verification line, no table
+
+
+def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
+    t0 = time.time()
+    p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), timeout=60)
+    assert time.time() - t0 < 30
+    assert p.returncode == 1
+    assert "rank 1 failed" in p.stderr and "boom from the test" in p.stderr
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_runs_under_torchrun(tmp_path):
+    p = run_script("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "02_naive_ddp.py", "--model-size", "nano", "--steps", "2", "--warmup", "1",
+                   "--verify-steps", "2", "--out", str(tmp_path), timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("verify 02_naive_ddp at 2 rank(s): PASS") == 1  # printed by rank 0 only
+    doc = json.loads((tmp_path / "02_naive_ddp.json").read_text())
+    assert doc["settings"]["world_size"] == 2 and doc["rows"][0]["step_ms"] > 0
+    assert not spawned_workers()
+
+
+def test_benchmark_row_accounts_for_communication(tmp_path):
+    p = run_script("02_naive_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "3",
+                   "--warmup", "1", "--no-verify", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    row = json.loads((tmp_path / "02_naive_ddp.json").read_text())["rows"][0]
+    assert 0 < row["comm_ms"] < row["step_ms"] and 0 < row["comm_share"] < 1
+    n_params = len(list(load("02_naive_ddp").__dict__["common"].build_lm("nano", 128, "cpu").parameters()))
+    assert row["collectives"] == n_params + 1  # one per parameter, plus the has-gradient flags
