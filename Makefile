@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all test setup clean-results 01 02
+.PHONY: all test setup clean-results 01 02 03 04 05
 
-all: 01 02
+all: 01 02 03 04 05
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,12 @@ test: $(STAMP)
 
 clean-results:
 	rm -rf results
+
+03: $(STAMP)
+	$(PY) 03_flat_ddp.py
+
+04: $(STAMP)
+	$(PY) 04_overlap_ddp.py
+
+05: $(STAMP)
+	$(PY) 05_bucketed_ddp.py

@@ -318,21 +318,27 @@ class StepClock:
         return {**self.times, "step": self.last - self.t0}
 
 
-def measure(ctx: Ctx, step_fn, warmup: int, steps: int) -> dict:
-    """Run ``step_fn(i) -> {phase: seconds}`` warmup+steps times and summarize.
+def measure(ctx: Ctx, step_fns: dict, warmup: int, steps: int) -> dict:
+    """Run each ``step_fn(i) -> {phase: seconds}`` warmup+steps times and summarize.
 
-    Per step, each phase's time is the slowest rank's (gathered with all_gather_object).
-    Returns {phase: {"median", "min", "max", "all"}} in seconds, identical on every rank.
+    With several methods the steps alternate (a, b, a, b, ...), so slow drift of a shared
+    machine hits all of them alike. Per step, each phase's time is the slowest rank's
+    (gathered with all_gather_object). Returns {method: {phase: {"median", "min", "max",
+    "all"}}} in seconds, identical on every rank.
     """
     for i in range(warmup):
-        step_fn(i)
-    local = [step_fn(warmup + i) for i in range(steps)]
+        for fn in step_fns.values():
+            fn(i)
+    local = {name: [] for name in step_fns}
+    for i in range(steps):
+        for name, fn in step_fns.items():
+            local[name].append(fn(warmup + i))
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, local)
     out = {}
-    for phase in local[0]:
-        per_step = [max(r[i][phase] for r in everyone) for i in range(steps)]
-        out[phase] = summarize(per_step)
+    for name, mine in local.items():
+        out[name] = {phase: summarize([max(r[name][i][phase] for r in everyone) for i in range(steps)])
+                     for phase in mine[0]}
     return out
 
 
@@ -749,19 +755,38 @@ def lm_trainer(ctx: Ctx, args, wrap=None, optimizer=None):
     return model, step_fn
 
 
+def bench_methods(ctx: Ctx, args, wraps: dict, interleave=False, optimizer=None) -> list:
+    """Time methods {name: wrap} on the LM, one table row each (plus the raw stats).
+
+    ``interleave`` builds them all at once and alternates their steps (fair side-by-side
+    numbers, at the cost of holding every model in memory); otherwise one after another.
+    """
+    if not interleave:
+        return [row for name, wrap in wraps.items()
+                for row in bench_methods(ctx, args, {name: wrap}, True, optimizer)]
+    trainers = {name: lm_trainer(ctx, args, wrap, optimizer) for name, wrap in wraps.items()}
+    rows = []
+    calls = {}
+    for name, (model, step_fn) in trainers.items():
+        step_fn(0)
+        with count_collectives() as c:
+            step_fn(1)
+        calls[name] = c["n"]
+    stats = measure(ctx, {name: t[1] for name, t in trainers.items()}, args.warmup, args.steps)
+    for name, (model, _) in trainers.items():
+        st = stats[name]
+        rows.append({"method": name, "step_ms": st["step"]["median"] * 1e3,
+                     "step_min_ms": st["step"]["min"] * 1e3, "step_max_ms": st["step"]["max"] * 1e3,
+                     "comm_ms": st["comm"]["median"] * 1e3,
+                     "comm_share": st["comm"]["median"] / st["step"]["median"],
+                     "collectives": calls[name], "n_buckets": len(getattr(model, "buckets", ())) or None,
+                     "stats": st})
+    return rows
+
+
 def bench_method(ctx: Ctx, args, name: str, wrap=None, optimizer=None) -> dict:
     """Time one method on the LM; returns a table row plus the raw stats."""
-    model, step_fn = lm_trainer(ctx, args, wrap, optimizer)
-    step_fn(0)
-    with count_collectives() as calls:
-        step_fn(1)
-    stats = measure(ctx, step_fn, args.warmup, args.steps)
-    del model
-    return {"method": name, "step_ms": stats["step"]["median"] * 1e3,
-            "step_min_ms": stats["step"]["min"] * 1e3, "step_max_ms": stats["step"]["max"] * 1e3,
-            "comm_ms": stats["comm"]["median"] * 1e3,
-            "comm_share": stats["comm"]["median"] / stats["step"]["median"],
-            "collectives": calls["n"], "stats": stats}
+    return bench_methods(ctx, args, {name: wrap}, True, optimizer)[0]
 
 
 def lm_settings(args) -> dict:
@@ -782,9 +807,11 @@ def lm_param_count(size: str, context_length: int) -> int:
 BENCH_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "comm_share", "collectives"]
 
 
-def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, note="", after=None):
+def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, note="", after=None,
+               prepare=None):
     """Verify, benchmark, print and save: the main body shared by 02 to 05.
 
+    ``prepare(rows) -> rows`` may reshape the benchmark's rows before they are saved;
     ``after(rows)`` may add plots or analysis once the table is written.
     """
     report = is_reporter()
@@ -796,6 +823,7 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
         if not args.no_bench:
             rows = launch(bench_fn, args)
             if report:
+                rows = prepare(rows) if prepare else rows
                 table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
                 print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
                       f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "
@@ -804,3 +832,8 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
                     after(rows)
     finally:
         finish_torchrun()
+
+
+def lm_param_tensors(size: str) -> int:
+    """How many parameter tensors the LM has (embeddings, 6 per block, final norm, head)."""
+    return 2 + 6 * MODEL_SIZES[size][2] + 2

@@ -86,5 +86,5 @@ def test_benchmark_row_accounts_for_communication(tmp_path):
     assert p.returncode == 0, p.stderr
     row = json.loads((tmp_path / "02_naive_ddp.json").read_text())["rows"][0]
     assert 0 < row["comm_ms"] < row["step_ms"] and 0 < row["comm_share"] < 1
-    n_params = len(list(load("02_naive_ddp").__dict__["common"].build_lm("nano", 128, "cpu").parameters()))
-    assert row["collectives"] == n_params + 1  # one per parameter, plus the has-gradient flags
+    assert len(list(common.build_lm("nano", 128, "cpu").parameters())) == common.lm_param_tensors("nano")
+    assert row["collectives"] == common.lm_param_tensors("nano") + 1  # one per parameter, plus the has-gradient flags

@@ -52,3 +52,47 @@ if __name__ == "__main__":
     pid_dir = sys.argv[1]
     common.run_main(lambda: common.launch(
         fail_on_rank_1, argparse.Namespace(pid_dir=pid_dir), world_size=2, backend="gloo", device="cpu", timeout=300))
+
+
+def _wrapper(args):
+    mod = common.load_script(os.path.join(common.ROOT, args.script + ".py"))
+    cls = getattr(mod, args.cls)
+    return (lambda m: cls(m, *args.cls_args))
+
+
+def record_event_order(ctx, args):
+    """One training step of the toy model, logging collective launches against backward.
+
+    Returns the event log: 'all_reduce:<numel>' for each collective, 'input_grad' when
+    backward computes the gradient of the input (the last thing it computes), and
+    'backward_returned' after loss.backward() returns.
+    """
+    log = []
+    real = dist.all_reduce
+
+    def logged(t, *a, **k):
+        log.append(f"all_reduce:{t.numel()}")
+        return real(t, *a, **k)
+    dist.all_reduce = logged
+    try:
+        torch.manual_seed(0)
+        model = _wrapper(args)(common.ToyModel(unused=args.unused))
+        x0 = torch.randn(8, 20)
+        y = torch.randint(0, 10, (8,))
+        for step in range(2):
+            x = x0.clone().requires_grad_(True)
+            log.append(f"step:{step}")
+            use_extra = args.uneven and ctx.rank == 0
+            loss = torch.nn.functional.cross_entropy(model(x, use_extra=use_extra), y)
+            x.register_hook(lambda g: log.append("input_grad"))
+            loss.backward()
+            log.append("backward_returned")
+            model.finish_gradient_synchronization()
+            log.append("finished")
+            for p in model.module.parameters():
+                p.grad = None
+    finally:
+        dist.all_reduce = real
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, log)
+    return everyone

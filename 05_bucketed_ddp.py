@@ -1,0 +1,348 @@
+"""Bucketed, overlapped DDP: gradients live in flat per-bucket buffers, and each bucket is
+all-reduced asynchronously as soon as all its gradients are ready during backward.
+
+Buckets trade the two costs of the earlier scripts: fewer calls than per-parameter
+all-reduce (each call has a fixed cost), and communication that still overlaps backward
+(unlike one flat all-reduce after it).
+
+Run:
+    python 05_bucketed_ddp.py --world-size 2 --bucket-mb 10
+    python 05_bucketed_ddp.py                      # sweep 1 10 100 1000 MB against torch DDP
+    torchrun --standalone --nproc-per-node 2 05_bucketed_ddp.py --bucket-mb 1 25
+
+Prints PASS/FAIL per verification case, then a table of step time and exposed
+communication for each bucket size next to torch.nn.parallel.DistributedDataParallel at
+the same bucket_cap_mb (measured interleaved, step by step, on CPU), plus per-parameter
+(04) and flat (03) DDP as the two ends. Then it fits the all-reduce cost t = o + bytes/w
+and prints the bucket size the overhead model predicts beside the measured best.
+Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png.
+"""
+
+import argparse
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import common
+
+
+class DDPBucketed(nn.Module):
+    """Overlapped data parallelism with gradient buckets (like torch DDP with
+    ``gradient_as_bucket_view=True``).
+
+        model = DDPBucketed(MyModel().to(device), bucket_size_mb=25)   # broadcasts rank 0's weights
+        opt = torch.optim.AdamW(model.parameters())
+        loss = loss_fn(model(x_local), y_local)
+        loss.backward()                          # each full bucket is all-reduced during backward
+        model.finish_gradient_synchronization()  # wait; every gradient is now the average
+        opt.step()
+
+    Buckets hold parameters in reverse ``module.parameters()`` order, at most
+    ``bucket_size_mb`` MiB of gradients each (a larger parameter gets a bucket of its own),
+    one dtype and device per bucket; tied parameters appear once and frozen ones not at all.
+    Each parameter's ``.grad`` is a view into its bucket's flat buffer: no second copy of
+    the gradients, no copy back after the all-reduce. ``zero_grad()`` works with
+    ``set_to_none`` True or False (a fresh gradient is moved into its view by the hook).
+
+    Bucket k is launched only after buckets 0..k-1, so all ranks issue the same collectives
+    in the same order. Buckets that never filled (a parameter got no gradient) are reduced
+    in ``finish_gradient_synchronization`` with zeros for the missing parts; one flag per
+    parameter rides at the end of each bucket, so a parameter that no rank gave a gradient
+    keeps ``.grad is None``, as in single-process training. Inside ``no_sync()`` backward
+    only accumulates; the next synchronized backward reduces the sum.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+        super().__init__()
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        self.module = module
+        self.world_size = dist.get_world_size()
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t, src=0)
+        cap = bucket_size_mb * 1024 * 1024
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        groups, open_ = [], {}          # groups: lists of parameters, in bucket order
+        for p in params:
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            g = open_.get(key)
+            if g is None or g[1] + nbytes > cap:
+                g = open_[key] = [[], 0]
+                groups.append(g[0])
+            g[0].append(p)
+            g[1] += nbytes
+        self.buckets = [_Bucket(ps) for ps in groups]
+        self._where = {}                # parameter -> (bucket index, slot)
+        for b, bucket in enumerate(self.buckets):
+            for j, p in enumerate(bucket.params):
+                self._where[p] = (b, j)
+                p.register_post_accumulate_grad_hook(self._make_hook(b, j))
+        self._next = 0                  # the next bucket to launch
+        self._sync = True
+
+    @property
+    def bucket_sizes_mb(self):
+        return [b.nbytes / 2**20 for b in self.buckets]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def on_train_batch_start(self):
+        """Nothing to do: buckets are reset by finish_gradient_synchronization()."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this block accumulates gradients locally and communicates nothing."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _make_hook(self, b, j):
+        bucket = self.buckets[b]
+
+        @torch.no_grad()
+        def hook(p):
+            bucket.attach(j, p)
+            if not self._sync:
+                return
+            if bucket.ready[j]:
+                raise RuntimeError("backward ran twice without finish_gradient_synchronization(); "
+                                   "wrap all but the last micro-batch in no_sync()")
+            bucket.ready[j] = True
+            bucket.remaining -= 1
+            while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
+                self.buckets[self._next].launch(self.world_size)
+                self._next += 1
+        return hook
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self):
+        for bucket in self.buckets[self._next:]:   # never filled: launch, in order
+            bucket.launch(self.world_size, partial=True)
+        for bucket in self.buckets:
+            bucket.finish()
+        self._next = 0
+
+
+class _Bucket:
+    """One flat buffer: the gradients of ``params``, then one has-gradient flag each."""
+
+    def __init__(self, params):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.nbytes = numel * params[0].element_size()
+        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.flags = self.buffer[numel:]
+        self.work = None
+        self.missing = False
+        self._reset()
+
+    def _reset(self):
+        self.ready = [False] * len(self.params)
+        self.remaining = len(self.params)
+
+    def attach(self, j, p):
+        """Make p.grad the bucket's view (a fresh gradient is moved in once)."""
+        view = self.views[j]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def launch(self, world_size, partial=False):
+        self.flags.fill_(1)
+        self.missing = False
+        if partial:
+            for j, p in enumerate(self.params):
+                if p.grad is None:          # no gradient here: send zeros and a zero flag
+                    self.views[j].zero_()
+                    self.flags[j] = 0
+                    self.missing = True
+                elif not self.ready[j]:     # accumulated earlier (no_sync) or kept by zero_grad
+                    self.attach(j, p)
+        if world_size > 1:
+            self.buffer.div_(world_size)    # average by dividing before the sum
+        self.work = dist.all_reduce(self.buffer, async_op=True)
+
+    def finish(self):
+        self.work.wait()
+        self.work = None
+        if self.missing:                    # give the average to those that had none here
+            for j, (p, n) in enumerate(zip(self.params, self.flags.tolist())):
+                if p.grad is None and n > 0:
+                    p.grad = self.views[j]
+        self._reset()
+
+
+# ----------------------------------------------------------------------------------------
+# Verification and benchmark
+# ----------------------------------------------------------------------------------------
+# Bucket caps that split the plain toy model (12,328 bytes of gradients) into 1, 2 and 3
+# buckets, and one below every parameter's size (each parameter alone in a bucket).
+TOY_CAPS = {"1 bucket": 1000.0, "2 buckets": 7000 / 2**20, "3 buckets": 6200 / 2**20, "cap < every parameter": 1e-6}
+
+
+def verify(ctx, args):
+    """Every standard case with buckets that give 1, 2 and several buckets on the toy model,
+    and a bucket smaller than any parameter (each parameter larger than the cap)."""
+    results = {}
+    caps = TOY_CAPS
+    if getattr(args, "bucket_mb", None):
+        caps = {f"{args.bucket_mb[0]:g} MB": args.bucket_mb[0], **caps}
+    for label, cap in caps.items():
+        wrap = lambda m, cap=cap: DDPBucketed(m, cap)  # noqa: E731
+        for name, r in common.verify_cases(ctx, wrap, args, getattr(args, "cases", None)).items():
+            results[f"{name} [{label}]"] = r
+    return results
+
+
+def torch_ddp(ctx, cap_mb):
+    from torch.nn.parallel import DistributedDataParallel
+    ids = [ctx.device] if ctx.device.type == "cuda" else None
+    return lambda m: DistributedDataParallel(m, device_ids=ids, bucket_cap_mb=cap_mb)
+
+
+def benchmark(ctx, args):
+    overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
+    flat = common.load_script(common.ROOT / "03_flat_ddp.py")
+    interleave = ctx.device.type == "cpu"   # on CPU two models fit: measure step by step alternately
+    rows = []
+    for cap in args.bucket_mb:
+        ours = lambda m, cap=cap: DDPBucketed(m, cap)  # noqa: E731
+        got = common.bench_methods(ctx, args, {f"DDPBucketed {cap:g} MB": ours,
+                                               f"torch DDP {cap:g} MB": torch_ddp(ctx, cap)}, interleave)
+        ref = got[1]["step_ms"]
+        for r in got:
+            r.update(bucket_mb=cap, vs_torch_ddp=r["step_ms"] / ref)
+        # torch DDP waits inside backward, and its C++ reducer bypasses the Python collectives
+        got[1].update(comm_ms=None, comm_share=None, collectives=None, n_buckets=None)
+        rows += got
+    for name, wrap in (("per-parameter overlapped (04)", overlap.DDPIndividualParameters),
+                       ("flat after backward (03)", flat.FlatDDP)):
+        rows.append(common.bench_method(ctx, args, name, wrap))
+    fit = fit_allreduce(ctx, args)
+    return rows, fit
+
+
+def fit_allreduce(ctx, args):
+    """Least-squares fit of all-reduce time t = o + bytes / w on this job's ranks and device."""
+    sizes = [2**k for k in (14, 16, 18, 20, 22, 24)]   # 16 KiB .. 16 MiB
+    times = []
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4, device=ctx.device)
+        ts = []
+        for i in range(13):
+            common.sync(ctx.device)
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            common.sync(ctx.device)
+            ts.append(time.perf_counter() - t0)
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, ts[3:])
+        times.append(sorted(max(r[i] for r in everyone) for i in range(10))[5])
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    slope = sum((s - mx) * (t - my) for s, t in zip(sizes, times)) / sum((s - mx) ** 2 for s in sizes)
+    o = max(my - slope * mx, 1e-7)
+    return {"sizes_bytes": sizes, "times_s": times, "o_s": o, "w_Bps": 1 / slope if slope > 0 else float("inf")}
+
+
+def overhead_model(s, w, o, n_b):
+    """Time left after backward: the last bucket's transfer plus one fixed cost per bucket."""
+    return s / (n_b * w) + n_b * o
+
+
+def analyse(rows, fit, args):
+    s = common.lm_param_count(args.model_size, args.context_length) * 4
+    w, o = fit["w_Bps"], fit["o_s"]
+    n_star = math.sqrt(s / (w * o))
+    best = min((r for r in rows if r["method"].startswith("DDPBucketed")), key=lambda r: r["step_ms"])
+    ours = [r for r in rows if r["method"].startswith("DDPBucketed")]
+    theirs = {r["bucket_mb"]: r for r in rows if r["method"].startswith("torch DDP")}
+    return {"s_bytes": s, "w_GBps": w / 1e9, "o_ms": o * 1e3, "n_b_opt": n_star,
+            "bucket_opt_mb": s / n_star / 2**20, "overhead_opt_ms": 2 * math.sqrt(s * o / w) * 1e3,
+            "predicted_overhead_ms": {r["bucket_mb"]: overhead_model(s, w, o, r["n_buckets"]) * 1e3 for r in ours},
+            "measured_best_mb": best["bucket_mb"], "measured_best_step_ms": best["step_ms"],
+            "best_vs_torch_ddp": best["step_ms"] / theirs[best["bucket_mb"]]["step_ms"],
+            "best_ratio_any_cap": min(r["vs_torch_ddp"] for r in ours)}
+
+
+def plot(rows, args):
+    plt = common.pyplot()
+    ours = sorted((r for r in rows if r["method"].startswith("DDPBucketed")), key=lambda r: r["bucket_mb"])
+    theirs = sorted((r for r in rows if r["method"].startswith("torch DDP")), key=lambda r: r["bucket_mb"])
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    x = [r["bucket_mb"] for r in ours]
+    ax.errorbar(x, [r["step_ms"] for r in ours], marker="o", label="DDPBucketed (ours)",
+                yerr=[[r["step_ms"] - r["step_min_ms"] for r in ours], [r["step_max_ms"] - r["step_ms"] for r in ours]],
+                capsize=3)
+    ax.plot([r["bucket_mb"] for r in theirs], [r["step_ms"] for r in theirs], "--", marker="s",
+            label="torch DDP, same bucket_cap_mb")
+    for r, style in zip([r for r in rows if r.get("bucket_mb") is None], (":", "-.")):
+        ax.axhline(r["step_ms"], linestyle=style, color="gray", label=r["method"])
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel("step time (ms, median; bars min-max)")
+    ax.set_title(f"{args.model_size} LM, {args.world_size} x {args.backend}/{args.device}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    common.save_figure(fig, f"{args.out}/05_bucket_sweep.png")
+
+
+HEADERS = ["method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_max_ms", "comm_ms",
+           "vs_torch_ddp", "collectives"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    common.add_verify_args(p)
+    p.add_argument("--bucket-mb", nargs="+", type=float, default=[1, 10, 100, 1000],
+                   help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit)")
+    args = p.parse_args(argv)
+    if any(not b > 0 for b in args.bucket_mb):
+        raise common.UsageError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    args = common.resolve_args(args)
+    state = {}
+
+    def prepare(result):
+        rows, state["fit"] = result
+        state["analysis"] = analyse(rows, state["fit"], args)
+        return rows
+
+    def after(rows):
+        a = state["analysis"]
+        plot(rows, args)
+        print(f"\nOverhead model: overhead(n_b) = s/(n_b*w) + n_b*o, best n_b = sqrt(s/(w*o)), "
+              f"bucket = sqrt(s*w*o)\n  fitted all-reduce cost: o = {a['o_ms']:.3f} ms per call, "
+              f"w = {a['w_GBps']:.3f} GB/s; s = {a['s_bytes'] / 1e6:.1f} MB of gradients\n"
+              f"  predicted best bucket: {a['bucket_opt_mb']:.2f} MiB ({a['n_b_opt']:.1f} buckets), "
+              f"overhead {a['overhead_opt_ms']:.1f} ms\n"
+              f"  measured best bucket (of the sweep): {a['measured_best_mb']:g} MiB, "
+              f"{a['measured_best_step_ms']:.1f} ms/step, {a['best_vs_torch_ddp']:.3f}x torch DDP at that cap")
+        common.save_results(args.out, "05_overhead_model", [
+            {"bucket_mb": b, "predicted_overhead_ms": v,
+             **{k: r[k] for r in rows if r.get("bucket_mb") == b and r["method"].startswith("DDPB")
+                for k in ("n_buckets", "step_ms", "comm_ms")}}
+            for b, v in a["predicted_overhead_ms"].items()], common.lm_settings(args),
+            title="Bucketed DDP: overhead model against measurement", extra={"fit": state["fit"], "analysis": a})
+        print(f"wrote {args.out}/05_bucket_sweep.png and 05_overhead_model.json, .md")
+
+    common.run_script(args, "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size",
+                      verify, benchmark, headers=HEADERS, prepare=prepare, after=after)
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,115 @@
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+from conftest import load, run_script, verification
+from test_04_overlap import event_logs, launches_during_backward
+
+bucketed = load("05_bucketed_ddp")
+CASES = [f"{case} [{cap}]" for cap in bucketed.TOY_CAPS for case in common.VERIFY_CASES]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_bucketed_ddp_matches_single_process(world_size, case):
+    r = verification("05_bucketed_ddp", world_size)[case]
+    assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
+    if world_size == 1 and "accum" not in case and "everything" not in case:
+        assert r["bitwise"]
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cap, expected", [("1 bucket", 1), ("2 buckets", 2), ("3 buckets", 3),
+                                           ("cap < every parameter", 7)])
+def test_bucket_caps_give_the_intended_bucket_counts(one_rank, cap, expected):
+    model = common.ToyModel()
+    ddp = bucketed.DDPBucketed(model, bucketed.TOY_CAPS[cap])
+    assert len(ddp.buckets) == expected
+    order = [p for b in ddp.buckets for p in b.params]
+    assert order == list(model.parameters())[::-1]       # reverse parameters() order
+    cap_bytes = bucketed.TOY_CAPS[cap] * 2**20
+    for b in ddp.buckets:
+        assert b.nbytes <= cap_bytes or len(b.params) == 1  # only a lone oversized parameter exceeds it
+
+
+def test_buckets_split_by_dtype_skip_frozen_and_hold_tied_once(one_rank):
+    model = common.ToyModel(tied=True, frozen=True, mixed=True)
+    ddp = bucketed.DDPBucketed(model, 1000)
+    params = [p for b in ddp.buckets for p in b.params]
+    assert len(params) == len({id(p) for p in params})            # the tied weight once
+    assert all(p is not model.fc1.bias for p in params)             # frozen: left out
+    assert [b.buffer.dtype for b in ddp.buckets].count(torch.float64) == 1 and len(ddp.buckets) == 2
+    for b in ddp.buckets:
+        assert all(p.dtype == b.buffer.dtype for p in b.params)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_are_views_into_bucket_storage(one_rank, set_to_none):
+    torch.manual_seed(0)
+    model = common.ToyModel()
+    ddp = bucketed.DDPBucketed(model, bucketed.TOY_CAPS["2 buckets"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        torch.nn.functional.cross_entropy(ddp(torch.randn(4, 20)), torch.randint(0, 10, (4,))).backward()
+        ddp.finish_gradient_synchronization()
+        for b in ddp.buckets:
+            for p, view in zip(b.params, b.views):
+                assert p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+                assert p.grad.data_ptr() == view.data_ptr()
+        opt.step()
+
+
+def test_bad_bucket_size(one_rank):
+    with pytest.raises(ValueError, match="positive"):
+        bucketed.DDPBucketed(common.ToyModel(), 0)
+    p = run_script("05_bucketed_ddp.py", "--bucket-mb", "10", "-1", timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--bucket-mb" in p.stderr
+
+
+def test_backward_twice_without_finish_is_refused(one_rank):
+    ddp = bucketed.DDPBucketed(common.ToyModel(), 1000)
+    x = torch.randn(4, 20)
+    ddp(x).sum().backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        ddp(x).sum().backward()
+
+
+def test_overlap_is_real_first_bucket_starts_before_backward_ends():
+    for log in event_logs("05_bucketed_ddp", "DDPBucketed", (bucketed.TOY_CAPS["3 buckets"],)):
+        assert all(c >= 1 for c in launches_during_backward(log)), log
+
+
+def test_launch_order_is_identical_on_all_ranks_even_when_one_rank_lacks_a_gradient():
+    logs = event_logs("05_bucketed_ddp", "DDPBucketed", (bucketed.TOY_CAPS["cap < every parameter"],),
+                      world_size=4, unused=True, uneven=True)
+    calls = [[e for e in log if e.startswith("all_reduce")] for log in logs]
+    n_params = len(list(common.ToyModel(unused=True).parameters()))
+    assert all(c == calls[0] for c in calls) and len(calls[0]) == 2 * n_params  # a bucket each, 2 steps
+
+
+def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
+    p = run_script("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "0.1", "10",
+                   "--steps", "2", "--warmup", "1", "--verify-steps", "2", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "PASS" in p.stdout and "predicted best bucket" in p.stdout
+    rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
+    ours = {r["bucket_mb"]: r for r in rows if r["method"].startswith("DDPBucketed")}
+    torch_rows = {r["bucket_mb"]: r for r in rows if r["method"].startswith("torch DDP")}
+    assert set(ours) == set(torch_rows) == {0.1, 10}
+    assert ours[10]["n_buckets"] == 1 and ours[0.1]["n_buckets"] > 1
+    assert ours[10]["collectives"] == 1 and ours[0.1]["collectives"] == ours[0.1]["n_buckets"]
+    for b in (0.1, 10):
+        assert ours[b]["vs_torch_ddp"] == pytest.approx(ours[b]["step_ms"] / torch_rows[b]["step_ms"])
+    model = json.loads((tmp_path / "05_overhead_model.json").read_text())
+    assert model["analysis"]["bucket_opt_mb"] > 0 and model["fit"]["o_s"] > 0
+    assert (tmp_path / "05_bucket_sweep.png").read_bytes()[:4] == b"\x89PNG"
