@@ -149,28 +149,25 @@ def main(argv=None):
     for note in notes if report else []:
         print(note)
     rows, failed = [], []
-    try:
-        for backend, device, ws in jobs:
-            if report:
-                print(f"{backend}+{device}, {ws} ranks ...", flush=True)
-            try:
-                got = common.launch(allreduce_worker, args, world_size=ws, backend=backend, device=device)
-            except common.LaunchError as e:
-                failed.append(f"{backend}+{device} at {ws} ranks failed: {str(e).splitlines()[0]}")
-                print(failed[-1])
-                continue
-            if not report:
-                continue
-            rows += got
-            for r in got:
-                print(f"  {r['size_mb']:>7g} MB  {r['time_ms']:9.2f} ms  busbw {r['busbw_GBps']:6.2f} GB/s"
-                      f"{'  (time box: ' + str(r['iters']) + ' iters)' if r['time_boxed'] else ''}")
-            settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
-            table = common.save_results(args.out, args.name, rows, settings, headers=HEADERS,
-                                        title="All-reduce benchmark", note="\n".join(notes + failed))
-            plot(rows, args.out, args.name)
-    finally:
-        common.finish_torchrun()
+    for backend, device, ws in jobs:
+        if report:
+            print(f"{backend}+{device}, {ws} ranks ...", flush=True)
+        try:
+            got = common.launch(allreduce_worker, args, world_size=ws, backend=backend, device=device)
+        except common.LaunchError as e:
+            failed.append(f"{backend}+{device} at {ws} ranks failed: {str(e).splitlines()[0]}")
+            print(failed[-1])
+            continue
+        if not report:
+            continue
+        rows += got
+        for r in got:
+            print(f"  {r['size_mb']:>7g} MB  {r['time_ms']:9.2f} ms  busbw {r['busbw_GBps']:6.2f} GB/s"
+                  f"{'  (time box: ' + str(r['iters']) + ' iters)' if r['time_boxed'] else ''}")
+        settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
+        table = common.save_results(args.out, args.name, rows, settings, headers=HEADERS,
+                                    title="All-reduce benchmark", note="\n".join(notes + failed))
+        plot(rows, args.out, args.name)
     if report and rows:
         print(f"\n{table}\nwrote {args.out}/{args.name}.json, .md, _time.png, _busbw.png")
     if failed:

@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all test setup clean-results 01 02 03 04 05
+.PHONY: all test setup clean-results 01 02 03 04 05 06
 
-all: 01 02 03 04 05
+all: 01 02 03 04 05 06
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +37,6 @@ clean-results:
 
 05: $(STAMP)
 	$(PY) 05_bucketed_ddp.py
+
+06: $(STAMP)
+	$(PY) 06_sharded_optimizer.py

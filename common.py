@@ -62,6 +62,8 @@ def run_main(main_fn):
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        finish_torchrun()
 
 
 # ----------------------------------------------------------------------------------------
@@ -208,14 +210,6 @@ def _threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _run_worker(ctx: Ctx, fn, args):
-    try:
-        return fn(ctx, args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _spawn_entry(rank, script, fn_name, args, world_size, port, backend, device, timeout, result_path, parent_pid):
     _watch_parent(parent_pid)
     torch.set_num_threads(_threads_per_rank(world_size))
@@ -225,8 +219,13 @@ def _spawn_entry(rank, script, fn_name, args, world_size, port, backend, device,
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
-    fn = getattr(load_script(script), fn_name)
-    result = _run_worker(ctx, fn, args)
+    try:
+        result = getattr(load_script(script), fn_name)(ctx, args)
+    except BaseException:  # leave the time and traceback for launch() to find the first failure
+        with open(f"{result_path}.rank{rank}.err", "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+    dist.destroy_process_group()
     if rank == 0:
         with open(result_path, "wb") as f:
             pickle.dump(result, f)
@@ -249,9 +248,8 @@ def launch(worker, args, *, world_size=None, backend=None, device=None, timeout=
             torch.cuda.set_device(ctx.device)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-        result = worker(ctx, args)
-        # under torchrun the group lives on for the script's next launch; main() ends it
-        return result
+        # under torchrun the group lives on for the script's next launch; run_main() ends it
+        return worker(ctx, args)
     script = Path(sys.modules[worker.__module__].__file__).resolve()
     # The parent holds the rendezvous store on a port the OS picked: no race for a free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -267,10 +265,12 @@ def launch(worker, args, *, world_size=None, backend=None, device=None, timeout=
             while not ctx.join(grace_period=2):
                 pass
         except mp.ProcessRaisedException as e:
-            raise LaunchError(f"rank {e.error_index} failed:\n{e}") from None
+            raise LaunchError(_first_failure(result_path, world_size, e.error_index)) from None
         except mp.ProcessExitedException as e:
-            raise LaunchError(f"rank {e.error_index} exited with code {e.exit_code} "
-                              f"({'signal ' + str(-e.exit_code) if e.exit_code < 0 else 'no Python error'})") from None
+            how = f"signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
+            others = _first_failure(result_path, world_size, None)
+            raise LaunchError(f"rank {e.error_index} died ({how}) without a Python error"
+                              + (f"; before that, {others}" if others else "")) from None
         except BaseException:
             for p in ctx.processes:
                 if p.is_alive():
@@ -281,8 +281,27 @@ def launch(worker, args, *, world_size=None, backend=None, device=None, timeout=
         with open(result_path, "rb") as f:
             return pickle.load(f) if os.path.getsize(result_path) else None
     finally:
-        os.unlink(result_path)
+        for f in [result_path] + [f"{result_path}.rank{r}.err" for r in range(world_size)]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f)
         del store
+
+
+def _first_failure(result_path, world_size, fallback_rank):
+    """The rank that failed first (by the time each failing rank wrote down), with its
+    traceback; the others usually failed only because it went away."""
+    errors = []
+    for r in range(world_size):
+        with contextlib.suppress(FileNotFoundError):
+            when, tb = Path(f"{result_path}.rank{r}.err").read_text().split("\n", 1)
+            errors.append((float(when), r, tb))
+    if not errors:
+        return f"rank {fallback_rank} failed" if fallback_rank is not None else ""
+    errors.sort()
+    _, rank, tb = errors[0]
+    also = [r for _, r, _ in errors[1:]]
+    return (f"rank {rank} failed" + (f" (then rank(s) {', '.join(map(str, also))} as a consequence)" if also else "")
+            + f":\n{tb}")
 
 
 def finish_torchrun():
@@ -695,8 +714,9 @@ def verify_cases(ctx: Ctx, wrap, args, cases=None) -> dict:
 
 def report_verification(results: dict, label: str) -> bool:
     ok = all(r["ok"] for r in results.values())
+    width = max(map(len, results))
     for name, r in results.items():
-        print(f"  {'PASS' if r['ok'] else 'FAIL'}  {name:<18} max |diff| {r['max_diff']:.2e}"
+        print(f"  {'PASS' if r['ok'] else 'FAIL'}  {name:<{width}}  max |diff| {r['max_diff']:.2e}"
               f"{'  (bitwise equal)' if r['bitwise'] else ''}")
     print(f"verify {label}: {'PASS' if ok else 'FAIL'}")
     return ok
@@ -756,7 +776,8 @@ def lm_trainer(ctx: Ctx, args, wrap=None, optimizer=None):
 
 
 def bench_methods(ctx: Ctx, args, wraps: dict, interleave=False, optimizer=None) -> list:
-    """Time methods {name: wrap} on the LM, one table row each (plus the raw stats).
+    """Time methods {name: wrap or (wrap, optimizer)} on the LM, one table row each (plus the
+    raw stats). ``optimizer(params)`` builds the optimizer (default AdamW, lr 1e-4).
 
     ``interleave`` builds them all at once and alternates their steps (fair side-by-side
     numbers, at the cost of holding every model in memory); otherwise one after another.
@@ -764,7 +785,8 @@ def bench_methods(ctx: Ctx, args, wraps: dict, interleave=False, optimizer=None)
     if not interleave:
         return [row for name, wrap in wraps.items()
                 for row in bench_methods(ctx, args, {name: wrap}, True, optimizer)]
-    trainers = {name: lm_trainer(ctx, args, wrap, optimizer) for name, wrap in wraps.items()}
+    trainers = {name: lm_trainer(ctx, args, *(w if isinstance(w, tuple) else (w, optimizer)))
+                for name, w in wraps.items()}
     rows = []
     calls = {}
     for name, (model, step_fn) in trainers.items():
@@ -815,23 +837,26 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
     ``after(rows)`` may add plots or analysis once the table is written.
     """
     report = is_reporter()
-    try:
-        if not args.no_verify:
-            res = launch(verify_fn, args)
-            if report and not report_verification(res, f"{name} at {args.world_size} rank(s)"):
-                raise LaunchError("verification failed: the weights differ from single-process training")
-        if not args.no_bench:
-            rows = launch(bench_fn, args)
-            if report:
-                rows = prepare(rows) if prepare else rows
-                table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
-                print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
-                      f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "
-                      f"of {args.steps} steps)\n{table}\nwrote {args.out}/{name}.json and .md")
-                if after:
-                    after(rows)
-    finally:
-        finish_torchrun()
+    if not args.no_verify:
+        res = launch(verify_fn, args)  # the same gathered result on every rank
+        ok = report_verification(res, f"{name} at {args.world_size} rank(s)") if report else \
+            all(r["ok"] for r in res.values())
+        if not ok:
+            raise LaunchError("verification failed: the weights differ from single-process training")
+    if not args.no_bench:
+        rows = launch(bench_fn, args)
+        if report:
+            rows = prepare(rows) if prepare else rows
+            table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
+            print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
+                  f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "
+                  f"of {args.steps} steps)\n{table}\nwrote {args.out}/{name}.json and .md")
+            if after:
+                after(rows)
+
+
+def load_json(out_dir, name) -> dict:
+    return json.loads((Path(out_dir) / f"{name}.json").read_text())
 
 
 def lm_param_tensors(size: str) -> int:

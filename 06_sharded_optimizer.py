@@ -1,0 +1,352 @@
+"""Optimizer-state sharding: each rank keeps optimizer state (AdamW's two moments, say) for
+about 1/world_size of the parameters, updates only those, and then sends every rank the
+updated parameters from their owners.
+
+AdamW's state is twice the size of the weights and, in plain data parallelism, copied on
+every rank; sharding it is the first step of ZeRO.
+
+Run:
+    python 06_sharded_optimizer.py                 # verify, then memory and timing on the LM
+    python 06_sharded_optimizer.py --world-size 4 --model-size micro
+    torchrun --standalone --nproc-per-node 2 06_sharded_optimizer.py
+
+Prints PASS/FAIL per verification case; then peak memory at three points (after model
+init, before the optimizer step, after it) broken into parameters, gradients, optimizer
+state and other, with and without sharding; then time per iteration for plain AdamW,
+ShardedOptimizer(AdamW) and torch's ZeroRedundancyOptimizer(AdamW), measured side by side.
+Writes results/06_sharded_memory.{json,md} and results/06_sharded_optimizer.{json,md}.
+"""
+
+import argparse
+import contextlib
+import copy
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import common
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps any torch.optim.Optimizer so that each rank holds state for its own parameters.
+
+        model = NaiveDDP(MyModel().to(device))          # any DDP wrapper: gradients averaged
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        loss_fn(model(x_local), y_local).backward()
+        model.finish_gradient_synchronization()
+        opt.step()                                       # update own shard, then broadcast it
+        opt.zero_grad()                                  # clears every parameter's gradient
+
+    Each parameter is owned by one rank, chosen greedily by size (largest first, to the
+    least-loaded rank) so bytes balance; the choice is deterministic, so all ranks agree.
+    ``add_param_group`` works during construction and later (unfreezing layers), and the
+    group's hyperparameters reach the inner optimizer; so do changes to
+    ``param_groups[i]["lr"]`` (learning-rate schedulers). A rank may own nothing.
+    ``step`` broadcasts, per owner, one flat buffer per dtype and device.
+
+    ``state_dict()`` is **per rank**: it holds this rank's shard of the state (plus the
+    hyperparameters and the ownership map). Save one file per rank and load each rank's own
+    file back with ``load_state_dict`` into an optimizer built the same way.
+    """
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._optimizer_cls = optimizer_cls
+        self._kwargs = kwargs
+        self.optim = None                            # the inner optimizer, over owned params only
+        self._owner = {}                             # parameter -> owning rank
+        self._load = [0] * self.world_size           # bytes owned by each rank
+        self._owned = [[] for _ in range(self.world_size)]
+        super().__init__(params, defaults=kwargs)    # calls add_param_group for each group
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        # greedy by size, ties broken by position: the same answer on every rank
+        order = sorted(range(len(group["params"])), key=lambda i: -group["params"][i].numel())
+        for i in order:
+            p = group["params"][i]
+            r = min(range(self.world_size), key=lambda k: (self._load[k], k))
+            self._owner[p] = r
+            self._load[r] += p.numel() * p.element_size()
+            self._owned[r].append(p)
+        mine = {**{k: v for k, v in group.items() if k != "params"},
+                "params": [p for p in group["params"] if self._owner[p] == self.rank]}
+        if self.optim is None:
+            self.optim = self._optimizer_cls([mine], **self._kwargs)
+        else:
+            self.optim.add_param_group(mine)
+        for k, v in self.optim.param_groups[-1].items():  # the inner optimizer's defaults, visible here
+            group.setdefault(k, v)
+
+    @torch.no_grad()
+    def step(self, closure=None, **kwargs):
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+        loss = self.optim.step(closure, **kwargs)
+        for owner, params in enumerate(self._owned):
+            groups = {}
+            for p in params:
+                groups.setdefault((p.dtype, p.device), []).append(p)
+            for ps in groups.values():
+                if len(ps) == 1:
+                    dist.broadcast(ps[0], src=owner)
+                    continue
+                flat = _flatten_dense_tensors(ps) if owner == self.rank else \
+                    torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+                dist.broadcast(flat, src=owner)
+                if owner != self.rank:
+                    for p, new in zip(ps, _unflatten_dense_tensors(flat, ps)):
+                        p.copy_(new)
+        return loss
+
+    def state_dict(self):
+        return {"inner": self.optim.state_dict(), "rank": self.rank, "world_size": self.world_size,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict):
+        if (state_dict["rank"], state_dict["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"this state is rank {state_dict['rank']} of {state_dict['world_size']}; "
+                             f"load each rank's own file (here rank {self.rank} of {self.world_size})")
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update(saved)
+        self.optim.load_state_dict(state_dict["inner"])
+
+    def owned_params(self, rank=None):
+        return list(self._owned[self.rank if rank is None else rank])
+
+
+# ----------------------------------------------------------------------------------------
+# Verification: DDP + ShardedOptimizer against one process with the plain optimizer
+# ----------------------------------------------------------------------------------------
+CASES = {
+    "adamw": {"opt": "adamw"},
+    "sgd_momentum": {"opt": "sgd"},
+    "tied": {"opt": "adamw", "tied": True},
+    "param_groups": {"opt": "adamw", "groups": True},
+    "add_param_group_mid_training": {"opt": "adamw", "late_head": True},
+    "rank_owns_nothing": {"opt": "adamw", "tiny": True},
+    "state_dict_round_trip": {"opt": "adamw", "checkpoint": True},
+    "lr_schedule": {"opt": "sgd", "schedule": True},
+}
+
+
+def _opt_cls(kind):
+    if kind == "adamw":
+        return torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}
+    return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+
+
+def _build(case, sharded):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 10)) if case.get("tiny") else common.ToyModel(tied=case.get("tied", False))
+    cls, kw = _opt_cls(case["opt"])
+    head = list(model.parameters())[-2:]
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    if case.get("groups"):
+        params = [{"params": body}, {"params": head, "lr": kw["lr"] * 3, "weight_decay": 0.0}]
+    elif case.get("late_head"):
+        params = body
+    else:
+        params = list(model.parameters())
+    opt = ShardedOptimizer(params, cls, **kw) if sharded else cls(params, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if case.get("schedule") else None
+    return model, opt, sched, head
+
+
+def _train(ctx, case, steps, batches, sharded, start=0, state=None):
+    """Train from `start` to `steps`; with sharded=True on this rank's shard through NaiveDDP.
+    ``state`` = (model state_dict, optimizer state_dict) to resume from."""
+    naive = common.load_script(common.ROOT / "02_naive_ddp.py")
+    model, opt, sched, head = _build(case, sharded)
+    if state is not None:
+        model.load_state_dict(state[0])
+        opt.load_state_dict(state[1])
+    ddp = naive.NaiveDDP(model) if sharded else model
+    for step in range(start, steps):
+        if case.get("late_head") and step == 5:
+            opt.add_param_group({"params": head, "lr": 2e-3})   # "unfreeze" the head mid-training
+        x, y = batches[step]
+        if sharded:
+            x, y = common.shard(x, ctx), common.shard(y, ctx)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        if sharded:
+            ddp.finish_gradient_synchronization()
+        opt.step()
+        if sched:
+            sched.step()
+    return model, opt
+
+
+def verify_case(ctx, case, steps=10):
+    batches = common.toy_batches(steps, 8 * ctx.world_size, seed=0)
+    ref, _ = _train(ctx, case, steps, batches, sharded=False)
+    if case.get("checkpoint"):   # stop halfway, save, rebuild everything, load, go on
+        model, opt = _train(ctx, case, steps // 2, batches, sharded=True)
+        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        model, opt = _train(ctx, case, steps, batches, sharded=True, start=steps // 2, state=saved)
+    else:
+        model, opt = _train(ctx, case, steps, batches, sharded=True)
+    owned = len(opt.owned_params())
+    opt.zero_grad()
+    stale = [p for p in model.parameters() if p.grad is not None]   # every gradient, not only owned
+    local = {"ok": common.params_close(model, ref), "max_diff": common.max_param_diff(model, ref),
+             "bitwise": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())),
+             "owned": owned, "stale_grads": len(stale)}
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, local)
+    return {"ok": all(r["ok"] and r["stale_grads"] == 0 for r in everyone),
+            "max_diff": max(r["max_diff"] for r in everyone), "bitwise": all(r["bitwise"] for r in everyone),
+            "owned": [r["owned"] for r in everyone], "stale_grads": sum(r["stale_grads"] for r in everyone)}
+
+
+def verify(ctx, args):
+    names = getattr(args, "cases", None) or list(CASES)
+    return {n: verify_case(ctx, CASES[n]) for n in names}
+
+
+# ----------------------------------------------------------------------------------------
+# Memory accounting and timing on the LM
+# ----------------------------------------------------------------------------------------
+def _tensor_bytes(tensors):
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def _optimizer_state(opt):
+    if opt is None:
+        return []
+    inner = getattr(opt, "optim", opt)   # ShardedOptimizer (and torch's ZeRO) keep the shard inside
+    return [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def _rss_peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_now_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_snapshot(ctx, point, model, opt):
+    params = list(model.parameters())
+    row = {"point": point, "params_MB": _tensor_bytes(params) / 2**20,
+           # gradients: the bucket buffers they live in (allocated at wrap time), and any others
+           "grads_MB": _tensor_bytes([b.buffer for b in getattr(model, "buckets", ())] +
+                                     [p.grad for p in params if p.grad is not None]) / 2**20,
+           "opt_state_MB": _tensor_bytes(_optimizer_state(opt)) / 2**20}
+    tracked = row["params_MB"] + row["grads_MB"] + row["opt_state_MB"]
+    if ctx.device.type == "cuda":
+        row["peak_MB"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+        row["other_MB"] = torch.cuda.memory_allocated(ctx.device) / 2**20 - tracked
+    else:
+        row["peak_MB"] = _rss_peak_mb()
+        row["other_MB"] = _rss_now_mb() - tracked
+    return row
+
+
+def memory_worker(ctx, args):
+    """Peak memory at three points of one training step, per rank, for one optimizer kind."""
+    bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+    kind = args.mem_kind
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    rows = []
+    model = bucketed.DDPBucketed(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), 25)
+    rows.append(memory_snapshot(ctx, "after model init", model, None))
+    opt = make_optimizer(kind)(list(model.parameters()))
+    x, y = (common.shard(t, ctx) for t in common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    for step in range(2):  # the second step has optimizer state already, as in steady training
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        model.finish_gradient_synchronization()
+        if step == 1:
+            rows.append(memory_snapshot(ctx, "before optimizer step", model, opt))
+        opt.step()
+    rows.append(memory_snapshot(ctx, "after optimizer step", model, opt))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, rows)
+    return [{"optimizer": kind, "rank": r, **row} for r, rs in enumerate(everyone) for row in rs]
+
+
+def make_optimizer(kind):
+    def build(params):
+        if kind == "sharded":
+            return ShardedOptimizer(params, torch.optim.AdamW, lr=1e-4)
+        if kind == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4)
+        return torch.optim.AdamW(params, lr=1e-4)
+    return build
+
+
+NAMES = {"plain": "AdamW (unsharded)", "sharded": "ShardedOptimizer(AdamW)", "zero": "ZeroRedundancyOptimizer(AdamW)"}
+
+
+def benchmark(ctx, args):
+    bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+    wrap = lambda m: bucketed.DDPBucketed(m, 25)  # noqa: E731
+    rows = common.bench_methods(ctx, args, {NAMES[k]: (wrap, make_optimizer(k)) for k in NAMES},
+                                interleave=ctx.device.type == "cpu")
+    base = rows[0]["step_ms"]
+    for r in rows:
+        r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
+        r["vs_unsharded"] = r["step_ms"] / base
+    return rows
+
+
+HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "optim_ms", "vs_unsharded", "collectives"]
+MEM_HEADERS = ["optimizer", "rank", "point", "params_MB", "grads_MB", "opt_state_MB", "other_MB", "peak_MB"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    common.add_verify_args(p)
+    args = common.resolve_args(p.parse_args(argv))
+    common.run_script(args, "06_sharded_optimizer", "Sharded optimizer: time per iteration (DDPBucketed 25 MB)",
+                      verify, benchmark, headers=HEADERS)
+    if args.no_bench:
+        return
+    mem = []
+    for kind in ("plain", "sharded"):   # one job each, so each process's peak RSS is its own
+        args.mem_kind = kind
+        mem += common.launch(memory_worker, args)
+    if common.is_reporter():
+        report_memory(args, mem)
+
+
+def report_memory(args, mem):
+    def state(kind):
+        return max(r["opt_state_MB"] for r in mem if r["optimizer"] == kind and r["point"] == "after optimizer step")
+    timing = common.load_json(args.out, "06_sharded_optimizer")["rows"]
+    summary = {"opt_state_ratio": state("sharded") / state("plain"), "opt_state_bar": 1 / args.world_size + 0.05,
+               "time_ratio_vs_unsharded": timing[1]["vs_unsharded"],
+               "time_ratio_vs_zero": timing[1]["step_ms"] / timing[2]["step_ms"]}
+    table = common.save_results(args.out, "06_sharded_memory", mem, common.lm_settings(args),
+                                headers=MEM_HEADERS, title="Sharded optimizer: memory per rank (MiB)",
+                                extra={"summary": summary})
+    print(f"\nMemory per rank (MiB; peak = {'max_memory_allocated' if args.device == 'cuda' else 'peak RSS'})\n"
+          f"{table}\noptimizer state per rank, sharded / unsharded: {summary['opt_state_ratio']:.3f} "
+          f"(bar: <= {summary['opt_state_bar']:.3f})\nstep time, sharded / unsharded: "
+          f"{summary['time_ratio_vs_unsharded']:.3f}; sharded / ZeroRedundancyOptimizer: "
+          f"{summary['time_ratio_vs_zero']:.3f}\nwrote {args.out}/06_sharded_memory.json and .md")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

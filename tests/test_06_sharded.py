@@ -1,0 +1,82 @@
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import load, run_script, verification
+
+sharded = load("06_sharded_optimizer")
+CASES = list(sharded.CASES)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_optimizer_matches_unsharded_training(world_size, case):
+    r = verification("06_sharded_optimizer", world_size)[case]
+    assert r["stale_grads"] == 0, "zero_grad() left gradients on parameters another rank owns"
+    assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
+    if world_size == 1:
+        assert r["bitwise"]
+    model, *_ = sharded._build(sharded.CASES[case], sharded=False)
+    assert sum(r["owned"]) == len(list(model.parameters()))   # every parameter owned exactly once
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_rank_that_owns_nothing_still_steps(world_size):
+    r = verification("06_sharded_optimizer", world_size)["rank_owns_nothing"]
+    assert r["ok"] and 0 in r["owned"] and sum(r["owned"]) == 2
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_is_a_real_optimizer_with_full_hyperparameters(one_rank):
+    model = torch.nn.Linear(3, 2)
+    opt = sharded.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups[0]["lr"] == 0.01 and "betas" in opt.param_groups[0]  # inner defaults visible
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.01)    # copied at the next step
+    opt.step()
+    assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.001)
+
+
+def test_greedy_assignment_balances_bytes(monkeypatch):
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 7, 5, 4, 3, 1)]
+    opt = sharded.ShardedOptimizer(params, torch.optim.SGD, lr=0.1)
+    loads = [sum(p.numel() for p in opt.owned_params(r)) for r in (0, 1)]
+    assert sorted(loads) == [15, 15]
+
+
+def test_state_dict_belongs_to_one_rank(one_rank):
+    model = torch.nn.Linear(3, 2)
+    opt = sharded.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    state = opt.state_dict()
+    state["rank"] = 1
+    with pytest.raises(ValueError, match="own file"):
+        opt.load_state_dict(state)
+
+
+def test_script_writes_memory_and_timing(tmp_path):
+    p = run_script("06_sharded_optimizer.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
+                   "--warmup", "1", "--no-verify", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "06_sharded_optimizer.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == list(sharded.NAMES.values())
+    mem = json.loads((tmp_path / "06_sharded_memory.json").read_text())
+    after = {(r["optimizer"], r["rank"]): r for r in mem["rows"] if r["point"] == "after optimizer step"}
+    for rank in (0, 1):  # AdamW keeps 2 floats per parameter; sharded about half of that per rank
+        plain, shard = after[("plain", rank)], after[("sharded", rank)]
+        assert plain["opt_state_MB"] == pytest.approx(2 * plain["params_MB"], rel=0.01)
+        assert shard["opt_state_MB"] < 0.6 * plain["opt_state_MB"]
+    assert mem["summary"]["opt_state_ratio"] <= mem["summary"]["opt_state_bar"]
