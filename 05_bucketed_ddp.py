@@ -110,12 +110,13 @@ class DDPBucketed(nn.Module):
 
         @torch.no_grad()
         def hook(p):
-            bucket.attach(j, p)
             if not self._sync:
+                bucket.attach(j, p, 1)      # accumulate in the bucket, unscaled
                 return
             if bucket.ready[j]:
                 raise RuntimeError("backward ran twice without finish_gradient_synchronization(); "
                                    "wrap all but the last micro-batch in no_sync()")
+            bucket.attach(j, p, self.world_size)   # move in and divide in one pass
             bucket.ready[j] = True
             bucket.remaining -= 1
             while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
@@ -153,12 +154,18 @@ class _Bucket:
         self.ready = [False] * len(self.params)
         self.remaining = len(self.params)
 
-    def attach(self, j, p):
-        """Make p.grad the bucket's view (a fresh gradient is moved in once)."""
+    def attach(self, j, p, divisor):
+        """Make p.grad the bucket's view, divided by ``divisor`` (averaging by dividing
+        before the sum); a fresh gradient is moved in, in the same pass."""
         view = self.views[j]
         if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+            if divisor == 1:
+                view.copy_(p.grad)
+            else:
+                torch.div(p.grad, divisor, out=view)
             p.grad = view
+        elif divisor != 1:
+            view.div_(divisor)
 
     def launch(self, world_size, partial=False):
         self.flags.fill_(1)
@@ -170,9 +177,7 @@ class _Bucket:
                     self.flags[j] = 0
                     self.missing = True
                 elif not self.ready[j]:     # accumulated earlier (no_sync) or kept by zero_grad
-                    self.attach(j, p)
-        if world_size > 1:
-            self.buffer.div_(world_size)    # average by dividing before the sum
+                    self.attach(j, p, world_size)
         self.work = dist.all_reduce(self.buffer, async_op=True)
 
     def finish(self):
@@ -307,7 +312,7 @@ HEADERS = ["method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_m
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
+    common.add_common_args(p, default_steps=20)  # close ratios need more steps
     common.add_verify_args(p)
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[1, 10, 100, 1000],
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit)")

@@ -340,8 +340,8 @@ class StepClock:
 def measure(ctx: Ctx, step_fns: dict, warmup: int, steps: int) -> dict:
     """Run each ``step_fn(i) -> {phase: seconds}`` warmup+steps times and summarize.
 
-    With several methods the steps alternate (a, b, a, b, ...), so slow drift of a shared
-    machine hits all of them alike. Per step, each phase's time is the slowest rank's
+    With several methods the steps alternate (a b, b a, a b, ...), so slow drift of a shared
+    machine hits all of them alike and none always runs first. Per step, each phase's time is the slowest rank's
     (gathered with all_gather_object). Returns {method: {phase: {"median", "min", "max",
     "all"}}} in seconds, identical on every rank.
     """
@@ -349,9 +349,10 @@ def measure(ctx: Ctx, step_fns: dict, warmup: int, steps: int) -> dict:
         for fn in step_fns.values():
             fn(i)
     local = {name: [] for name in step_fns}
+    names = list(step_fns)
     for i in range(steps):
-        for name, fn in step_fns.items():
-            local[name].append(fn(warmup + i))
+        for name in (names if i % 2 == 0 else names[::-1]):  # a b, b a, ...: no method always goes first
+            local[name].append(step_fns[name](warmup + i))
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, local)
     out = {}
@@ -552,7 +553,7 @@ def machine_info(device=None) -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
-    info["device"] = info.get("gpu") if device == "cuda" else info["cpu"]
+    info["device"] = info.get("gpu") if device == "cuda" else f"{info['cpu']} ({info['cpus']} cores)"
     return info
 
 
