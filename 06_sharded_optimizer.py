@@ -91,20 +91,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
         loss = self.optim.step(closure, **kwargs)
+        # Every owner's updated parameters, one flat buffer per dtype and device, all in
+        # flight at once; each is copied out as soon as its broadcast lands.
+        pending = []
         for owner, params in enumerate(self._owned):
             groups = {}
             for p in params:
                 groups.setdefault((p.dtype, p.device), []).append(p)
             for ps in groups.values():
                 if len(ps) == 1:
-                    dist.broadcast(ps[0], src=owner)
-                    continue
-                flat = _flatten_dense_tensors(ps) if owner == self.rank else \
-                    torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-                dist.broadcast(flat, src=owner)
-                if owner != self.rank:
-                    for p, new in zip(ps, _unflatten_dense_tensors(flat, ps)):
-                        p.copy_(new)
+                    flat = ps[0].data
+                elif owner == self.rank:
+                    flat = _flatten_dense_tensors(ps)
+                else:
+                    flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+                pending.append((dist.broadcast(flat, src=owner, async_op=True), owner, ps, flat))
+        for work, owner, ps, flat in pending:
+            work.wait()
+            if owner != self.rank and len(ps) > 1:
+                torch._foreach_copy_(ps, _unflatten_dense_tensors(flat, ps))
         return loss
 
     def state_dict(self):
