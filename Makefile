@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all test setup clean-results 01 02 03 04 05 06
+.PHONY: all test setup clean-results 01 02 03 04 05 06 07
 
-all: 01 02 03 04 05 06
+all: 01 02 03 04 05 06 07
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,6 @@ clean-results:
 
 06: $(STAMP)
 	$(PY) 06_sharded_optimizer.py
+
+07: $(STAMP)
+	$(PY) 07_fsdp.py

@@ -730,15 +730,16 @@ def report_verification(results: dict, label: str) -> bool:
 def count_collectives():
     """Count torch.distributed collective calls made inside the block (on this rank)."""
     counts = {"n": 0}
-    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
-    saved = {n: getattr(dist, n) for n in names}
+    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "all_gather_single", "reduce_scatter_single")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
     def wrap(fn):
         def inner(*a, **k):
             counts["n"] += 1
             return fn(*a, **k)
         return inner
-    for n in names:
+    for n in saved:
         setattr(dist, n, wrap(saved[n]))
     try:
         yield counts
@@ -773,6 +774,7 @@ def lm_trainer(ctx: Ctx, args, wrap=None, optimizer=None):
         opt.step()
         clock.lap("optim")
         return clock.total()
+    step_fn.optimizer = opt
     return model, step_fn
 
 
