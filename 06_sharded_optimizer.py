@@ -46,7 +46,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``add_param_group`` works during construction and later (unfreezing layers), and the
     group's hyperparameters reach the inner optimizer; so do changes to
     ``param_groups[i]["lr"]`` (learning-rate schedulers). A rank may own nothing.
-    ``step`` broadcasts, per owner, one flat buffer per dtype and device.
+    The parameters of each owner are moved into one flat buffer per dtype and device
+    (``p.data`` becomes a view of it, as with ZeroRedundancyOptimizer's
+    ``parameters_as_bucket_view``), and ``step`` broadcasts each buffer in place.
 
     ``state_dict()`` is **per rank**: it holds this rank's shard of the state (plus the
     hyperparameters and the ownership map). Save one file per rank and load each rank's own
@@ -62,6 +64,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._owner = {}                             # parameter -> owning rank
         self._load = [0] * self.world_size           # bytes owned by each rank
         self._owned = [[] for _ in range(self.world_size)]
+        self._flats = []                             # (owner, flat buffer its parameters are views of)
         super().__init__(params, defaults=kwargs)    # calls add_param_group for each group
 
     def add_param_group(self, param_group):
@@ -69,12 +72,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         # greedy by size, ties broken by position: the same answer on every rank
         order = sorted(range(len(group["params"])), key=lambda i: -group["params"][i].numel())
+        new = [[] for _ in range(self.world_size)]
         for i in order:
             p = group["params"][i]
             r = min(range(self.world_size), key=lambda k: (self._load[k], k))
             self._owner[p] = r
             self._load[r] += p.numel() * p.element_size()
             self._owned[r].append(p)
+            new[r].append(p)
+        # Each owner's parameters become views into one flat buffer (per dtype and device),
+        # so step() broadcasts straight into every rank's parameters: no copy in or out.
+        with torch.no_grad():
+            for owner, params in enumerate(new):
+                kinds = {}
+                for p in params:
+                    kinds.setdefault((p.dtype, p.device), []).append(p)
+                for ps in kinds.values():
+                    flat = _flatten_dense_tensors([p.data for p in ps])
+                    for p, view in zip(ps, _unflatten_dense_tensors(flat, ps)):
+                        p.data = view
+                    self._flats.append((owner, flat))
         mine = {**{k: v for k, v in group.items() if k != "params"},
                 "params": [p for p in group["params"] if self._owner[p] == self.rank]}
         if self.optim is None:
@@ -91,25 +108,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
         loss = self.optim.step(closure, **kwargs)
-        # Every owner's updated parameters, one flat buffer per dtype and device, all in
-        # flight at once; each is copied out as soon as its broadcast lands.
-        pending = []
-        for owner, params in enumerate(self._owned):
-            groups = {}
-            for p in params:
-                groups.setdefault((p.dtype, p.device), []).append(p)
-            for ps in groups.values():
-                if len(ps) == 1:
-                    flat = ps[0].data
-                elif owner == self.rank:
-                    flat = _flatten_dense_tensors(ps)
-                else:
-                    flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-                pending.append((dist.broadcast(flat, src=owner, async_op=True), owner, ps, flat))
-        for work, owner, ps, flat in pending:
+        # Every owner's updated parameters, all broadcasts in flight at once.
+        for work in [dist.broadcast(flat, src=owner, async_op=True) for owner, flat in self._flats]:
             work.wait()
-            if owner != self.rank and len(ps) > 1:
-                torch._foreach_copy_(ps, _unflatten_dense_tensors(flat, ps))
         return loss
 
     def state_dict(self):
