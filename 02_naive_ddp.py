@@ -15,7 +15,6 @@ the same global batch), then a table of step time and gradient-communication tim
 Writes results/02_naive_ddp.{json,md}.
 """
 
-import argparse
 import contextlib
 
 import torch
@@ -87,10 +86,7 @@ def benchmark(ctx, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
-    common.add_verify_args(p)
+    p = common.script_parser(__doc__)
     args = common.resolve_args(p.parse_args(argv))
     common.run_script(args, "02_naive_ddp", "Naive DDP: one all-reduce per parameter after backward", verify, benchmark)
 

@@ -14,7 +14,6 @@ measured in the same run: step time, communication time and share, collectives p
 Writes results/03_flat_ddp.{json,md}.
 """
 
-import argparse
 import contextlib
 
 import torch
@@ -92,10 +91,7 @@ def benchmark(ctx, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
-    common.add_verify_args(p)
+    p = common.script_parser(__doc__)
     args = common.resolve_args(p.parse_args(argv))
     common.run_script(args, "03_flat_ddp", "Naive (per-parameter) against flat (one all-reduce) DDP",
                       verify, benchmark)

@@ -14,7 +14,6 @@ Writes results/04_overlap_ddp.{json,md}, results/04_timeline_naive.png and
 results/04_timeline_overlap.png.
 """
 
-import argparse
 import contextlib
 
 import torch
@@ -204,10 +203,7 @@ def draw_timeline(events, title, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
-    common.add_verify_args(p)
+    p = common.script_parser(__doc__)
     args = common.resolve_args(p.parse_args(argv))
     timelines = {}
 

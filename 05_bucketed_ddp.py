@@ -18,7 +18,6 @@ and prints the bucket size the overhead model predicts beside the measured best.
 Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png.
 """
 
-import argparse
 import contextlib
 import math
 import time
@@ -310,10 +309,7 @@ HEADERS = ["method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_m
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p, default_steps=20)  # close ratios need more steps
-    common.add_verify_args(p)
+    p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[1, 10, 100, 1000],
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit)")
     args = p.parse_args(argv)

@@ -17,7 +17,6 @@ ShardedOptimizer(AdamW) and torch's ZeroRedundancyOptimizer(AdamW), measured sid
 Writes results/06_sharded_memory.{json,md} and results/06_sharded_optimizer.{json,md}.
 """
 
-import argparse
 import contextlib
 import copy
 import os
@@ -320,10 +319,7 @@ MEM_HEADERS = ["optimizer", "rank", "point", "params_MB", "grads_MB", "opt_state
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p, default_steps=20)  # close ratios need more steps
-    common.add_verify_args(p)
+    p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
     args = common.resolve_args(p.parse_args(argv))
     common.run_script(args, "06_sharded_optimizer", "Sharded optimizer: time per iteration (DDPBucketed 25 MB)",
                       verify, benchmark, headers=HEADERS)

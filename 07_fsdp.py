@@ -18,7 +18,6 @@ optimizer state, peak) and step time for DDP (05's DDPBucketed), DDP with the sh
 optimizer (06) and FSDP, measured side by side. Writes results/07_fsdp.{json,md}.
 """
 
-import argparse
 import copy
 
 import torch
@@ -339,10 +338,7 @@ MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "other
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p)
-    common.add_verify_args(p)
+    p = common.script_parser(__doc__)
     p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32",
                    help="dtype of gathered weights, communication and compute (master stays float32)")
     args = common.resolve_args(p.parse_args(argv))

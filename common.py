@@ -95,6 +95,15 @@ def add_common_args(p: argparse.ArgumentParser, *, model_size=True, default_step
     return p
 
 
+def script_parser(doc: str, default_steps=10) -> argparse.ArgumentParser:
+    """The parser of a DDP script (02 onwards): its docstring as help, the shared flags."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, default_steps=default_steps)
+    add_verify_args(p)
+    return p
+
+
 def add_verify_args(p: argparse.ArgumentParser):
     p.add_argument("--data", choices=["random", "mnist"], default="random",
                    help="data for the verification run")
@@ -197,7 +206,9 @@ def _device_for(backend: str, device: str, local_rank: int) -> torch.device:
 
 
 def _watch_parent(parent_pid: int):
-    """End this worker if the launching process goes away (killed, crashed)."""
+    """End this worker if the launching process goes away (killed, crashed). On Linux torch
+    already asks for SIGINT on the parent's death (prctl); this also covers other systems
+    and a worker whose code swallows KeyboardInterrupt."""
     def loop():
         while True:
             if os.getppid() != parent_pid:

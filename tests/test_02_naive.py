@@ -69,6 +69,34 @@ def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
             os.kill(pid, 0)
 
 
+def test_workers_end_when_the_launcher_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers.py"), str(tmp_path), "sleep_forever"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: the workers must notice by themselves
+    proc.wait()
+    deadline = time.time() + 15
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # an exited child not yet reaped by init is a zombie
+        return f.read().split()[2] != "Z"
+
+
 def test_runs_under_torchrun(tmp_path):
     p = run_script("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    "02_naive_ddp.py", "--model-size", "nano", "--steps", "2", "--warmup", "1",

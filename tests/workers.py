@@ -46,12 +46,17 @@ def fail_on_rank_1(ctx, args):
     time.sleep(600)
 
 
+def sleep_forever(ctx, args):
+    with open(os.path.join(args.pid_dir, f"{ctx.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
 if __name__ == "__main__":
     import argparse
-    import sys
-    pid_dir = sys.argv[1]
+    pid_dir, what = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "fail_on_rank_1")
     common.run_main(lambda: common.launch(
-        fail_on_rank_1, argparse.Namespace(pid_dir=pid_dir), world_size=2, backend="gloo", device="cpu", timeout=300))
+        globals()[what], argparse.Namespace(pid_dir=pid_dir), world_size=2, backend="gloo", device="cpu", timeout=300))
 
 
 def _wrapper(args):
