@@ -149,9 +149,10 @@ def _opt_cls(kind):
     return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
 
 
-def _build(case, sharded):
+def _build(case, sharded, dims=(20, 10)):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 10)) if case.get("tiny") else common.ToyModel(tied=case.get("tied", False))
+    model = torch.nn.Sequential(torch.nn.Linear(*dims)) if case.get("tiny") else \
+        common.ToyModel(dims[0], n_classes=dims[1], tied=case.get("tied", False))
     cls, kw = _opt_cls(case["opt"])
     head = list(model.parameters())[-2:]
     body = [p for p in model.parameters() if all(p is not h for h in head)]
@@ -166,11 +167,11 @@ def _build(case, sharded):
     return model, opt, sched, head
 
 
-def _train(ctx, case, steps, batches, sharded, start=0, state=None):
+def _train(ctx, case, steps, batches, sharded, dims, start=0, state=None):
     """Train from `start` to `steps`; with sharded=True on this rank's shard through NaiveDDP.
     ``state`` = (model state_dict, optimizer state_dict) to resume from."""
     naive = common.load_script(common.ROOT / "02_naive_ddp.py")
-    model, opt, sched, head = _build(case, sharded)
+    model, opt, sched, head = _build(case, sharded, dims)
     if state is not None:
         model.load_state_dict(state[0])
         opt.load_state_dict(state[1])
@@ -191,15 +192,16 @@ def _train(ctx, case, steps, batches, sharded, start=0, state=None):
     return model, opt
 
 
-def verify_case(ctx, case, steps=10):
-    batches = common.toy_batches(steps, 8 * ctx.world_size, seed=0)
-    ref, _ = _train(ctx, case, steps, batches, sharded=False)
+def verify_case(ctx, case, args, steps=10):
+    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * ctx.world_size)
+    dims = (in_dim, n_cls)
+    ref, _ = _train(ctx, case, steps, batches, False, dims)
     if case.get("checkpoint"):   # stop halfway, save, rebuild everything, load, go on
-        model, opt = _train(ctx, case, steps // 2, batches, sharded=True)
+        model, opt = _train(ctx, case, steps // 2, batches, True, dims)
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-        model, opt = _train(ctx, case, steps, batches, sharded=True, start=steps // 2, state=saved)
+        model, opt = _train(ctx, case, steps, batches, True, dims, start=steps // 2, state=saved)
     else:
-        model, opt = _train(ctx, case, steps, batches, sharded=True)
+        model, opt = _train(ctx, case, steps, batches, True, dims)
     owned = len(opt.owned_params())
     opt.zero_grad()
     stale = [p for p in model.parameters() if p.grad is not None]   # every gradient, not only owned
@@ -215,7 +217,7 @@ def verify_case(ctx, case, steps=10):
 
 def verify(ctx, args):
     names = getattr(args, "cases", None) or list(CASES)
-    return {n: verify_case(ctx, CASES[n]) for n in names}
+    return {n: verify_case(ctx, CASES[n], args) for n in names}
 
 
 # ----------------------------------------------------------------------------------------

@@ -248,9 +248,9 @@ def _reference_step(master, x, y, compute_dtype):
 
 
 def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
-    batches = common.toy_batches(steps, 8 * ctx.world_size, args.seed)
+    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * ctx.world_size)
     torch.manual_seed(args.seed)
-    ref = common.ToyModel(tied=tied)
+    ref = common.ToyModel(in_dim, n_classes=n_cls, tied=tied)
     model = FSDP(copy.deepcopy(ref).to(ctx.device), compute_dtype=compute_dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)

@@ -18,7 +18,7 @@ def test_sharded_optimizer_matches_unsharded_training(world_size, case):
     assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
     if world_size == 1:
         assert r["bitwise"]
-    model, *_ = sharded._build(sharded.CASES[case], sharded=False)
+    model, *_ = sharded._build(sharded.CASES[case], False)
     assert sum(r["owned"]) == len(list(model.parameters()))   # every parameter owned exactly once
 
 
