@@ -17,7 +17,6 @@ ShardedOptimizer(AdamW) and torch's ZeroRedundancyOptimizer(AdamW), measured sid
 Writes results/06_sharded_memory.{json,md} and results/06_sharded_optimizer.{json,md}.
 """
 
-import contextlib
 import copy
 import os
 import resource

@@ -20,7 +20,6 @@ import math
 import os
 import pickle
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -73,19 +72,18 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def add_common_args(p: argparse.ArgumentParser, *, model_size=True, default_steps=10):
+def add_common_args(p: argparse.ArgumentParser, *, default_steps=10):
     p.add_argument("--world-size", type=int, default=None,
                    help="processes to spawn (default: GPUs if >=2 else 2; ignored under torchrun)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when there are enough GPUs, else gloo")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda for nccl, cpu for gloo")
-    if model_size:
-        p.add_argument("--model-size", default=None,
-                       help=f"LM size, one of {', '.join(MODEL_SIZES)} (default: mini on CPU, xl on GPU)")
-        p.add_argument("--batch-size", type=int, default=None,
-                       help="global batch, split across ranks (default: 4 on GPU, 2 x world size on CPU)")
-        p.add_argument("--context-length", type=int, default=128)
+    p.add_argument("--model-size", default=None,
+                   help=f"LM size, one of {', '.join(MODEL_SIZES)} (default: mini on CPU, xl on GPU)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch, split across ranks (default: 4 on GPU, 2 x world size on CPU)")
+    p.add_argument("--context-length", type=int, default=128)
     p.add_argument("--steps", type=int, default=default_steps, help="measured steps")
     p.add_argument("--warmup", type=int, default=5, help="warm-up steps, not measured")
     p.add_argument("--seed", type=int, default=0)
@@ -137,8 +135,10 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                              f"use --backend gloo or --world-size {max(n_gpus, 1)}")
     if args.device == "cuda" and n_gpus == 0:
         raise UsageError("--device cuda but no GPU is visible: use --device cpu")
-    if getattr(args, "steps", 1) < 1 or getattr(args, "warmup", 0) < 0:
-        raise UsageError("--steps must be at least 1 and --warmup at least 0")
+    if getattr(args, "steps", 1) < 1 or getattr(args, "warmup", 0) < 0 or getattr(args, "verify_steps", 1) < 1:
+        raise UsageError("--steps and --verify-steps must be at least 1, --warmup at least 0")
+    if getattr(args, "timeout", 1) <= 0:
+        raise UsageError("--timeout must be positive")
     if hasattr(args, "model_size"):
         if args.model_size is None:
             args.model_size = "xl" if args.device == "cuda" else "mini"
@@ -236,6 +236,7 @@ def _spawn_entry(rank, script, fn_name, args, world_size, port, backend, device,
         with open(f"{result_path}.rank{rank}.err", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
         raise
+    dist.barrier()  # no rank tears its group down while a peer may still be talking to it
     dist.destroy_process_group()
     if rank == 0:
         with open(result_path, "wb") as f:

@@ -5,7 +5,7 @@ import time
 import pytest
 
 import common
-from conftest import ROOT, load, run_script, spawned_workers, verification, verify_args, write_fake_mnist
+from conftest import ROOT, run_script, spawned_workers, verification, verify_args, write_fake_mnist
 
 CASES = list(common.VERIFY_CASES)
 
