@@ -326,10 +326,7 @@ def main(argv=None):
                       verify, benchmark, headers=HEADERS)
     if args.no_bench:
         return
-    mem = []
-    for kind in ("plain", "sharded"):   # one job each, so each process's peak RSS is its own
-        args.mem_kind = kind
-        mem += common.launch(memory_worker, args)
+    mem = common.launch_each(memory_worker, args, "mem_kind", ("plain", "sharded"))
     if common.is_reporter():
         report_memory(args, mem)
 

@@ -870,6 +870,16 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
                 after(rows)
 
 
+def launch_each(worker, args, attr: str, values) -> list:
+    """One job per value (``args.<attr> = value``), rows concatenated: each job's processes
+    are fresh, so per-process figures such as peak RSS belong to that job alone."""
+    rows = []
+    for v in values:
+        setattr(args, attr, v)
+        rows += launch(worker, args)
+    return rows
+
+
 def load_json(out_dir, name) -> dict:
     return json.loads((Path(out_dir) / f"{name}.json").read_text())
 

@@ -60,6 +60,15 @@ def verification(script: str, world_size: int, **kw):
     return _verify_cache[key]
 
 
+def check_equivalence(script: str, world_size: int, case: str):
+    """The weights a script's wrapper trained equal single-process training's."""
+    r = verification(script, world_size)[case]
+    assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
+    if world_size == 1 and "accum" not in common.VERIFY_CASES.get(case, {}):
+        # same arithmetic as single-process training (micro-batches change the sum order)
+        assert r["bitwise"], "one rank must reproduce single-process training bit for bit"
+
+
 def write_fake_mnist(root: Path, n=64, seed=0):
     """A tiny dataset in MNIST's own idx file format, where torchvision looks for it."""
     import struct

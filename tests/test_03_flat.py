@@ -3,7 +3,7 @@ import json
 import pytest
 
 import common
-from conftest import run_script, verification
+from conftest import check_equivalence, run_script
 
 CASES = list(common.VERIFY_CASES)
 
@@ -11,10 +11,7 @@ CASES = list(common.VERIFY_CASES)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES)
 def test_flat_ddp_matches_single_process(world_size, case):
-    r = verification("03_flat_ddp", world_size)[case]
-    assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
-    if world_size == 1 and "accum" not in common.VERIFY_CASES[case]:
-        assert r["bitwise"]
+    check_equivalence("03_flat_ddp", world_size, case)
 
 
 def test_benchmark_compares_naive_and_flat_in_one_run(tmp_path):
