@@ -172,10 +172,6 @@ class Ctx:
     backend: str
     device: torch.device
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names it and holds its traceback."""
@@ -376,11 +372,6 @@ def measure(ctx: Ctx, step_fns: dict, warmup: int, steps: int) -> dict:
 
 def summarize(xs) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": list(xs)}
-
-
-def ms(stat: dict) -> str:
-    """'median [min-max]' in milliseconds."""
-    return f"{stat['median'] * 1e3:.1f} [{stat['min'] * 1e3:.1f}-{stat['max'] * 1e3:.1f}]"
 
 
 # ----------------------------------------------------------------------------------------

@@ -38,6 +38,15 @@ def spawned_workers():
     return [int(p) for p in out if int(p) != os.getpid()]
 
 
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group in the test process, for checks that need no peers."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_workers_left_behind():
     yield

@@ -2,7 +2,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common
 from conftest import load, run_script, verification
@@ -19,13 +18,6 @@ def test_bucketed_ddp_matches_single_process(world_size, case):
     assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
     if world_size == 1 and "accum" not in case and "everything" not in case:
         assert r["bitwise"]
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("cap, expected", [("1 bucket", 1), ("2 buckets", 2), ("3 buckets", 3),

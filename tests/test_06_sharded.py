@@ -28,13 +28,6 @@ def test_a_rank_that_owns_nothing_still_steps(world_size):
     assert r["ok"] and 0 in r["owned"] and sum(r["owned"]) == 2
 
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_is_a_real_optimizer_with_full_hyperparameters(one_rank):
     model = torch.nn.Linear(3, 2)
     opt = sharded.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)

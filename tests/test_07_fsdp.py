@@ -2,7 +2,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common
 from conftest import load, run_script, verification
@@ -21,13 +20,6 @@ def test_fsdp_matches_single_process(world_size, case):
     assert r["names_match"], "gather_full_params() does not return every original parameter name"
     if case.startswith("fp32"):
         assert r["max_diff"] < 1e-5
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_full_weights_are_freed_after_forward_and_back_for_backward(one_rank):
