@@ -132,6 +132,8 @@ def main(argv=None):
     p.add_argument("--out", default=str(common.ROOT / "results"))
     p.add_argument("--name", default="01_allreduce", help="results file stem")
     args = p.parse_args(argv)
+    args.configs = list(dict.fromkeys(args.configs))   # each once, in the order given
+    args.world_sizes = list(dict.fromkeys(args.world_sizes))
     if any(ws < 1 for ws in args.world_sizes):
         raise common.UsageError(f"--world-sizes must all be at least 1, got {args.world_sizes}")
     if any(s <= 0 for s in args.sizes_mb):

@@ -182,10 +182,13 @@ def draw_timeline(events, title, path):
               "optimizer.step": "#55a868"}
     lanes = ["compute"] + (["gpu"] if any(l == "gpu" for l, *_ in events) else []) + ["comm"]
     fig, ax = plt.subplots(figsize=(10, 2.6))
+    bars = {}   # one broken_barh per lane and colour: a GPU step has thousands of kernels
     for lane, name, s, e in events:
-        y = lanes.index(lane)
         color = colors.get(name, "#8172b3" if lane == "comm" else "#999999")
-        ax.broken_barh([(s, max(e - s, 0.05))], (y - 0.35, 0.7), facecolors=color,
+        bars.setdefault((lane, color), []).append((s, max(e - s, 0.05)))
+    for (lane, color), spans in bars.items():
+        y = lanes.index(lane)
+        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color,
                        edgecolors="black" if lane == "comm" else "none", linewidth=0.3)
     back = [(s, e) for l, n, s, e in events if n == "backward"]
     if back:

@@ -18,6 +18,7 @@ and prints the bucket size the overhead model predicts beside the measured best.
 Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png.
 """
 
+import argparse
 import contextlib
 import math
 import time
@@ -233,7 +234,7 @@ def benchmark(ctx, args):
         got[1].update(comm_ms=None, comm_share=None, collectives=None, n_buckets=None)
         rows += got
     for name, wrap in (("per-parameter overlapped (04)", overlap.DDPIndividualParameters),
-                       ("flat after backward (03)", flat.FlatDDP)):
+                       ("flat after backward (03)", flat.FlatDDP)) if args.baselines else ():
         rows.append(common.bench_method(ctx, args, name, wrap))
     fit = fit_allreduce(ctx, args)
     return rows, fit
@@ -259,7 +260,8 @@ def fit_allreduce(ctx, args):
     mx, my = sum(sizes) / n, sum(times) / n
     slope = sum((s - mx) * (t - my) for s, t in zip(sizes, times)) / sum((s - mx) ** 2 for s in sizes)
     o = max(my - slope * mx, 1e-7)
-    return {"sizes_bytes": sizes, "times_s": times, "o_s": o, "w_Bps": 1 / slope if slope > 0 else float("inf")}
+    # w is None when time does not grow with size (one rank: nothing crosses a link)
+    return {"sizes_bytes": sizes, "times_s": times, "o_s": o, "w_Bps": 1 / slope if slope > 0 else None}
 
 
 def overhead_model(s, w, o, n_b):
@@ -269,13 +271,14 @@ def overhead_model(s, w, o, n_b):
 
 def analyse(rows, fit, args):
     s = common.lm_param_count(args.model_size, args.context_length) * 4
-    w, o = fit["w_Bps"], fit["o_s"]
-    n_star = math.sqrt(s / (w * o))
+    w, o = fit["w_Bps"] or math.inf, fit["o_s"]
+    # the formula's optimum, kept between one bucket and one bucket per parameter tensor
+    n_star = min(max(math.sqrt(s / (w * o)), 1.0), common.lm_param_tensors(args.model_size))
     best = min((r for r in rows if r["method"].startswith("DDPBucketed")), key=lambda r: r["step_ms"])
     ours = [r for r in rows if r["method"].startswith("DDPBucketed")]
     theirs = {r["bucket_mb"]: r for r in rows if r["method"].startswith("torch DDP")}
-    return {"s_bytes": s, "w_GBps": w / 1e9, "o_ms": o * 1e3, "n_b_opt": n_star,
-            "bucket_opt_mb": s / n_star / 2**20, "overhead_opt_ms": 2 * math.sqrt(s * o / w) * 1e3,
+    return {"s_bytes": s, "w_GBps": fit["w_Bps"] and fit["w_Bps"] / 1e9, "o_ms": o * 1e3, "n_b_opt": n_star,
+            "bucket_opt_mb": s / n_star / 2**20, "overhead_opt_ms": overhead_model(s, w, o, n_star) * 1e3,
             "predicted_overhead_ms": {r["bucket_mb"]: overhead_model(s, w, o, r["n_buckets"]) * 1e3 for r in ours},
             "measured_best_mb": best["bucket_mb"], "measured_best_step_ms": best["step_ms"],
             "best_vs_torch_ddp": best["step_ms"] / theirs[best["bucket_mb"]]["step_ms"],
@@ -312,6 +315,8 @@ def main(argv=None):
     p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[1, 10, 100, 1000],
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit)")
+    p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time 04's per-parameter and 03's flat DDP (--no-baselines: the sweep only)")
     args = p.parse_args(argv)
     if any(not b > 0 for b in args.bucket_mb):
         raise common.UsageError(f"--bucket-mb must be positive, got {args.bucket_mb}")
@@ -328,7 +333,8 @@ def main(argv=None):
         plot(rows, args)
         print(f"\nOverhead model: overhead(n_b) = s/(n_b*w) + n_b*o, best n_b = sqrt(s/(w*o)), "
               f"bucket = sqrt(s*w*o)\n  fitted all-reduce cost: o = {a['o_ms']:.3f} ms per call, "
-              f"w = {a['w_GBps']:.3f} GB/s; s = {a['s_bytes'] / 1e6:.1f} MB of gradients\n"
+              f"w = {'%.3f GB/s' % a['w_GBps'] if a['w_GBps'] else 'unbounded (time does not grow with size)'}; "
+              f"s = {a['s_bytes'] / 1e6:.1f} MB of gradients\n"
               f"  predicted best bucket: {a['bucket_opt_mb']:.2f} MiB ({a['n_b_opt']:.1f} buckets), "
               f"overhead {a['overhead_opt_ms']:.1f} ms\n"
               f"  measured best bucket (of the sweep): {a['measured_best_mb']:g} MiB, "

@@ -82,10 +82,11 @@ def add_common_args(p: argparse.ArgumentParser, *, default_steps=10):
     p.add_argument("--model-size", default=None,
                    help=f"LM size, one of {', '.join(MODEL_SIZES)} (default: mini on CPU, xl on GPU)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="global batch, split across ranks (default: 4 on GPU, 2 x world size on CPU)")
+                   help="global batch, split across ranks (default on GPU: 4, or the world size if larger "
+                        "and not a divisor of 4; on CPU: 2 x world size)")
     p.add_argument("--context-length", type=int, default=128)
     p.add_argument("--steps", type=int, default=default_steps, help="measured steps")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up steps, not measured")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps, not measured (benchmarks count the collectives in the first two)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for results")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -145,7 +146,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if args.model_size not in MODEL_SIZES:
             raise UsageError(f"unknown --model-size {args.model_size!r}: choose one of {', '.join(MODEL_SIZES)}")
         if args.batch_size is None:
-            args.batch_size = 4 if args.device == "cuda" else 2 * args.world_size
+            # the course's global batch of 4 on GPUs, rounded up to a multiple of the ranks
+            ws = args.world_size
+            args.batch_size = -(-4 // ws) * ws if args.device == "cuda" else 2 * ws
         check_divisible(args.batch_size, args.world_size, "--batch-size")
         if args.context_length < 1:
             raise UsageError("--context-length must be at least 1")
@@ -556,7 +559,11 @@ def machine_info(device=None) -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
-    info["device"] = info.get("gpu") if device == "cuda" else f"{info['cpu']} ({info['cpus']} cores)"
+    cpu = f"{info['cpu']} ({info['cpus']} cores)"
+    if "gpu" not in info or device == "cpu":
+        info["device"] = cpu
+    else:   # cuda, or a mix (01): name both
+        info["device"] = info["gpu"] if device == "cuda" else f"{cpu} + {info['gpus']}x {info['gpu']}"
     return info
 
 
@@ -795,12 +802,12 @@ def bench_methods(ctx: Ctx, args, wraps: dict, interleave=False, optimizer=None)
                 for name, w in wraps.items()}
     rows = []
     calls = {}
-    for name, (model, step_fn) in trainers.items():
+    for name, (model, step_fn) in trainers.items():  # two warm-up steps, the second one counted
         step_fn(0)
         with count_collectives() as c:
             step_fn(1)
         calls[name] = c["n"]
-    stats = measure(ctx, {name: t[1] for name, t in trainers.items()}, args.warmup, args.steps)
+    stats = measure(ctx, {name: t[1] for name, t in trainers.items()}, max(args.warmup - 2, 0), args.steps)
     for name, (model, _) in trainers.items():
         st = stats[name]
         rows.append({"method": name, "step_ms": st["step"]["median"] * 1e3,
@@ -852,7 +859,12 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
     if not args.no_bench:
         rows = launch(bench_fn, args)
         if report:
-            rows = prepare(rows) if prepare else rows
+            try:
+                rows = prepare(rows) if prepare else rows
+            except Exception:   # keep the measurements even if their analysis fails
+                save_results(args.out, name, rows, lm_settings(args), headers=["method"], title=title,
+                             note="(raw rows: the analysis of these measurements failed)")
+                raise
             table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
             print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
                   f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "

@@ -38,3 +38,22 @@ def test_time_box_stops_early_but_keeps_measurements(tmp_path):
                 "--time-box", "0.5", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "01_allreduce.json").read_text())["rows"]
     assert rows[0]["time_boxed"] and 1 <= rows[0]["iters"] < 10000
+
+
+def test_one_gpu_plan_runs_nccl_at_one_rank_and_gloo_cuda_at_all(capsys):
+    # the plan `make gpu-01` asks for on a one-GPU machine; repeated configs run once
+    args = type("A", (), {"configs": ["nccl-cuda", "gloo-cuda"], "world_sizes": [1, 2, 4, 6]})()
+    jobs, notes = bench.plan(args, 1)
+    assert jobs == [("nccl", "cuda", 1)] + [("gloo", "cuda", n) for n in (1, 2, 4, 6)]
+    assert len(notes) == 3 and all("NCCL needs" in n for n in notes)
+
+
+def test_results_name_the_gpu_when_it_did_the_work(monkeypatch):
+    common = bench.common
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda i=0: "Fake GPU 80GB")
+    monkeypatch.setattr(common.torch.cuda, "device_count", lambda: 1)
+    assert common.machine_info("cuda")["device"] == "Fake GPU 80GB"
+    assert common.machine_info("cpu")["device"].endswith("cores)")
+    mixed = common.machine_info(None)["device"]   # 01 mixes CPU and GPU rows: both named
+    assert "cores) + 1x Fake GPU 80GB" in mixed

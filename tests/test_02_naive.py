@@ -112,3 +112,19 @@ def test_benchmark_row_accounts_for_communication(tmp_path):
     assert 0 < row["comm_ms"] < row["step_ms"] and 0 < row["comm_share"] < 1
     assert len(list(common.build_lm("nano", 128, "cpu").parameters())) == common.lm_param_tensors("nano")
     assert row["collectives"] == common.lm_param_tensors("nano") + 1  # one per parameter, plus the has-gradient flags
+
+
+@pytest.mark.parametrize("n_gpus, expect", [
+    (0, (2, "gloo", "cpu", "mini", 4)),
+    (1, (2, "gloo", "cpu", "mini", 4)),     # one GPU: NCCL cannot run 2 ranks on it
+    (2, (2, "nccl", "cuda", "xl", 4)),      # the course's standard setting
+    (8, (8, "nccl", "cuda", "xl", 8)),      # batch 4 would not split over 8 GPUs
+    (3, (3, "nccl", "cuda", "xl", 6)),
+])
+def test_defaults_follow_the_machine(monkeypatch, n_gpus, expect):
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: n_gpus > 0)
+    monkeypatch.setattr(common.torch.cuda, "device_count", lambda: n_gpus)
+    for var in common.TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    a = common.resolve_args(common.script_parser("doc").parse_args([]))
+    assert (a.world_size, a.backend, a.device, a.model_size, a.batch_size) == expect

@@ -4,7 +4,7 @@ import json
 import pytest
 
 import common
-from conftest import check_equivalence, run_script
+from conftest import check_equivalence, load, run_script
 
 CASES = list(common.VERIFY_CASES)
 
@@ -58,3 +58,20 @@ def test_script_writes_table_and_both_timelines(tmp_path):
     assert [r["method"].split()[0] for r in rows] == ["naive", "flat", "overlapped"]
     for name in ("naive", "overlap"):
         assert (tmp_path / f"04_timeline_{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timeline_draws_a_gpu_lane_from_cuda_events(tmp_path, monkeypatch):
+    # what trace_step returns on a GPU: CPU phases, kernels, and communication
+    overlap = load("04_overlap_ddp")
+    events = [("compute", "forward", 0.0, 1.0), ("compute", "backward", 1.0, 3.0)] + \
+             [("gpu", f"sm90_gemm_{i}", 0.1 * i, 0.1 * i + 0.05) for i in range(30)] + \
+             [("comm", "ncclDevKernel_AllReduce", 2.0, 3.5)]
+    saved = {}
+    real_save = common.save_figure
+    monkeypatch.setattr(common, "save_figure", lambda fig, path: (saved.update(fig=fig), real_save(fig, path)))
+    overlap.draw_timeline(events, "test", str(tmp_path / "t.png"))
+    ax = saved["fig"].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["compute (CPU thread)", "GPU kernels", "communication"]
+    gpu_bars = [c for c in ax.collections if len(c.get_paths()) == 30]
+    assert len(gpu_bars) == 1   # the 30 kernels drawn as one collection, in the GPU lane
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -98,6 +99,8 @@ def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
     ours = {r["bucket_mb"]: r for r in rows if r["method"].startswith("DDPBucketed")}
     torch_rows = {r["bucket_mb"]: r for r in rows if r["method"].startswith("torch DDP")}
     assert set(ours) == set(torch_rows) == {0.1, 10}
+    assert [r["method"] for r in rows if r.get("bucket_mb") is None] == \
+        ["per-parameter overlapped (04)", "flat after backward (03)"]
     assert ours[10]["n_buckets"] == 1 and ours[0.1]["n_buckets"] > 1
     assert ours[10]["collectives"] == 1 and ours[0.1]["collectives"] == ours[0.1]["n_buckets"]
     for b in (0.1, 10):
@@ -105,3 +108,30 @@ def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
     model = json.loads((tmp_path / "05_overhead_model.json").read_text())
     assert model["analysis"]["bucket_opt_mb"] > 0 and model["fit"]["o_s"] > 0
     assert (tmp_path / "05_bucket_sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_baselines_times_the_sweep_only(tmp_path):
+    p = run_script("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "10",
+                   "--steps", "1", "--warmup", "0", "--no-verify", "--no-baselines", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB"]
+
+
+def test_overhead_model_optimum_and_its_limits():
+    args = type("A", (), {"model_size": "nano", "context_length": 128})()
+    s = common.lm_param_count("nano", 128) * 4
+    rows = [{"method": "DDPBucketed 1 MB", "bucket_mb": 1, "n_buckets": 3, "step_ms": 5.0, "vs_torch_ddp": 1.0},
+            {"method": "torch DDP 1 MB", "bucket_mb": 1, "step_ms": 5.0}]
+    w, o = 1e9, 1e-4
+    a = bucketed.analyse(rows, {"w_Bps": w, "o_s": o}, args)
+    n = math.sqrt(s / (w * o))
+    assert a["n_b_opt"] == pytest.approx(n) and a["bucket_opt_mb"] == pytest.approx(math.sqrt(s * w * o) / 2**20)
+    assert a["overhead_opt_ms"] == pytest.approx(2 * math.sqrt(s * o / w) * 1e3)
+    assert a["predicted_overhead_ms"][1] == pytest.approx((s / (3 * w) + 3 * o) * 1e3)
+    # one rank: the all-reduce time does not grow with size, so one bucket is best
+    a = bucketed.analyse(rows, {"w_Bps": None, "o_s": o}, args)
+    assert a["n_b_opt"] == 1 and a["w_GBps"] is None and a["overhead_opt_ms"] == pytest.approx(o * 1e3)
+    # a per-call cost too small to matter: at most one bucket per parameter tensor
+    a = bucketed.analyse(rows, {"w_Bps": w, "o_s": 1e-15}, args)
+    assert a["n_b_opt"] == common.lm_param_tensors("nano")
