@@ -43,3 +43,38 @@ clean-results:
 
 07: $(STAMP)
 	$(PY) 07_fsdp.py
+
+# ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
+#   make gpu PY=python3                    # or gpu-01 ... gpu-07, one at a time
+# NCCL refuses two ranks on one GPU, so each DDP script runs twice: NCCL at 1 rank and gloo
+# over CUDA tensors at 2 ranks. Every run is time-boxed (GPU_BOX seconds) and a failed or
+# killed run does not stop the next one. Dry run of the plan on a CPU machine:
+#   make gpu GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
+GPU_OUT  ?= results/gpu
+GPU_BOX  ?= 540
+GPU_DEV  ?= cuda
+GPU_NCCL ?= nccl
+GPU_SIZE ?= xl
+GPU_DEPS := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+GPU_RUN   = -timeout -k 10 $(GPU_BOX) $(PY)
+GPU_LM    = --device $(GPU_DEV) --model-size $(GPU_SIZE) --warmup 5 --steps 10
+GPU_ONE   = --backend $(GPU_NCCL) --world-size 1 $(GPU_LM) --out $(GPU_OUT)/nccl_1rank
+GPU_TWO   = --backend gloo --world-size 2 $(GPU_LM) --out $(GPU_OUT)/gloo_cuda_2ranks
+
+.PHONY: gpu gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07
+
+gpu: gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07
+
+gpu-01: $(GPU_DEPS)
+	$(GPU_RUN) 01_allreduce_bench.py --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) \
+	    --world-sizes 1 2 4 6 --time-box 60 --out $(GPU_OUT)
+
+gpu-02 gpu-03 gpu-04 gpu-06 gpu-07: gpu-0%: $(GPU_DEPS)
+	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_ONE)
+	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_TWO)
+
+# At 2 ranks the sweep alone (ours and torch DDP at 4 caps) fills a time box: gpu-03 and
+# gpu-04 time the unbucketed baselines on the same setting.
+gpu-05: $(GPU_DEPS)
+	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_ONE)
+	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_TWO) --no-baselines
