@@ -15,6 +15,7 @@ results/04_timeline_overlap.png.
 """
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,7 @@ COMM_PREFIXES = ("gloo:", "nccl:", "c10d::allreduce", "record_param_comms")
 
 def trace_step(ctx, args, wrap):
     """Profile one training step on this rank; returns [(lane, name, start_ms, end_ms)]."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler_start/stop chatter on stderr
     from torch.profiler import ProfilerActivity, profile, record_function
     model, _ = common.lm_trainer(ctx, args, wrap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
