@@ -15,7 +15,9 @@ communication for each bucket size next to torch.nn.parallel.DistributedDataPara
 the same bucket_cap_mb (measured interleaved, step by step, on CPU), plus per-parameter
 (04) and flat (03) DDP as the two ends. Then it fits the all-reduce cost t = o + bytes/w
 and prints the bucket size the overhead model predicts beside the measured best.
-Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png.
+Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png. Each bucket size
+is its own job (fresh processes) and the table is rewritten after each, so a run cut short
+keeps what it measured; --time-box stops starting new sizes after that many seconds.
 """
 
 import argparse
@@ -219,25 +221,26 @@ def torch_ddp(ctx, cap_mb):
 
 
 def benchmark(ctx, args):
-    overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
-    flat = common.load_script(common.ROOT / "03_flat_ddp.py")
+    """One job of the sweep (``args.job``): a bucket size, ours against torch DDP (the first
+    size also fits the all-reduce cost), or "baselines", the unbucketed wrappers."""
+    if args.job == "baselines":
+        overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
+        flat = common.load_script(common.ROOT / "03_flat_ddp.py")
+        return [common.bench_method(ctx, args, name, wrap) for name, wrap in (
+            ("per-parameter overlapped (04)", overlap.DDPIndividualParameters),
+            ("flat after backward (03)", flat.FlatDDP))]
+    cap = args.job
     interleave = ctx.device.type == "cpu"   # on CPU two models fit: measure step by step alternately
-    rows = []
-    for cap in args.bucket_mb:
-        ours = lambda m, cap=cap: DDPBucketed(m, cap)  # noqa: E731
-        got = common.bench_methods(ctx, args, {f"DDPBucketed {cap:g} MB": ours,
-                                               f"torch DDP {cap:g} MB": torch_ddp(ctx, cap)}, interleave)
-        ref = got[1]["step_ms"]
-        for r in got:
-            r.update(bucket_mb=cap, vs_torch_ddp=r["step_ms"] / ref)
-        # torch DDP waits inside backward, and its C++ reducer bypasses the Python collectives
-        got[1].update(comm_ms=None, comm_share=None, collectives=None, n_buckets=None)
-        rows += got
-    for name, wrap in (("per-parameter overlapped (04)", overlap.DDPIndividualParameters),
-                       ("flat after backward (03)", flat.FlatDDP)) if args.baselines else ():
-        rows.append(common.bench_method(ctx, args, name, wrap))
-    fit = fit_allreduce(ctx, args)
-    return rows, fit
+    ours = lambda m: DDPBucketed(m, cap)  # noqa: E731
+    rows = common.bench_methods(ctx, args, {f"DDPBucketed {cap:g} MB": ours,
+                                            f"torch DDP {cap:g} MB": torch_ddp(ctx, cap)}, interleave)
+    for r in rows:
+        r.update(bucket_mb=cap, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"])
+    # torch DDP waits inside backward, and its C++ reducer bypasses the Python collectives
+    rows[1].update(comm_ms=None, comm_share=None, collectives=None, n_buckets=None)
+    if cap == args.bucket_mb[0]:
+        rows.append({"method": "all-reduce fit", "fit": fit_allreduce(ctx, args)})
+    return rows
 
 
 def fit_allreduce(ctx, args):
@@ -317,14 +320,21 @@ def main(argv=None):
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit)")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also time 04's per-parameter and 03's flat DDP (--no-baselines: the sweep only)")
+    p.add_argument("--time-box", type=float, default=None,
+                   help="seconds of benchmarking after which no further bucket size starts "
+                        "(what ran is saved; the first size always runs)")
     args = p.parse_args(argv)
     if any(not b > 0 for b in args.bucket_mb):
         raise common.UsageError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if args.time_box is not None and not args.time_box > 0:
+        raise common.UsageError(f"--time-box must be positive, got {args.time_box}")
+    args.bucket_mb = list(dict.fromkeys(args.bucket_mb))   # each size once
     args = common.resolve_args(args)
     state = {}
 
-    def prepare(result):
-        rows, state["fit"] = result
+    def prepare(rows):
+        state["fit"] = next(r["fit"] for r in rows if "fit" in r)
+        rows = [r for r in rows if "fit" not in r]
         state["analysis"] = analyse(rows, state["fit"], args)
         return rows
 
@@ -348,7 +358,8 @@ def main(argv=None):
         print(f"wrote {args.out}/05_bucket_sweep.png and 05_overhead_model.json, .md")
 
     common.run_script(args, "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size",
-                      verify, benchmark, headers=HEADERS, prepare=prepare, after=after)
+                      verify, benchmark, headers=HEADERS, prepare=prepare, after=after,
+                      jobs=args.bucket_mb + (["baselines"] if args.baselines else []), time_box=args.time_box)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,10 @@ gpu-02 gpu-03 gpu-04 gpu-06 gpu-07: gpu-0%: $(GPU_DEPS)
 	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_ONE)
 	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_TWO)
 
-# At 2 ranks the sweep alone (ours and torch DDP at 4 caps) fills a time box: gpu-03 and
-# gpu-04 time the unbucketed baselines on the same setting.
+# At 2 ranks the sweep alone (ours and torch DDP at 4 caps) nearly fills a time box: gpu-03
+# and gpu-04 time the unbucketed baselines on the same setting, and no bucket size starts
+# after GPU_SWEEP_BOX seconds (each finished size is saved at once).
+GPU_SWEEP_BOX ?= 400
 gpu-05: $(GPU_DEPS)
 	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_ONE)
-	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_TWO) --no-baselines
+	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_TWO) --no-baselines --time-box $(GPU_SWEEP_BOX)

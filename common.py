@@ -445,9 +445,12 @@ class TransformerLM(nn.Module):
 
 
 def build_lm(size: str, context_length: int, device, seed: int = 0) -> TransformerLM:
+    """The LM, initialised on ``device`` (seconds faster for XL on a GPU; the same weights on
+    every rank of a device type, different between CPU and GPU)."""
     torch.manual_seed(seed)
     d_model, d_ff, n_layers, n_heads = MODEL_SIZES[size]
-    return TransformerLM(d_model, d_ff, n_layers, n_heads, context_length=context_length).to(device)
+    with torch.device(device):
+        return TransformerLM(d_model, d_ff, n_layers, n_heads, context_length=context_length)
 
 
 def lm_batch(global_batch: int, context_length: int, step: int, seed: int, device):
@@ -575,12 +578,17 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def _atomic_write(path: Path, write):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_UMASK)   # mkstemp makes it private; results are for sharing
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -843,11 +851,13 @@ BENCH_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "
 
 
 def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, note="", after=None,
-               prepare=None):
-    """Verify, benchmark, print and save: the main body shared by 02 to 05.
+               prepare=None, jobs=None, time_box=None):
+    """Verify, benchmark, print and save: the main body shared by 02 to 07.
 
     ``prepare(rows) -> rows`` may reshape the benchmark's rows before they are saved;
-    ``after(rows)`` may add plots or analysis once the table is written.
+    ``after(rows)`` may add plots or analysis once the table is written. With ``jobs``, the
+    benchmark is launched once per job (``args.job``), the rows so far are saved after
+    each, and past ``time_box`` seconds no further job starts (the first always runs).
     """
     report = is_reporter()
     if not args.no_verify:
@@ -856,21 +866,45 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
             all(r["ok"] for r in res.values())
         if not ok:
             raise LaunchError("verification failed: the weights differ from single-process training")
-    if not args.no_bench:
-        rows = launch(bench_fn, args)
-        if report:
-            try:
-                rows = prepare(rows) if prepare else rows
-            except Exception:   # keep the measurements even if their analysis fails
-                save_results(args.out, name, rows, lm_settings(args), headers=["method"], title=title,
-                             note="(raw rows: the analysis of these measurements failed)")
-                raise
-            table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
-            print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
-                  f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "
-                  f"of {args.steps} steps)\n{table}\nwrote {args.out}/{name}.json and .md")
-            if after:
-                after(rows)
+    if args.no_bench:
+        return
+    jobs = list(jobs) if jobs else [None]
+    rows, started = [], time.perf_counter()
+    for i, job in enumerate(jobs):
+        if i and time_box and _rank0_says(time.perf_counter() - started > time_box):
+            note += (f"\nTime box ({time_box:g} s) reached: not run: "
+                     f"{', '.join(f'{j:g}' if isinstance(j, (int, float)) else str(j) for j in jobs[i:])}.")
+            if report:
+                print(note.strip())
+            break
+        args.job = job
+        rows += launch(bench_fn, args)
+        if report and i < len(jobs) - 1:   # a later job that fails or is killed loses nothing
+            save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title,
+                         note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
+    if not report:
+        return
+    try:
+        rows = prepare(rows) if prepare else rows
+    except Exception:   # keep the measurements even if their analysis fails
+        save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title,
+                     note="(raw rows: the analysis of these measurements failed)")
+        raise
+    table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
+    print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
+          f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "
+          f"of {args.steps} steps)\n{table}\nwrote {args.out}/{name}.json and .md")
+    if after:
+        after(rows)
+
+
+def _rank0_says(flag: bool) -> bool:
+    """Rank 0's decision on every rank: under torchrun each rank runs the script's main."""
+    if under_torchrun() and dist.is_initialized():
+        box = [flag]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return flag
 
 
 def launch_each(worker, args, attr: str, values) -> list:

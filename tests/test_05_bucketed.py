@@ -135,3 +135,34 @@ def test_overhead_model_optimum_and_its_limits():
     # a per-call cost too small to matter: at most one bucket per parameter tensor
     a = bucketed.analyse(rows, {"w_Bps": w, "o_s": 1e-15}, args)
     assert a["n_b_opt"] == common.lm_param_tensors("nano")
+
+
+def test_a_failing_later_job_keeps_the_rows_measured_before_it(tmp_path):
+    import workers
+    args = common.resolve_args(common.script_parser("doc").parse_args(
+        ["--world-size", "2", "--model-size", "nano", "--no-verify", "--out", str(tmp_path)]))
+    with pytest.raises(common.LaunchError, match="job failed on purpose"):
+        common.run_script(args, "jobs", "jobs", None, workers.bench_job, jobs=[1, 2, "boom", 4])
+    doc = json.loads((tmp_path / "jobs.json").read_text())
+    assert [r["method"] for r in doc["rows"]] == ["job 1", "job 2"]
+    assert "partial: 2 of 4" in (tmp_path / "jobs.md").read_text()
+
+
+def test_time_box_stops_starting_bucket_sizes_and_saves_what_ran(tmp_path):
+    p = run_script("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "10", "1",
+                   "--steps", "1", "--warmup", "0", "--no-verify", "--time-box", "0.001", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "not run: 1, baselines" in p.stdout and "predicted best bucket" in p.stdout
+    rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB"]
+    assert "Time box" in (tmp_path / "05_bucketed_ddp.md").read_text()
+
+
+def test_time_box_under_torchrun_is_decided_by_rank_0(tmp_path):
+    p = run_script("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "05_bucketed_ddp.py", "--model-size", "nano", "--bucket-mb", "10", "1", "--steps", "1",
+                   "--warmup", "0", "--no-verify", "--time-box", "0.001", "--out", str(tmp_path), timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("not run: 1, baselines") == 1   # printed by rank 0 only
+    rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB"]

@@ -101,3 +101,11 @@ def record_event_order(ctx, args):
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, log)
     return everyone
+
+
+def bench_job(ctx, args):
+    """A benchmark job for run_script: one row per job, and a crash on job "boom"."""
+    if args.job == "boom":
+        raise RuntimeError("job failed on purpose")
+    dist.barrier()
+    return [{"method": f"job {args.job}", "step_ms": float(args.job)}]
