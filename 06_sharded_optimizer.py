@@ -326,7 +326,7 @@ def main(argv=None):
                       verify, benchmark, headers=HEADERS)
     if args.no_bench:
         return
-    mem = common.launch_each(memory_worker, args, "mem_kind", ("plain", "sharded"))
+    mem, _ = common.launch_each(memory_worker, args, "mem_kind", ("plain", "sharded"))
     if common.is_reporter():
         report_memory(args, mem)
 

@@ -346,7 +346,7 @@ def main(argv=None):
                       verify, benchmark, headers=HEADERS)
     if args.no_bench:
         return
-    mem = common.launch_each(memory_worker, args, "mem_index", range(len(methods(args))))
+    mem, _ = common.launch_each(memory_worker, args, "mem_index", range(len(methods(args))))
     if common.is_reporter():
         table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
                                     title="FSDP against DDP: memory per rank after a step (MiB)")

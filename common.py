@@ -868,29 +868,27 @@ def run_script(args, name, title, verify_fn, bench_fn, headers=BENCH_HEADERS, no
             raise LaunchError("verification failed: the weights differ from single-process training")
     if args.no_bench:
         return
-    jobs = list(jobs) if jobs else [None]
-    rows, started = [], time.perf_counter()
-    for i, job in enumerate(jobs):
-        if i and time_box and _rank0_says(time.perf_counter() - started > time_box):
-            note += (f"\nTime box ({time_box:g} s) reached: not run: "
-                     f"{', '.join(f'{j:g}' if isinstance(j, (int, float)) else str(j) for j in jobs[i:])}.")
-            if report:
-                print(note.strip())
-            break
-        args.job = job
-        rows += launch(bench_fn, args)
-        if report and i < len(jobs) - 1:   # a later job that fails or is killed loses nothing
-            save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title,
-                         note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
+
+    def save(rows, note):
+        return save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
+
+    jobs = list(jobs or [None])
+    rows, not_run = launch_each(   # a later job that fails or is killed loses nothing
+        bench_fn, args, "job", jobs, time_box=time_box,
+        after_each=lambda rows, done: report and save(rows, f"(partial: {done} of {len(jobs)} benchmark jobs done)"))
+    if not_run:
+        note += (f"\nTime box ({time_box:g} s) reached: not run: "
+                 f"{', '.join(f'{j:g}' if isinstance(j, (int, float)) else str(j) for j in not_run)}.")
+        if report:
+            print(note.strip())
     if not report:
         return
     try:
         rows = prepare(rows) if prepare else rows
     except Exception:   # keep the measurements even if their analysis fails
-        save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title,
-                     note="(raw rows: the analysis of these measurements failed)")
+        save(rows, "(raw rows: the analysis of these measurements failed)")
         raise
-    table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
+    table = save(rows, note)
     print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, "
           f"global batch {args.batch_size}x{args.context_length}; times in ms, median [min, max] "
           f"of {args.steps} steps)\n{table}\nwrote {args.out}/{name}.json and .md")
@@ -907,14 +905,24 @@ def _rank0_says(flag: bool) -> bool:
     return flag
 
 
-def launch_each(worker, args, attr: str, values) -> list:
+def launch_each(worker, args, attr: str, values, *, after_each=None, time_box=None):
     """One job per value (``args.<attr> = value``), rows concatenated: each job's processes
-    are fresh, so per-process figures such as peak RSS belong to that job alone."""
-    rows = []
-    for v in values:
+    are fresh, so per-process figures such as peak RSS belong to that job alone.
+
+    ``after_each(rows_so_far, jobs_done)`` runs after every job but the last; past
+    ``time_box`` seconds no further job starts (the first always runs). Returns
+    (rows, the values not run).
+    """
+    values = list(values)
+    rows, started = [], time.perf_counter()
+    for i, v in enumerate(values):
+        if i and time_box and _rank0_says(time.perf_counter() - started > time_box):
+            return rows, values[i:]
         setattr(args, attr, v)
         rows += launch(worker, args)
-    return rows
+        if after_each and i < len(values) - 1:
+            after_each(rows, i + 1)
+    return rows, []
 
 
 def load_json(out_dir, name) -> dict:
