@@ -12,8 +12,9 @@ Run:
 
 Prints PASS/FAIL per verification case, then a table of step time and exposed
 communication for each bucket size next to torch.nn.parallel.DistributedDataParallel at
-the same bucket_cap_mb (measured interleaved, step by step, on CPU), plus per-parameter
-(04) and flat (03) DDP as the two ends. Then it fits the all-reduce cost t = o + bytes/w
+the same bucket_cap_mb and plain training with no wrapper (all three in the same
+processes, measured interleaved step by step on CPU; vs_plain is each wrapper's cost over
+plain training), plus per-parameter (04) and flat (03) DDP as the two ends. Then it fits the all-reduce cost t = o + bytes/w
 and prints the bucket size the overhead model predicts beside the measured best.
 Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png. Each bucket size
 is its own job (fresh processes) and the table is rewritten after each, so a run cut short
@@ -230,14 +231,19 @@ def benchmark(ctx, args):
             ("per-parameter overlapped (04)", overlap.DDPIndividualParameters),
             ("flat after backward (03)", flat.FlatDDP))]
     cap = args.job
-    interleave = ctx.device.type == "cpu"   # on CPU two models fit: measure step by step alternately
+    interleave = ctx.device.type == "cpu"   # on CPU the models fit together: measure step by step alternately
     ours = lambda m: DDPBucketed(m, cap)  # noqa: E731
+    # plain training on this rank's shard, no wrapper and no communication: what each wrapper
+    # costs on top of it is the ratio vs_plain (at one rank, the wrapper's own cost)
     rows = common.bench_methods(ctx, args, {f"DDPBucketed {cap:g} MB": ours,
-                                            f"torch DDP {cap:g} MB": torch_ddp(ctx, cap)}, interleave)
+                                            f"torch DDP {cap:g} MB": torch_ddp(ctx, cap),
+                                            "plain (no wrapper)": None}, interleave)
     for r in rows:
-        r.update(bucket_mb=cap, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"])
+        r.update(bucket_mb=cap, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"],
+                 vs_plain=r["step_ms"] / rows[2]["step_ms"])
     # torch DDP waits inside backward, and its C++ reducer bypasses the Python collectives
     rows[1].update(comm_ms=None, comm_share=None, collectives=None, n_buckets=None)
+    rows[2].update(vs_torch_ddp=None, vs_plain=None)
     if cap == args.bucket_mb[0]:
         rows.append({"method": "all-reduce fit", "fit": fit_allreduce(ctx, args)})
     return rows
@@ -299,6 +305,9 @@ def plot(rows, args):
                 capsize=3)
     ax.plot([r["bucket_mb"] for r in theirs], [r["step_ms"] for r in theirs], "--", marker="s",
             label="torch DDP, same bucket_cap_mb")
+    plain = sorted((r for r in rows if r["method"].startswith("plain")), key=lambda r: r["bucket_mb"])
+    ax.plot([r["bucket_mb"] for r in plain], [r["step_ms"] for r in plain], ":", marker=".", color="black",
+            label="plain training, no wrapper (same job)")
     for r, style in zip([r for r in rows if r.get("bucket_mb") is None], (":", "-.")):
         ax.axhline(r["step_ms"], linestyle=style, color="gray", label=r["method"])
     ax.set_xscale("log")
@@ -311,7 +320,7 @@ def plot(rows, args):
 
 
 HEADERS = ["method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_max_ms", "comm_ms",
-           "vs_torch_ddp", "collectives"]
+           "vs_torch_ddp", "vs_plain", "collectives"]
 
 
 def main(argv=None):

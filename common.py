@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import math
@@ -804,8 +805,15 @@ def bench_methods(ctx: Ctx, args, wraps: dict, interleave=False, optimizer=None)
     numbers, at the cost of holding every model in memory); otherwise one after another.
     """
     if not interleave:
-        return [row for name, wrap in wraps.items()
-                for row in bench_methods(ctx, args, {name: wrap}, True, optimizer)]
+        rows = []
+        for name, wrap in wraps.items():
+            rows += bench_methods(ctx, args, {name: wrap}, True, optimizer)
+            # a wrapper's hooks make reference cycles (parameter -> hook -> wrapper): free its
+            # weights, gradients and optimizer state before the next method is built
+            gc.collect()
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return rows
     trainers = {name: lm_trainer(ctx, args, *(w if isinstance(w, tuple) else (w, optimizer)))
                 for name, w in wraps.items()}
     rows = []

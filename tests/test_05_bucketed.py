@@ -115,7 +115,11 @@ def test_no_baselines_times_the_sweep_only(tmp_path):
                    "--steps", "1", "--warmup", "0", "--no-verify", "--no-baselines", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB"]
+    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB", "plain (no wrapper)"]
+    plain = rows[2]
+    assert plain["collectives"] == 0 and plain["bucket_mb"] == 10
+    for r in rows[:2]:   # each wrapper's cost over plain training measured in the same job
+        assert r["vs_plain"] == pytest.approx(r["step_ms"] / plain["step_ms"])
 
 
 def test_overhead_model_optimum_and_its_limits():
@@ -154,7 +158,11 @@ def test_time_box_stops_starting_bucket_sizes_and_saves_what_ran(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "not run: 1, baselines" in p.stdout and "predicted best bucket" in p.stdout
     rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB"]
+    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB", "plain (no wrapper)"]
+    plain = rows[2]
+    assert plain["collectives"] == 0 and plain["bucket_mb"] == 10
+    for r in rows[:2]:   # each wrapper's cost over plain training measured in the same job
+        assert r["vs_plain"] == pytest.approx(r["step_ms"] / plain["step_ms"])
     assert "Time box" in (tmp_path / "05_bucketed_ddp.md").read_text()
 
 
@@ -165,4 +173,8 @@ def test_time_box_under_torchrun_is_decided_by_rank_0(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("not run: 1, baselines") == 1   # printed by rank 0 only
     rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB"]
+    assert [r["method"] for r in rows] == ["DDPBucketed 10 MB", "torch DDP 10 MB", "plain (no wrapper)"]
+    plain = rows[2]
+    assert plain["collectives"] == 0 and plain["bucket_mb"] == 10
+    for r in rows[:2]:   # each wrapper's cost over plain training measured in the same job
+        assert r["vs_plain"] == pytest.approx(r["step_ms"] / plain["step_ms"])
