@@ -54,7 +54,8 @@ def allreduce_worker(ctx, args):
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
             # the time box: rank 0's clock decides, so every rank stops after the same iteration
-            flag = torch.tensor([float(time.perf_counter() - started > args.time_box and len(times) >= 1)])
+            flag = torch.tensor([float(time.perf_counter() - started > args.time_box and len(times) >= 1)],
+                                device=ctx.device)   # NCCL carries device tensors only
             dist.broadcast(flag, src=0)
             if flag.item():
                 stopped = True
@@ -157,8 +158,10 @@ def main(argv=None):
         try:
             got = common.launch(allreduce_worker, args, world_size=ws, backend=backend, device=device)
         except common.LaunchError as e:
-            failed.append(f"{backend}+{device} at {ws} ranks failed: {str(e).splitlines()[0]}")
-            print(failed[-1])
+            lines = str(e).strip().splitlines()   # first line: which rank; last: its exception
+            failed.append(f"{backend}+{device} at {ws} ranks failed: {lines[0]}"
+                          + (f" {lines[-1].strip()}" if len(lines) > 1 else ""))
+            print(f"{backend}+{device} at {ws} ranks failed: {e}")
             continue
         if not report:
             continue

@@ -148,10 +148,11 @@ def _opt_cls(kind):
     return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
 
 
-def _build(case, sharded, dims=(20, 10)):
+def _build(case, sharded, dims=(20, 10), device="cpu"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(*dims)) if case.get("tiny") else \
         common.ToyModel(dims[0], n_classes=dims[1], tied=case.get("tied", False))
+    model.to(device)
     cls, kw = _opt_cls(case["opt"])
     head = list(model.parameters())[-2:]
     body = [p for p in model.parameters() if all(p is not h for h in head)]
@@ -170,7 +171,7 @@ def _train(ctx, case, steps, batches, sharded, dims, start=0, state=None):
     """Train from `start` to `steps`; with sharded=True on this rank's shard through NaiveDDP.
     ``state`` = (model state_dict, optimizer state_dict) to resume from."""
     naive = common.load_script(common.ROOT / "02_naive_ddp.py")
-    model, opt, sched, head = _build(case, sharded, dims)
+    model, opt, sched, head = _build(case, sharded, dims, ctx.device)
     if state is not None:
         model.load_state_dict(state[0])
         opt.load_state_dict(state[1])
@@ -178,7 +179,7 @@ def _train(ctx, case, steps, batches, sharded, dims, start=0, state=None):
     for step in range(start, steps):
         if case.get("late_head") and step == 5:
             opt.add_param_group({"params": head, "lr": 2e-3})   # "unfreeze" the head mid-training
-        x, y = batches[step]
+        x, y = (t.to(ctx.device) for t in batches[step])   # the reference too: same device, same arithmetic
         if sharded:
             x, y = common.shard(x, ctx), common.shard(y, ctx)
         opt.zero_grad()

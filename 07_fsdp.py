@@ -249,9 +249,10 @@ def _reference_step(master, x, y, compute_dtype):
 
 def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
     batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * ctx.world_size)
+    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]   # reference on the same device
     torch.manual_seed(args.seed)
-    ref = common.ToyModel(in_dim, n_classes=n_cls, tied=tied)
-    model = FSDP(copy.deepcopy(ref).to(ctx.device), compute_dtype=compute_dtype)
+    ref = common.ToyModel(in_dim, n_classes=n_cls, tied=tied).to(ctx.device)
+    model = FSDP(copy.deepcopy(ref), compute_dtype=compute_dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     shapes_ok = True
@@ -260,8 +261,8 @@ def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
         _reference_step(ref, x, y, compute_dtype)
         ref_opt.step()
         opt.zero_grad()
-        out = model(common.shard(x, ctx).to(ctx.device))
-        F.cross_entropy(out.float(), common.shard(y, ctx).to(ctx.device)).backward()
+        out = model(common.shard(x, ctx))
+        F.cross_entropy(out.float(), common.shard(y, ctx)).backward()
         model.finish_gradient_synchronization()
         shapes_ok &= all(p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype
                          for p in model.parameters())
@@ -270,9 +271,9 @@ def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
     tol = LOW_PRECISION_TOL if compute_dtype is not None else {}
     diff, ok = 0.0, True
     for name, p in ref.named_parameters():
-        diff = max(diff, (full[name].cpu().double() - p.detach().double()).abs().max().item())
+        diff = max(diff, (full[name].to(p.device).double() - p.detach().double()).abs().max().item())
         try:
-            torch.testing.assert_close(full[name].cpu(), p.detach(), **tol)
+            torch.testing.assert_close(full[name].to(p.device), p.detach(), **tol)
         except AssertionError:
             ok = False
     replicated = [p.grad.clone() for _, p in model._replicated]
