@@ -141,6 +141,7 @@ def main(argv=None):
         raise common.UsageError(f"--sizes-mb must all be positive, got {args.sizes_mb}")
     if args.iters < 1 or args.warmup < 0 or args.time_box <= 0:
         raise common.UsageError("--iters must be at least 1, --warmup at least 0, --time-box positive")
+    common.check_out(args.out)
     if common.under_torchrun():
         ws = int(__import__("os").environ["WORLD_SIZE"])
         args.world_sizes = [ws]

@@ -14,27 +14,29 @@ Writes results/04_overlap_ddp.{json,md}, results/04_timeline_naive.png and
 results/04_timeline_overlap.png.
 """
 
-import contextlib
 import os
+
+import common
+
+# ---- begin copy: DDPIndividualParameters (needs only torch and the standard library) ----
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import common
-
 
 class DDPIndividualParameters(nn.Module):
     """Per-parameter all-reduce, launched from a hook during backward and awaited at the end.
 
-        model = DDPIndividualParameters(MyModel().to(device))   # broadcasts rank 0's weights
+        model = DDPIndividualParameters(MyModel().to(device))   # broadcasts the group's first rank's weights
         opt = torch.optim.AdamW(model.parameters())
         loss = loss_fn(model(x_local), y_local)
         loss.backward()                              # all-reduces start as gradients appear
         model.finish_gradient_synchronization()      # wait for them; gradients are averaged
         opt.step()
 
-    Launch order is fixed: parameters in reverse ``module.parameters()`` order (about the
+    ``process_group`` (default: every rank) is the data-parallel group. Launch order is fixed: parameters in reverse ``module.parameters()`` order (about the
     order backward produces them), each launched once it and all before it are ready, so
     every rank issues the same collectives in the same order even when a parameter gets no
     gradient on some rank. Those left over are reduced in ``finish_gradient_synchronization``
@@ -43,13 +45,15 @@ class DDPIndividualParameters(nn.Module):
     synchronized backward reduces the sum. Tied parameters are reduced once.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, process_group=None):
         super().__init__()
         self.module = module
-        self.world_size = dist.get_world_size()
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=src, group=process_group)
         self._order = [p for p in module.parameters() if p.requires_grad][::-1]
         self._ready = [False] * len(self._order)
         self._next = 0          # the next parameter (in _order) to launch
@@ -74,7 +78,7 @@ class DDPIndividualParameters(nn.Module):
     @torch.no_grad()
     def _launch(self, i, buf):
         buf.div_(self.world_size)  # average by dividing before the sum
-        self._pending.append((dist.all_reduce(buf, async_op=True), i, buf))
+        self._pending.append((dist.all_reduce(buf, group=self.process_group, async_op=True), i, buf))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -98,7 +102,7 @@ class DDPIndividualParameters(nn.Module):
             p = order[i]
             self._launch(i, p.grad if p.grad is not None else torch.zeros_like(p))
         has_grad = torch.tensor([float(p.grad is not None) for p in order], device=order[0].device)
-        flags = dist.all_reduce(has_grad, async_op=True)
+        flags = dist.all_reduce(has_grad, group=self.process_group, async_op=True)
         for work, _, _ in self._pending:
             work.wait()
         flags.wait()
@@ -109,60 +113,93 @@ class DDPIndividualParameters(nn.Module):
         self._pending.clear()
         self._ready = [False] * len(order)
         self._next = 0
+# ---- end copy: DDPIndividualParameters ----
 
 
-# ----------------------------------------------------------------------------------------
-def verify(ctx, args):
-    return common.verify_cases(ctx, DDPIndividualParameters, args, getattr(args, "cases", None))
+def train_step(model, optimizer, batch, clock, micro_batches=1, set_to_none=True, **forward_kwargs):
+    """One training step on this rank's part of the global batch, timed by phase (the
+    phases also label the profiler trace). With ``micro_batches`` > 1 the gradients
+    accumulate, communicated once (at the last)."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=set_to_none)
+    for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        with model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
+            with clock.phase("forward"):
+                loss = model(xm, ym, **forward_kwargs) / micro_batches
+            with clock.phase("backward"):
+                loss.backward()
+    with clock.phase("comm"):
+        model.finish_gradient_synchronization()
+    with clock.phase("optim"):
+        optimizer.step()
+
+
+def verify(ctx, args, cases=None, group=None):
+    """Each case of common.VERIFY_CASES (or those named): DDPIndividualParameters on this
+    rank's part of every global batch, against one process trained on the whole batches.
+    ``group``: the data-parallel group (default: every rank)."""
+    results = {}
+    for name in cases or common.VERIFY_CASES:
+        run = common.VerifyRun(ctx, args, common.VERIFY_CASES[name], group)
+        model = DDPIndividualParameters(run.model, process_group=group)
+        optimizer = run.optimizer(model.parameters())
+        for step in range(run.steps):
+            train_step(model, optimizer, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
+        results[name] = run.compare(model.module)
+    return results
+
+
+def wrappers():
+    naive = common.load_script(common.ROOT / "02_naive_ddp.py")
+    flat = common.load_script(common.ROOT / "03_flat_ddp.py")
+    return {"naive": naive.NaiveDDP, "flat": flat.FlatDDP, "overlap": DDPIndividualParameters}
 
 
 def benchmark(ctx, args):
-    naive = common.load_script(common.ROOT / "02_naive_ddp.py")
-    flat = common.load_script(common.ROOT / "03_flat_ddp.py")
-    rows = [common.bench_method(ctx, args, "naive (per-parameter)", naive.NaiveDDP),
-            common.bench_method(ctx, args, "flat (one all-reduce)", flat.FlatDDP),
-            common.bench_method(ctx, args, "overlapped (per-parameter, async)", DDPIndividualParameters)]
-    rows += [{"method": "timeline", "name": name, "events": trace_step(ctx, args, wrap)}
-             for name, wrap in (("naive", naive.NaiveDDP), ("overlap", DDPIndividualParameters))]
-    return rows
+    """Naive (02), flat (03) and overlapped DDP on the LM, steps alternating: one row each."""
+    def method(wrap):
+        def make():
+            model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            return lambda batch, clock: train_step(model, optimizer, batch, clock)
+        return make
+    w = wrappers()
+    return common.time_methods(ctx, args, {"naive (per-parameter)": method(w["naive"]),
+                                           "flat (one all-reduce)": method(w["flat"]),
+                                           "overlapped (per-parameter, async)": method(w["overlap"])})
 
 
 # ----------------------------------------------------------------------------------------
 # Timelines: one profiled step, drawn as a compute lane and a communication lane
 # ----------------------------------------------------------------------------------------
-PHASES = ("forward", "backward", "finish_gradient_synchronization", "optimizer.step")
+PHASES = {"forward": "forward", "backward": "backward", "comm": "finish_gradient_synchronization",
+          "optim": "optimizer.step"}   # the clock's phases, and what they stand for
 COMM_PREFIXES = ("gloo:", "nccl:", "c10d::allreduce", "record_param_comms")
 
 
-def trace_step(ctx, args, wrap):
-    """Profile one training step on this rank; returns [(lane, name, start_ms, end_ms)]."""
+def trace(ctx, args):
+    """Profile one training step of naive and of overlapped DDP on this rank:
+    {name: [(lane, name, start_ms, end_ms)]}."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler_start/stop chatter on stderr
-    from torch.profiler import ProfilerActivity, profile, record_function
-    model, _ = common.lm_trainer(ctx, args, wrap)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = (common.shard(t, ctx) for t in common.lm_batch(args.batch_size, args.context_length, 0,
-                                                          args.seed, ctx.device))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with record_function("forward"):
-            loss = model(x, y)
-        with record_function("backward"):
-            loss.backward()
-            common.sync(ctx.device)
-        with record_function("finish_gradient_synchronization"):
-            model.finish_gradient_synchronization()
-            common.sync(ctx.device)
-        with record_function("optimizer.step"):
-            opt.step()
-            common.sync(ctx.device)
-
-    for _ in range(2):
-        step()
-    dist.barrier()
+    from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step()
+    batch = tuple(common.shard(t, ctx.rank, ctx.world_size) for t in
+                  common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    timelines = {}
+    for name in ("naive", "overlap"):
+        model = wrappers()[name](common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(2):
+            train_step(model, optimizer, batch, common.StepClock(ctx.device))
+        dist.barrier()
+        with profile(activities=acts) as prof:
+            train_step(model, optimizer, batch, common.StepClock(ctx.device))
+        timelines[name] = timeline_events(prof, ctx)
+        del model, optimizer
+    return timelines
+
+
+def timeline_events(prof, ctx):
     events = []
     for e in prof.events():
         name = e.name
@@ -172,16 +209,14 @@ def trace_step(ctx, args, wrap):
         elif name.startswith(COMM_PREFIXES) and end > start:
             events.append(("comm", name, start, end))
         elif ctx.device.type == "cuda" and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            lane = "comm" if "nccl" in name.lower() else "gpu"
-            events.append((lane, name, start, end))
+            events.append(("comm" if "nccl" in name.lower() else "gpu", name, start, end))
     t0 = min(s for _, _, s, _ in events)
     return [(lane, name, s - t0, e - t0) for lane, name, s, e in events]
 
 
 def draw_timeline(events, title, path):
     plt = common.pyplot()
-    colors = {"forward": "#4c72b0", "backward": "#dd8452", "finish_gradient_synchronization": "#c44e52",
-              "optimizer.step": "#55a868"}
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "comm": "#c44e52", "optim": "#55a868"}
     lanes = ["compute"] + (["gpu"] if any(l == "gpu" for l, *_ in events) else []) + ["comm"]
     fig, ax = plt.subplots(figsize=(10, 2.6))
     bars = {}   # one broken_barh per lane and colour: a GPU step has thousands of kernels
@@ -201,30 +236,29 @@ def draw_timeline(events, title, path):
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()] +
+    ax.legend(handles=[Patch(color=c, label=PHASES[n]) for n, c in colors.items()] +
               [Patch(color="#8172b3", label="all-reduce")], fontsize=7, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     common.save_figure(fig, path)
 
 
+NAME, TITLE = "04_overlap_ddp", "Naive, flat and overlapped DDP"
+
+
 def main(argv=None):
-    p = common.script_parser(__doc__)
-    args = common.resolve_args(p.parse_args(argv))
-    timelines = {}
-
-    def split(rows):  # the traces are drawn, not tabulated
-        timelines.update((r["name"], r["events"]) for r in rows if r["method"] == "timeline")
-        return [r for r in rows if r["method"] != "timeline"]
-
-    def after(rows):
+    args = common.parse(common.script_parser(__doc__), argv)
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
+    if args.no_bench:
+        return
+    common.report_table(args, NAME, TITLE, common.launch(benchmark, args))
+    timelines = common.launch(trace, args)
+    if common.is_reporter():
         for name, events in timelines.items():
             path = f"{args.out}/04_timeline_{name}.png"
             draw_timeline(events, f"{name} DDP, one step on rank 0 ({args.model_size} LM, "
                                   f"{args.world_size} x {args.backend}/{args.device})", path)
             print(f"wrote {path}")
-
-    common.run_script(args, "04_overlap_ddp", "Naive, flat and overlapped DDP", verify,
-                      benchmark, after=after, prepare=split)
 
 
 if __name__ == "__main__":

@@ -22,29 +22,32 @@ keeps what it measured; --time-box stops starting new sizes after that many seco
 """
 
 import argparse
-import contextlib
 import math
 import time
+
+import common
+
+# ---- begin copy: DDPBucketed (needs only torch and the standard library) ----
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-import common
 
 
 class DDPBucketed(nn.Module):
     """Overlapped data parallelism with gradient buckets (like torch DDP with
     ``gradient_as_bucket_view=True``).
 
-        model = DDPBucketed(MyModel().to(device), bucket_size_mb=25)   # broadcasts rank 0's weights
+        model = DDPBucketed(MyModel().to(device), bucket_size_mb=25)   # broadcasts the group's first rank's weights
         opt = torch.optim.AdamW(model.parameters())
         loss = loss_fn(model(x_local), y_local)
         loss.backward()                          # each full bucket is all-reduced during backward
         model.finish_gradient_synchronization()  # wait; every gradient is now the average
         opt.step()
 
-    Buckets hold parameters in reverse ``module.parameters()`` order, at most
+    ``process_group`` (default: every rank) is the data-parallel group. Buckets hold
+    parameters in reverse ``module.parameters()`` order, at most
     ``bucket_size_mb`` MiB of gradients each (a larger parameter gets a bucket of its own),
     one dtype and device per bucket; tied parameters appear once and frozen ones not at all.
     Each parameter's ``.grad`` is a view into its bucket's flat buffer: no second copy of
@@ -59,15 +62,17 @@ class DDPBucketed(nn.Module):
     only accumulates; the next synchronized backward reduces the sum.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None):
         super().__init__()
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.module = module
-        self.world_size = dist.get_world_size()
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=src, group=process_group)
         cap = bucket_size_mb * 1024 * 1024
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         groups, open_ = [], {}          # groups: lists of parameters, in bucket order
@@ -80,7 +85,7 @@ class DDPBucketed(nn.Module):
                 groups.append(g[0])
             g[0].append(p)
             g[1] += nbytes
-        self.buckets = [_Bucket(ps) for ps in groups]
+        self.buckets = [_Bucket(ps, process_group) for ps in groups]
         self._where = {}                # parameter -> (bucket index, slot)
         for b, bucket in enumerate(self.buckets):
             for j, p in enumerate(bucket.params):
@@ -139,8 +144,8 @@ class DDPBucketed(nn.Module):
 class _Bucket:
     """One flat buffer: the gradients of ``params``, then one has-gradient flag each."""
 
-    def __init__(self, params):
-        self.params = params
+    def __init__(self, params, process_group):
+        self.params, self.process_group = params, process_group
         numel = sum(p.numel() for p in params)
         self.nbytes = numel * params[0].element_size()
         self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
@@ -181,7 +186,7 @@ class _Bucket:
                     self.missing = True
                 elif not self.ready[j]:     # accumulated earlier (no_sync) or kept by zero_grad
                     self.attach(j, p, world_size)
-        self.work = dist.all_reduce(self.buffer, async_op=True)
+        self.work = dist.all_reduce(self.buffer, group=self.process_group, async_op=True)
 
     def finish(self):
         self.work.wait()
@@ -191,62 +196,115 @@ class _Bucket:
                 if p.grad is None and n > 0:
                     p.grad = self.views[j]
         self._reset()
+# ---- end copy: DDPBucketed ----
 
 
-# ----------------------------------------------------------------------------------------
-# Verification and benchmark
-# ----------------------------------------------------------------------------------------
+def train_step(model, optimizer, batch, clock, micro_batches=1, set_to_none=True, **forward_kwargs):
+    """One training step on this rank's part of the global batch, timed by phase. With
+    ``micro_batches`` > 1 the gradients accumulate, communicated once (at the last)."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=set_to_none)
+    for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        with model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
+            with clock.phase("forward"):
+                loss = model(xm, ym, **forward_kwargs) / micro_batches
+            with clock.phase("backward"):
+                loss.backward()
+    with clock.phase("comm"):
+        model.finish_gradient_synchronization()
+    with clock.phase("optim"):
+        optimizer.step()
+
+
 # Bucket caps that split the plain toy model (12,328 bytes of gradients) into 1, 2 and 3
 # buckets, and one below every parameter's size (each parameter alone in a bucket).
 TOY_CAPS = {"1 bucket": 1000.0, "2 buckets": 7000 / 2**20, "3 buckets": 6200 / 2**20, "cap < every parameter": 1e-6}
 
 
-def verify(ctx, args):
-    """Every standard case with buckets that give 1, 2 and several buckets on the toy model,
-    and a bucket smaller than any parameter (each parameter larger than the cap)."""
+def verify(ctx, args, cases=None, group=None, caps=None):
+    """Each case of common.VERIFY_CASES (or those named) at each bucket cap (default:
+    TOY_CAPS): DDPBucketed on this rank's part of every global batch, against one process
+    trained on the whole batches. ``group``: the data-parallel group (default: every rank)."""
     results = {}
-    caps = TOY_CAPS
-    if getattr(args, "bucket_mb", None):
-        caps = {f"{args.bucket_mb[0]:g} MB": args.bucket_mb[0], **caps}
-    for label, cap in caps.items():
-        wrap = lambda m, cap=cap: DDPBucketed(m, cap)  # noqa: E731
-        for name, r in common.verify_cases(ctx, wrap, args, getattr(args, "cases", None)).items():
-            results[f"{name} [{label}]"] = r
+    for label, cap in (caps or TOY_CAPS).items():
+        for name in cases or common.VERIFY_CASES:
+            run = common.VerifyRun(ctx, args, common.VERIFY_CASES[name], group)
+            model = DDPBucketed(run.model, cap, process_group=group)
+            optimizer = run.optimizer(model.parameters())
+            for step in range(run.steps):
+                train_step(model, optimizer, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
+            results[f"{name} [{label}]"] = run.compare(model.module)
     return results
 
 
-def torch_ddp(ctx, cap_mb):
+# ----------------------------------------------------------------------------------------
+# Benchmark: one job per bucket size, then the unbucketed baselines
+# ----------------------------------------------------------------------------------------
+def rank0_decides(flag: bool) -> bool:
+    """Rank 0's decision on every rank (under torchrun each rank runs main())."""
+    if common.under_torchrun() and dist.is_initialized():
+        box = [flag]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return flag
+
+
+def lm_param_tensors(size: str) -> int:
+    """How many parameter tensors the LM has (embeddings, 6 per block, final norm, head)."""
+    return 2 + 6 * common.MODEL_SIZES[size][2] + 2
+
+
+def torch_ddp(module, cap_mb, device):
     from torch.nn.parallel import DistributedDataParallel
-    ids = [ctx.device] if ctx.device.type == "cuda" else None
-    return lambda m: DistributedDataParallel(m, device_ids=ids, bucket_cap_mb=cap_mb)
+    ddp = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
+                                  bucket_cap_mb=cap_mb)
+    ddp.finish_gradient_synchronization = lambda: None   # torch DDP has waited inside backward
+    return ddp
 
 
-def benchmark(ctx, args):
-    """One job of the sweep (``args.job``): a bucket size, ours against torch DDP (the first
-    size also fits the all-reduce cost), or "baselines", the unbucketed wrappers."""
-    if args.job == "baselines":
-        overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
-        flat = common.load_script(common.ROOT / "03_flat_ddp.py")
-        return [common.bench_method(ctx, args, name, wrap) for name, wrap in (
-            ("per-parameter overlapped (04)", overlap.DDPIndividualParameters),
-            ("flat after backward (03)", flat.FlatDDP))]
-    cap = args.job
-    interleave = ctx.device.type == "cpu"   # on CPU the models fit together: measure step by step alternately
-    ours = lambda m: DDPBucketed(m, cap)  # noqa: E731
-    # plain training on this rank's shard, no wrapper and no communication: what each wrapper
-    # costs on top of it is the ratio vs_plain (at one rank, the wrapper's own cost)
-    rows = common.bench_methods(ctx, args, {f"DDPBucketed {cap:g} MB": ours,
-                                            f"torch DDP {cap:g} MB": torch_ddp(ctx, cap),
-                                            "plain (no wrapper)": None}, interleave)
-    for r in rows:
-        r.update(bucket_mb=cap, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"],
+def no_wrapper(module):
+    """Plain training on this rank's part of the batch: no communication at all."""
+    module.no_sync = contextlib.nullcontext
+    module.finish_gradient_synchronization = lambda: None
+    return module
+
+
+def lm_method(ctx, args, wrap, n_buckets=None):
+    """make() for common.time_methods: the LM wrapped by ``wrap``, AdamW, train_step."""
+    def make():
+        model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+        if n_buckets is not None:
+            n_buckets.append(len(model.buckets))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return lambda batch, clock: train_step(model, optimizer, batch, clock)
+    return make
+
+
+def benchmark(ctx, args, cap, fit=False):
+    """One bucket size: DDPBucketed, torch DDP at the same bucket_cap_mb and plain training
+    (no wrapper), steps alternating. With ``fit``, also fits the all-reduce cost."""
+    n_buckets = []
+    rows = common.time_methods(ctx, args, {
+        f"DDPBucketed {cap:g} MB": lm_method(ctx, args, lambda m: DDPBucketed(m, cap), n_buckets),
+        f"torch DDP {cap:g} MB": lm_method(ctx, args, lambda m: torch_ddp(m, cap, ctx.device)),
+        "plain (no wrapper)": lm_method(ctx, args, no_wrapper)})
+    for r in rows:   # vs_plain: each wrapper's cost over plain training (at one rank, its own cost)
+        r.update(bucket_mb=cap, n_buckets=None, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"],
                  vs_plain=r["step_ms"] / rows[2]["step_ms"])
+    rows[0]["n_buckets"] = n_buckets[0]
     # torch DDP waits inside backward, and its C++ reducer bypasses the Python collectives
-    rows[1].update(comm_ms=None, comm_share=None, collectives=None, n_buckets=None)
+    rows[1].update(comm_ms=None, comm_share=None, collectives=None)
     rows[2].update(vs_torch_ddp=None, vs_plain=None)
-    if cap == args.bucket_mb[0]:
-        rows.append({"method": "all-reduce fit", "fit": fit_allreduce(ctx, args)})
-    return rows
+    return {"rows": rows, "fit": fit_allreduce(ctx, args) if fit else None}
+
+
+def benchmark_baselines(ctx, args):
+    """The two unbucketed ends: per-parameter overlapped (04) and one flat all-reduce (03)."""
+    overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
+    flat = common.load_script(common.ROOT / "03_flat_ddp.py")
+    return common.time_methods(ctx, args, {
+        "per-parameter overlapped (04)": lm_method(ctx, args, overlap.DDPIndividualParameters),
+        "flat after backward (03)": lm_method(ctx, args, flat.FlatDDP)})
 
 
 def fit_allreduce(ctx, args):
@@ -282,7 +340,7 @@ def analyse(rows, fit, args):
     s = common.lm_param_count(args.model_size, args.context_length) * 4
     w, o = fit["w_Bps"] or math.inf, fit["o_s"]
     # the formula's optimum, kept between one bucket and one bucket per parameter tensor
-    n_star = min(max(math.sqrt(s / (w * o)), 1.0), common.lm_param_tensors(args.model_size))
+    n_star = min(max(math.sqrt(s / (w * o)), 1.0), lm_param_tensors(args.model_size))
     best = min((r for r in rows if r["method"].startswith("DDPBucketed")), key=lambda r: r["step_ms"])
     ours = [r for r in rows if r["method"].startswith("DDPBucketed")]
     theirs = {r["bucket_mb"]: r for r in rows if r["method"].startswith("torch DDP")}
@@ -321,6 +379,7 @@ def plot(rows, args):
 
 HEADERS = ["method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_max_ms", "comm_ms",
            "vs_torch_ddp", "vs_plain", "collectives"]
+NAME, TITLE = "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size"
 
 
 def main(argv=None):
@@ -332,43 +391,60 @@ def main(argv=None):
     p.add_argument("--time-box", type=float, default=None,
                    help="seconds of benchmarking after which no further bucket size starts "
                         "(what ran is saved; the first size always runs)")
-    args = p.parse_args(argv)
+    args = common.parse(p, argv)
     if any(not b > 0 for b in args.bucket_mb):
         raise common.UsageError(f"--bucket-mb must be positive, got {args.bucket_mb}")
     if args.time_box is not None and not args.time_box > 0:
         raise common.UsageError(f"--time-box must be positive, got {args.time_box}")
-    args.bucket_mb = list(dict.fromkeys(args.bucket_mb))   # each size once
-    args = common.resolve_args(args)
-    state = {}
+    caps = list(dict.fromkeys(args.bucket_mb))   # each size once
+    report = common.is_reporter()
 
-    def prepare(rows):
-        state["fit"] = next(r["fit"] for r in rows if "fit" in r)
-        rows = [r for r in rows if "fit" not in r]
-        state["analysis"] = analyse(rows, state["fit"], args)
-        return rows
+    if not args.no_verify:   # the toy caps, and the first size asked for
+        results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": caps[0], **TOY_CAPS})
+        common.check_verification(results, f"{NAME} at {args.world_size} rank(s)")
+    if args.no_bench:
+        return
 
-    def after(rows):
-        a = state["analysis"]
-        plot(rows, args)
-        print(f"\nOverhead model: overhead(n_b) = s/(n_b*w) + n_b*o, best n_b = sqrt(s/(w*o)), "
-              f"bucket = sqrt(s*w*o)\n  fitted all-reduce cost: o = {a['o_ms']:.3f} ms per call, "
-              f"w = {'%.3f GB/s' % a['w_GBps'] if a['w_GBps'] else 'unbounded (time does not grow with size)'}; "
-              f"s = {a['s_bytes'] / 1e6:.1f} MB of gradients\n"
-              f"  predicted best bucket: {a['bucket_opt_mb']:.2f} MiB ({a['n_b_opt']:.1f} buckets), "
-              f"overhead {a['overhead_opt_ms']:.1f} ms\n"
-              f"  measured best bucket (of the sweep): {a['measured_best_mb']:g} MiB, "
-              f"{a['measured_best_step_ms']:.1f} ms/step, {a['best_vs_torch_ddp']:.3f}x torch DDP at that cap")
-        common.save_results(args.out, "05_overhead_model", [
-            {"bucket_mb": b, "predicted_overhead_ms": v,
-             **{k: r[k] for r in rows if r.get("bucket_mb") == b and r["method"].startswith("DDPB")
-                for k in ("n_buckets", "step_ms", "comm_ms")}}
-            for b, v in a["predicted_overhead_ms"].items()], common.lm_settings(args),
-            title="Bucketed DDP: overhead model against measurement", extra={"fit": state["fit"], "analysis": a})
-        print(f"wrote {args.out}/05_bucket_sweep.png and 05_overhead_model.json, .md")
+    # One job (fresh processes) per bucket size; the table is rewritten after each, so a run
+    # cut short keeps what it measured. The first size also fits the all-reduce cost.
+    jobs, rows, fit, note = caps + (["baselines"] if args.baselines else []), [], None, ""
+    started = time.perf_counter()
+    for i, job in enumerate(jobs):
+        if i and args.time_box and rank0_decides(time.perf_counter() - started > args.time_box):
+            note = (f"Time box ({args.time_box:g} s) reached: not run: "
+                    f"{', '.join(f'{j:g}' if j != 'baselines' else j for j in jobs[i:])}.")
+            if report:
+                print(note)
+            break
+        if job == "baselines":
+            rows += common.launch(benchmark_baselines, args)
+        else:
+            got = common.launch(benchmark, args, job, fit is None)
+            rows, fit = rows + got["rows"], fit or got["fit"]
+        if report and i < len(jobs) - 1:
+            common.save_results(args.out, NAME, rows, common.lm_settings(args), headers=HEADERS, title=TITLE,
+                                note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
+    common.report_table(args, NAME, TITLE, rows, HEADERS, note)
+    if not report:
+        return
 
-    common.run_script(args, "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size",
-                      verify, benchmark, headers=HEADERS, prepare=prepare, after=after,
-                      jobs=args.bucket_mb + (["baselines"] if args.baselines else []), time_box=args.time_box)
+    a = analyse(rows, fit, args)
+    print(f"\nOverhead model: overhead(n_b) = s/(n_b*w) + n_b*o, best n_b = sqrt(s/(w*o)), "
+          f"bucket = sqrt(s*w*o)\n  fitted all-reduce cost: o = {a['o_ms']:.3f} ms per call, "
+          f"w = {'%.3f GB/s' % a['w_GBps'] if a['w_GBps'] else 'unbounded (time does not grow with size)'}; "
+          f"s = {a['s_bytes'] / 1e6:.1f} MB of gradients\n"
+          f"  predicted best bucket: {a['bucket_opt_mb']:.2f} MiB ({a['n_b_opt']:.1f} buckets), "
+          f"overhead {a['overhead_opt_ms']:.1f} ms\n"
+          f"  measured best bucket (of the sweep): {a['measured_best_mb']:g} MiB, "
+          f"{a['measured_best_step_ms']:.1f} ms/step, {a['best_vs_torch_ddp']:.3f}x torch DDP at that cap")
+    ours = {r["bucket_mb"]: r for r in rows if r["method"].startswith("DDPBucketed")}
+    common.save_results(args.out, "05_overhead_model", [
+        {"bucket_mb": b, "predicted_overhead_ms": v, "n_buckets": ours[b]["n_buckets"],
+         "step_ms": ours[b]["step_ms"], "comm_ms": ours[b]["comm_ms"]}
+        for b, v in a["predicted_overhead_ms"].items()], common.lm_settings(args),
+        title="Bucketed DDP: overhead model against measurement", extra={"fit": fit, "analysis": a})
+    plot(rows, args)
+    print(f"wrote {args.out}/05_bucket_sweep.png and 05_overhead_model.json, .md")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ import copy
 import os
 import resource
 
-import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import common
+
+# ---- begin copy: ShardedOptimizer (needs only torch and the standard library) ----
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -41,7 +43,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Each parameter is owned by one rank, chosen greedily by size (largest first, to the
     least-loaded rank) so bytes balance; the choice is deterministic, so all ranks agree.
-    ``add_param_group`` works during construction and later (unfreezing layers), and the
+    ``process_group`` (default: every rank) is the data-parallel group: ownership is spread
+    over its ranks. ``add_param_group`` works during construction and later (unfreezing layers), and the
     group's hyperparameters reach the inner optimizer; so do changes to
     ``param_groups[i]["lr"]`` (learning-rate schedulers). A rank may own nothing.
     The parameters of each owner are moved into one flat buffer per dtype and device
@@ -53,9 +56,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     file back with ``load_state_dict`` into an optimizer built the same way.
     """
 
-    def __init__(self, params, optimizer_cls, **kwargs):
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+    def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._global_rank = [dist.get_global_rank(process_group or dist.group.WORLD, r)
+                             for r in range(self.world_size)]   # broadcast sources
         self._optimizer_cls = optimizer_cls
         self._kwargs = kwargs
         self.optim = None                            # the inner optimizer, over owned params only
@@ -107,7 +113,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     inner[k] = v
         loss = self.optim.step(closure, **kwargs)
         # Every owner's updated parameters, all broadcasts in flight at once.
-        for work in [dist.broadcast(flat, src=owner, async_op=True) for owner, flat in self._flats]:
+        for work in [dist.broadcast(flat, src=self._global_rank[owner], group=self.process_group, async_op=True)
+                     for owner, flat in self._flats]:
             work.wait()
         return loss
 
@@ -125,6 +132,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def owned_params(self, rank=None):
         return list(self._owned[self.rank if rank is None else rank])
+# ---- end copy: ShardedOptimizer ----
+
+
+def train_step(model, optimizer, batch, clock):
+    """One training step on this rank's part of the global batch, timed by phase: ``model``
+    is a DDP wrapper, ``optimizer`` sharded or not."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with clock.phase("forward"):
+        loss = model(x, y)
+    with clock.phase("backward"):
+        loss.backward()
+    with clock.phase("comm"):
+        model.finish_gradient_synchronization()
+    with clock.phase("optim"):
+        optimizer.step()   # the sharded optimizer also broadcasts every owner's parameters
 
 
 # ----------------------------------------------------------------------------------------
@@ -142,82 +165,88 @@ CASES = {
 }
 
 
-def _opt_cls(kind):
-    if kind == "adamw":
-        return torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}
-    return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+class TinyModel(torch.nn.Module):
+    """One linear layer, two parameters: with 3 or more ranks some rank owns nothing."""
+
+    def __init__(self, in_dim, n_classes):
+        super().__init__()
+        self.fc = torch.nn.Linear(in_dim, n_classes)
+
+    def forward(self, x, targets):
+        return F.cross_entropy(self.fc(x), targets)
 
 
-def _build(case, sharded, dims=(20, 10), device="cpu"):
+def _build(case, sharded, dims=(20, 10), device="cpu", group=None):
+    """The case's model, optimizer (sharded or plain), LR scheduler and head parameters."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(*dims)) if case.get("tiny") else \
+    model = TinyModel(*dims) if case.get("tiny") else \
         common.ToyModel(dims[0], n_classes=dims[1], tied=case.get("tied", False))
     model.to(device)
-    cls, kw = _opt_cls(case["opt"])
+    cls = torch.optim.AdamW if case["opt"] == "adamw" else torch.optim.SGD
+    kw = {"lr": 1e-3, "weight_decay": 0.1} if case["opt"] == "adamw" else {"lr": 0.05, "momentum": 0.9}
     head = list(model.parameters())[-2:]
     body = [p for p in model.parameters() if all(p is not h for h in head)]
     if case.get("groups"):
         params = [{"params": body}, {"params": head, "lr": kw["lr"] * 3, "weight_decay": 0.0}]
-    elif case.get("late_head"):
-        params = body
     else:
-        params = list(model.parameters())
-    opt = ShardedOptimizer(params, cls, **kw) if sharded else cls(params, **kw)
+        params = body if case.get("late_head") else list(model.parameters())
+    opt = ShardedOptimizer(params, cls, process_group=group, **kw) if sharded else cls(params, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if case.get("schedule") else None
     return model, opt, sched, head
 
 
-def _train(ctx, case, steps, batches, sharded, dims, start=0, state=None):
-    """Train from `start` to `steps`; with sharded=True on this rank's shard through NaiveDDP.
-    ``state`` = (model state_dict, optimizer state_dict) to resume from."""
+def verify_case(ctx, args, case, group=None, steps=10):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * size)
+    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]
     naive = common.load_script(common.ROOT / "02_naive_ddp.py")
-    model, opt, sched, head = _build(case, sharded, dims, ctx.device)
-    if state is not None:
-        model.load_state_dict(state[0])
-        opt.load_state_dict(state[1])
-    ddp = naive.NaiveDDP(model) if sharded else model
-    for step in range(start, steps):
-        if case.get("late_head") and step == 5:
-            opt.add_param_group({"params": head, "lr": 2e-3})   # "unfreeze" the head mid-training
-        x, y = (t.to(ctx.device) for t in batches[step])   # the reference too: same device, same arithmetic
-        if sharded:
-            x, y = common.shard(x, ctx), common.shard(y, ctx)
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        if sharded:
-            ddp.finish_gradient_synchronization()
-        opt.step()
-        if sched:
-            sched.step()
-    return model, opt
 
+    def train(sharded, start, stop, state=None):
+        """Steps [start, stop): one process on the whole batches, or NaiveDDP + ShardedOptimizer
+        on this rank's part; ``state``: (model, optimizer) state_dicts to resume from."""
+        model, opt, sched, head = _build(case, sharded, (in_dim, n_cls), ctx.device, group)
+        if state is not None:
+            model.load_state_dict(state[0])
+            opt.load_state_dict(state[1])
+        ddp = naive.NaiveDDP(model, process_group=group) if sharded else None
+        for step in range(start, stop):
+            if case.get("late_head") and step == 5:
+                opt.add_param_group({"params": head, "lr": 2e-3})   # "unfreeze" the head mid-training
+            x, y = batches[step]
+            if sharded:
+                train_step(ddp, opt, (common.shard(x, rank, size), common.shard(y, rank, size)),
+                           common.StepClock(ctx.device))
+            else:
+                opt.zero_grad()
+                model(x, y).backward()
+                opt.step()
+            if sched:
+                sched.step()
+        return model, opt
 
-def verify_case(ctx, case, args, steps=10):
-    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * ctx.world_size)
-    dims = (in_dim, n_cls)
-    ref, _ = _train(ctx, case, steps, batches, False, dims)
+    ref, _ = train(False, 0, steps)
     if case.get("checkpoint"):   # stop halfway, save, rebuild everything, load, go on
-        model, opt = _train(ctx, case, steps // 2, batches, True, dims)
+        model, opt = train(True, 0, steps // 2)
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-        model, opt = _train(ctx, case, steps, batches, True, dims, start=steps // 2, state=saved)
+        model, opt = train(True, steps // 2, steps, saved)
     else:
-        model, opt = _train(ctx, case, steps, batches, True, dims)
+        model, opt = train(True, 0, steps)
     owned = len(opt.owned_params())
     opt.zero_grad()
     stale = [p for p in model.parameters() if p.grad is not None]   # every gradient, not only owned
     local = {"ok": common.params_close(model, ref), "max_diff": common.max_param_diff(model, ref),
              "bitwise": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())),
              "owned": owned, "stale_grads": len(stale)}
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, local)
+    everyone = [None] * size
+    dist.all_gather_object(everyone, local, group=group)
     return {"ok": all(r["ok"] and r["stale_grads"] == 0 for r in everyone),
             "max_diff": max(r["max_diff"] for r in everyone), "bitwise": all(r["bitwise"] for r in everyone),
             "owned": [r["owned"] for r in everyone], "stale_grads": sum(r["stale_grads"] for r in everyone)}
 
 
-def verify(ctx, args):
-    names = getattr(args, "cases", None) or list(CASES)
-    return {n: verify_case(ctx, CASES[n], args) for n in names}
+def verify(ctx, args, cases=None, group=None):
+    """Each case of CASES (or those named), on ``group`` (default: every rank)."""
+    return {n: verify_case(ctx, args, CASES[n], group) for n in cases or CASES}
 
 
 # ----------------------------------------------------------------------------------------
@@ -266,24 +295,20 @@ def memory_snapshot(ctx, point, model, opt):
     return row
 
 
-def memory_worker(ctx, args):
-    """Peak memory at three points of one training step, per rank, for one optimizer kind."""
+def memory_worker(ctx, args, kind):
+    """Memory at three points of a training step, per rank, for one optimizer kind."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
-    kind = args.mem_kind
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    rows = []
     model = bucketed.DDPBucketed(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), 25)
-    rows.append(memory_snapshot(ctx, "after model init", model, None))
+    rows = [memory_snapshot(ctx, "after model init", model, None)]
     opt = make_optimizer(kind)(list(model.parameters()))
-    x, y = (common.shard(t, ctx) for t in common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
-    for step in range(2):  # the second step has optimizer state already, as in steady training
-        opt.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        model.finish_gradient_synchronization()
-        if step == 1:
-            rows.append(memory_snapshot(ctx, "before optimizer step", model, opt))
-        opt.step()
+    batch = tuple(common.shard(t, ctx.rank, ctx.world_size) for t in
+                  common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    train_step(model, opt, batch, common.StepClock(ctx.device))   # the optimizer state now exists
+    hook = opt.register_step_pre_hook(lambda *_: rows.append(memory_snapshot(ctx, "before optimizer step", model, opt)))
+    train_step(model, opt, batch, common.StepClock(ctx.device))   # as in steady training
+    hook.remove()
     rows.append(memory_snapshot(ctx, "after optimizer step", model, opt))
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, rows)
@@ -305,37 +330,30 @@ NAMES = {"plain": "AdamW (unsharded)", "sharded": "ShardedOptimizer(AdamW)", "ze
 
 
 def benchmark(ctx, args):
+    """DDPBucketed (25 MB) with plain AdamW, ShardedOptimizer and torch's ZeRO, steps alternating."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
-    wrap = lambda m: bucketed.DDPBucketed(m, 25)  # noqa: E731
-    rows = common.bench_methods(ctx, args, {NAMES[k]: (wrap, make_optimizer(k)) for k in NAMES},
-                                interleave=ctx.device.type == "cpu")
-    base = rows[0]["step_ms"]
+
+    def method(kind):
+        def make():
+            model = bucketed.DDPBucketed(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), 25)
+            optimizer = make_optimizer(kind)(list(model.parameters()))
+            return lambda batch, clock: train_step(model, optimizer, batch, clock)
+        return make
+    rows = common.time_methods(ctx, args, {NAMES[k]: method(k) for k in NAMES})
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
-        r["vs_unsharded"] = r["step_ms"] / base
+        r["vs_unsharded"] = r["step_ms"] / rows[0]["step_ms"]
     return rows
 
 
 HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "optim_ms", "vs_unsharded", "collectives"]
 MEM_HEADERS = ["optimizer", "rank", "point", "params_MB", "grads_MB", "opt_state_MB", "other_MB", "peak_MB"]
+NAME, TITLE = "06_sharded_optimizer", "Sharded optimizer: time per iteration (DDPBucketed 25 MB)"
 
 
-def main(argv=None):
-    p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
-    args = common.resolve_args(p.parse_args(argv))
-    common.run_script(args, "06_sharded_optimizer", "Sharded optimizer: time per iteration (DDPBucketed 25 MB)",
-                      verify, benchmark, headers=HEADERS)
-    if args.no_bench:
-        return
-    mem, _ = common.launch_each(memory_worker, args, "mem_kind", ("plain", "sharded"))
-    if common.is_reporter():
-        report_memory(args, mem)
-
-
-def report_memory(args, mem):
+def report_memory(args, mem, timing):
     def state(kind):
         return max(r["opt_state_MB"] for r in mem if r["optimizer"] == kind and r["point"] == "after optimizer step")
-    timing = common.load_json(args.out, "06_sharded_optimizer")["rows"]
     summary = {"opt_state_ratio": state("sharded") / state("plain"), "opt_state_bar": 1 / args.world_size + 0.05,
                "time_ratio_vs_unsharded": timing[1]["vs_unsharded"],
                "time_ratio_vs_zero": timing[1]["step_ms"] / timing[2]["step_ms"]}
@@ -347,6 +365,20 @@ def report_memory(args, mem):
           f"(bar: <= {summary['opt_state_bar']:.3f})\nstep time, sharded / unsharded: "
           f"{summary['time_ratio_vs_unsharded']:.3f}; sharded / ZeroRedundancyOptimizer: "
           f"{summary['time_ratio_vs_zero']:.3f}\nwrote {args.out}/06_sharded_memory.json and .md")
+
+
+def main(argv=None):
+    args = common.parse(common.script_parser(__doc__, default_steps=20), argv)  # close ratios need more steps
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
+    if args.no_bench:
+        return
+    rows = common.launch(benchmark, args)
+    common.report_table(args, NAME, TITLE, rows, HEADERS)
+    # one job per optimizer kind: fresh processes, so each peak belongs to that kind alone
+    mem = [row for kind in ("plain", "sharded") for row in common.launch(memory_worker, args, kind)]
+    if common.is_reporter():
+        report_memory(args, mem, rows)
 
 
 if __name__ == "__main__":

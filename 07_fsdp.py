@@ -20,21 +20,22 @@ optimizer (06) and FSDP, measured side by side. Writes results/07_fsdp.{json,md}
 
 import copy
 
+import common
+
+# ---- begin copy: FSDP (needs only torch and the standard library) ----
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-import common
 
-def _all_gather(out, inp):
+def _all_gather(out, inp, group):
     """all_gather_into_tensor (named all_gather_single in newer torch)."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp)
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
 
 
-def _reduce_scatter(out, inp):
+def _reduce_scatter(out, inp, group):
     """reduce_scatter_tensor (named reduce_scatter_single in newer torch), summing."""
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp)
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 class FSDP(nn.Module):
@@ -54,18 +55,21 @@ class FSDP(nn.Module):
     averaged in ``finish_gradient_synchronization``. ``gather_full_params()`` returns every
     parameter whole, by its original name.
 
+    ``process_group`` (default: every rank) is the group the weights are sharded over.
     Every rank must call the same layers in the same order (each call all-gathers); a
     layer used on some ranks only would make the collectives disagree.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype=None):
+    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None):
         super().__init__()
         self.module = module
         self.compute_dtype = compute_dtype
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.process_group = process_group
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=src, group=process_group)
         self._handles = {}        # id(original parameter) -> _Sharded, so a tied weight is sharded once
         self._sources = {}        # original name -> its _Sharded, or the whole 1-D Parameter
         self._replicated = []     # 1-D parameters: (name, Parameter)
@@ -77,7 +81,7 @@ class FSDP(nn.Module):
                 if p.dim() >= 2:
                     h = self._handles.get(id(p))
                     if h is None:
-                        h = self._handles[id(p)] = _Sharded(p, self.world_size, self.rank, compute_dtype, full_name)
+                        h = self._handles[id(p)] = _Sharded(p, process_group, compute_dtype, full_name)
                     del mod._parameters[name]
                     mod.register_parameter(f"{name}_shard", h.shard)
                     hooked.append((name, h))
@@ -136,7 +140,7 @@ class FSDP(nn.Module):
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads]).div_(self.world_size)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.process_group)
         offset = 0
         for p in params:
             new = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
@@ -163,8 +167,9 @@ class FSDP(nn.Module):
 class _Sharded:
     """One weight's fp32 shard and the gathered full copy it lends a layer."""
 
-    def __init__(self, p, world_size, rank, compute_dtype, name):
-        self.name, self.shape, self.numel = name, p.shape, p.numel()
+    def __init__(self, p, group, compute_dtype, name):
+        self.name, self.shape, self.numel, self.group = name, p.shape, p.numel(), group
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world_size, self.compute_dtype = world_size, compute_dtype or p.dtype
         self.k = -(-self.numel // world_size)                    # shard length, padded
         flat = torch.zeros(self.k * world_size, dtype=p.dtype, device=p.device)
@@ -176,7 +181,7 @@ class _Sharded:
         """All-gather the full weight (in the compute dtype) into a new buffer: (buffer, weight).
         ``keep``: backward will need it back, so free() and regather() look after it."""
         buf = torch.empty(self.k * self.world_size, dtype=self.compute_dtype, device=self.shard.device)
-        _all_gather(buf, self.shard.detach().to(self.compute_dtype))
+        _all_gather(buf, self.shard.detach().to(self.compute_dtype), self.group)
         if keep:
             self.bufs.append(buf)
         return buf, buf[:self.numel].view(self.shape)
@@ -191,7 +196,7 @@ class _Sharded:
             if buf.untyped_storage().nbytes() == 0:
                 buf.untyped_storage().resize_(buf.numel() * buf.element_size())
                 # .data: refilling the storage autograd saved must not count as an in-place change
-                _all_gather(buf.data, self.shard.detach().to(self.compute_dtype))
+                _all_gather(buf.data, self.shard.detach().to(self.compute_dtype), self.group)
 
     def release(self, buf):
         buf.untyped_storage().resize_(0)
@@ -202,12 +207,12 @@ class _Sharded:
         flat[:self.numel] = grad_full.reshape(-1)
         flat.div_(self.world_size)                              # average by dividing before the sum
         out = torch.empty(self.k, dtype=grad_full.dtype, device=grad_full.device)
-        _reduce_scatter(out, flat)
+        _reduce_scatter(out, flat, self.group)
         return out.to(self.shard.dtype)
 
     def gather_master(self):
         full = torch.empty(self.k * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
-        _all_gather(full, self.shard.detach())
+        _all_gather(full, self.shard.detach(), self.group)
         return full[:self.numel].view(self.shape).clone()
 
 
@@ -225,6 +230,21 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad_full):
         ctx.h.release(ctx.buf)      # the layer's backward is done with this copy
         return ctx.h.reduce_scatter(grad_full), None, None
+# ---- end copy: FSDP ----
+
+
+def train_step(model, optimizer, batch, clock):
+    """One training step on this rank's part of the global batch, timed by phase."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with clock.phase("forward"):      # gathers each layer's weights just before it runs
+        loss = model(x, y)
+    with clock.phase("backward"):     # gathers them again; reduce-scatters the weight gradients
+        loss.backward()
+    with clock.phase("comm"):         # the replicated (1-D) parameters' gradients
+        model.finish_gradient_synchronization()
+    with clock.phase("optim"):
+        optimizer.step()
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,21 +258,22 @@ LOW_PRECISION_TOL = {"rtol": 1e-2, "atol": 2e-3}
 def _reference_step(master, x, y, compute_dtype):
     """One single-process step on the global batch, weights and inputs cast like FSDP's."""
     if compute_dtype is None:
-        F.cross_entropy(master(x), y).backward()
+        master(x, y).backward()
         return
     low = copy.deepcopy(master).to(compute_dtype)
-    F.cross_entropy(low(x.to(compute_dtype)).float(), y).backward()
+    low(x.to(compute_dtype), y).backward()   # the toy model takes its loss in float32
     for p, q in zip(master.parameters(), low.parameters()):
         if q.grad is not None:
             p.grad = q.grad.float()
 
 
-def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
-    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * ctx.world_size)
+def verify_case(ctx, args, compute_dtype, tied=False, group=None, steps=5):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * size)
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]   # reference on the same device
     torch.manual_seed(args.seed)
     ref = common.ToyModel(in_dim, n_classes=n_cls, tied=tied).to(ctx.device)
-    model = FSDP(copy.deepcopy(ref), compute_dtype=compute_dtype)
+    model = FSDP(copy.deepcopy(ref), compute_dtype=compute_dtype, process_group=group)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     shapes_ok = True
@@ -260,13 +281,9 @@ def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
         ref_opt.zero_grad()
         _reference_step(ref, x, y, compute_dtype)
         ref_opt.step()
-        opt.zero_grad()
-        out = model(common.shard(x, ctx))
-        F.cross_entropy(out.float(), common.shard(y, ctx)).backward()
-        model.finish_gradient_synchronization()
+        train_step(model, opt, (common.shard(x, rank, size), common.shard(y, rank, size)), common.StepClock(ctx.device))
         shapes_ok &= all(p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype
                          for p in model.parameters())
-        opt.step()
     full = model.gather_full_params()
     tol = LOW_PRECISION_TOL if compute_dtype is not None else {}
     diff, ok = 0.0, True
@@ -276,11 +293,11 @@ def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
             torch.testing.assert_close(full[name].to(p.device), p.detach(), **tol)
         except AssertionError:
             ok = False
-    replicated = [p.grad.clone() for _, p in model._replicated]
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff, "shapes_ok": shapes_ok,
-                                      "replicated": [g.tolist() for g in replicated],
-                                      "names": sorted(full), "ref_names": sorted(n for n, _ in ref.named_parameters(remove_duplicate=False))})
+    everyone = [None] * size
+    dist.all_gather_object(everyone, {
+        "ok": ok, "max_diff": diff, "shapes_ok": shapes_ok,
+        "replicated": [p.grad.tolist() for _, p in model._replicated], "names": sorted(full),
+        "ref_names": sorted(n for n, _ in ref.named_parameters(remove_duplicate=False))}, group=group)
     same_replicated = all(r["replicated"] == everyone[0]["replicated"] for r in everyone)
     return {"ok": all(r["ok"] and r["shapes_ok"] for r in everyone) and same_replicated,
             "max_diff": max(r["max_diff"] for r in everyone), "bitwise": False,
@@ -288,15 +305,13 @@ def verify_case(ctx, args, compute_dtype, steps=5, tied=False):
             "names_match": everyone[0]["names"] == everyone[0]["ref_names"]}
 
 
-def verify(ctx, args):
-    dtypes = [None, torch.float16] if getattr(args, "compute_dtype", "float32") == "float32" else \
-        [None, DTYPES[args.compute_dtype]]
-    out = {}
-    for dt in dtypes:
-        label = "fp32" if dt is None else str(dt).replace("torch.", "")
-        out[label] = verify_case(ctx, args, dt)
-        out[f"{label} tied"] = verify_case(ctx, args, dt, tied=True)
-    return out
+def verify(ctx, args, cases=None, group=None):
+    """fp32 and one low-precision compute dtype (--compute-dtype, default float16), with and
+    without tied weights; ``cases`` names some of them, ``group`` shards over a subgroup."""
+    low = DTYPES.get(getattr(args, "compute_dtype", "float32")) or torch.float16
+    all_cases = {f"{label}{' tied' if tied else ''}": (dt, tied)
+                 for label, dt in (("fp32", None), (str(low).replace("torch.", ""), low)) for tied in (False, True)}
+    return {name: verify_case(ctx, args, *all_cases[name], group=group) for name in cases or all_cases}
 
 
 # ----------------------------------------------------------------------------------------
@@ -311,16 +326,24 @@ def methods(args):
             f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None)}
 
 
-def memory_worker(ctx, args):
-    """Memory per rank after one full training step (state exists), for one method."""
+def build(ctx, args, wrap, optimizer):
+    model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+    params = list(model.parameters())
+    return model, optimizer(params) if optimizer else torch.optim.AdamW(params, lr=1e-4)
+
+
+def memory_worker(ctx, args, index):
+    """Memory per rank after two full training steps (state exists), for method ``index``."""
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
-    name, (wrap, optimizer) = list(methods(args).items())[args.mem_index]
+    name, (wrap, optimizer) = list(methods(args).items())[index]
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    model, step_fn = common.lm_trainer(ctx, args, wrap, optimizer)
+    model, opt = build(ctx, args, wrap, optimizer)
     for i in range(2):
-        step_fn(i)
-    row = sharded.memory_snapshot(ctx, "after optimizer step", model, step_fn.optimizer)
+        batch = common.lm_batch(args.batch_size, args.context_length, i, args.seed, ctx.device)
+        train_step(model, opt, tuple(common.shard(t, ctx.rank, ctx.world_size) for t in batch),
+                   common.StepClock(ctx.device))
+    row = sharded.memory_snapshot(ctx, "after optimizer step", model, opt)
     row.pop("point")
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, row)
@@ -328,7 +351,13 @@ def memory_worker(ctx, args):
 
 
 def benchmark(ctx, args):
-    rows = common.bench_methods(ctx, args, methods(args), interleave=ctx.device.type == "cpu")
+    """DDP, DDP + ShardedOptimizer and FSDP on the LM, steps alternating: one row each."""
+    def method(wrap, optimizer):
+        def make():
+            model, opt = build(ctx, args, wrap, optimizer)
+            return lambda batch, clock: train_step(model, opt, batch, clock)
+        return make
+    rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args).items()})
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
     return rows
@@ -336,18 +365,22 @@ def benchmark(ctx, args):
 
 HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "optim_ms", "collectives"]
 MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "other_MB", "peak_MB"]
+NAME, TITLE = "07_fsdp", "FSDP against DDP and DDP + sharded optimizer: time per iteration"
 
 
 def main(argv=None):
     p = common.script_parser(__doc__)
     p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32",
                    help="dtype of gathered weights, communication and compute (master stays float32)")
-    args = common.resolve_args(p.parse_args(argv))
-    common.run_script(args, "07_fsdp", "FSDP against DDP and DDP + sharded optimizer: time per iteration",
-                      verify, benchmark, headers=HEADERS)
+    args = common.parse(p, argv)
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
     if args.no_bench:
         return
-    mem, _ = common.launch_each(memory_worker, args, "mem_index", range(len(methods(args))))
+    rows = common.launch(benchmark, args)
+    common.report_table(args, NAME, TITLE, rows, HEADERS)
+    # one job per method: fresh processes, so each peak belongs to that method alone
+    mem = [row for i in range(len(methods(args))) for row in common.launch(memory_worker, args, i)]
     if common.is_reporter():
         table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
                                     title="FSDP against DDP: memory per rank after a step (MiB)")

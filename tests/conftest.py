@@ -18,9 +18,9 @@ def load(script: str):
     return common.load_script(ROOT / f"{script}.py")
 
 
-def verify_args(world_size, cases=None, **kw):
+def verify_args(world_size, **kw):
     ns = dict(world_size=world_size, backend="gloo", device="cpu", seed=0, data="random",
-              data_root=str(ROOT / "data"), verify_steps=5, timeout=60.0, cases=cases)
+              data_root=str(ROOT / "data"), verify_steps=5, timeout=60.0)
     ns.update(kw)
     return argparse.Namespace(**ns)
 

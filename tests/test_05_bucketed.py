@@ -138,18 +138,25 @@ def test_overhead_model_optimum_and_its_limits():
     assert a["n_b_opt"] == 1 and a["w_GBps"] is None and a["overhead_opt_ms"] == pytest.approx(o * 1e3)
     # a per-call cost too small to matter: at most one bucket per parameter tensor
     a = bucketed.analyse(rows, {"w_Bps": w, "o_s": 1e-15}, args)
-    assert a["n_b_opt"] == common.lm_param_tensors("nano")
+    assert a["n_b_opt"] == bucketed.lm_param_tensors("nano") == len(list(common.build_lm("nano", 128, "cpu").parameters()))
 
 
-def test_a_failing_later_job_keeps_the_rows_measured_before_it(tmp_path):
-    import workers
-    args = common.resolve_args(common.script_parser("doc").parse_args(
-        ["--world-size", "2", "--model-size", "nano", "--no-verify", "--out", str(tmp_path)]))
-    with pytest.raises(common.LaunchError, match="job failed on purpose"):
-        common.run_script(args, "jobs", "jobs", None, workers.bench_job, jobs=[1, 2, "boom", 4])
-    doc = json.loads((tmp_path / "jobs.json").read_text())
-    assert [r["method"] for r in doc["rows"]] == ["job 1", "job 2"]
-    assert "partial: 2 of 4" in (tmp_path / "jobs.md").read_text()
+def test_a_failing_later_job_keeps_the_rows_measured_before_it(tmp_path, monkeypatch):
+    real, started = common.launch, []
+
+    def launch(worker, args, *job, **kw):   # the third bucket size's job fails
+        if worker.__name__ == "benchmark":
+            started.append(job[0])
+            if len(started) == 3:
+                raise common.LaunchError("rank 1 failed: job failed on purpose")
+        return real(worker, args, *job, **kw)
+    monkeypatch.setattr(common, "launch", launch)
+    with pytest.raises(common.LaunchError, match="on purpose"):
+        bucketed.main(["--world-size", "2", "--model-size", "nano", "--bucket-mb", "10", "1", "0.5", "2",
+                       "--steps", "1", "--warmup", "0", "--no-verify", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
+    assert [r["bucket_mb"] for r in rows] == [10, 10, 10, 1, 1, 1]
+    assert "partial: 2 of 5" in (tmp_path / "05_bucketed_ddp.md").read_text()
 
 
 def test_time_box_stops_starting_bucket_sizes_and_saves_what_ran(tmp_path):

@@ -43,8 +43,9 @@ def test_is_a_real_optimizer_with_full_hyperparameters(one_rank):
 
 
 def test_greedy_assignment_balances_bytes(monkeypatch):
-    monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 7, 5, 4, 3, 1)]
     opt = sharded.ShardedOptimizer(params, torch.optim.SGD, lr=0.1)
     loads = [sum(p.numel() for p in opt.owned_params(r)) for r in (0, 1)]

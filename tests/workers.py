@@ -32,7 +32,14 @@ class NoCommDDP(torch.nn.Module):
 
 
 def verify_broken(ctx, args):
-    return common.verify_cases(ctx, NoCommDDP, args, ["plain"])
+    """02's verification loop around the broken wrapper, for the "plain" case."""
+    naive = common.load_script(os.path.join(common.ROOT, "02_naive_ddp.py"))
+    run = common.VerifyRun(ctx, args, common.VERIFY_CASES["plain"])
+    model = NoCommDDP(run.model)
+    optimizer = run.optimizer(model.parameters())
+    for step in range(run.steps):
+        naive.train_step(model, optimizer, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
+    return {"plain": run.compare(model.module)}
 
 
 def fail_on_rank_1(ctx, args):
@@ -103,9 +110,77 @@ def record_event_order(ctx, args):
     return everyone
 
 
-def bench_job(ctx, args):
-    """A benchmark job for run_script: one row per job, and a crash on job "boom"."""
-    if args.job == "boom":
-        raise RuntimeError("job failed on purpose")
-    dist.barrier()
-    return [{"method": f"job {args.job}", "step_ms": float(args.job)}]
+
+def verify_on_subgroups(ctx, args, script, layout, cases):
+    """Split the ranks into data-parallel groups (``layout``: lists of ranks) and run the
+    script's verification on this rank's group, each group with its own data."""
+    import argparse
+    groups = [dist.new_group(ranks) for ranks in layout]
+    mine = next(i for i, ranks in enumerate(layout) if ctx.rank in ranks)
+    mod = common.load_script(os.path.join(common.ROOT, script + ".py"))
+    own = argparse.Namespace(**{**vars(args), "seed": 100 + mine})
+    results = mod.verify(ctx, own, cases, groups[mine])
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, {"group": mine, "results": results})
+    return everyone
+
+
+def world_ddp_on_subgroups(ctx, args, layout):
+    """The control: 02's verification loop on a subgroup's data, but with a NaiveDDP that
+    averages over every rank instead of its group."""
+    import argparse
+    groups = [dist.new_group(ranks) for ranks in layout]
+    mine = next(i for i, ranks in enumerate(layout) if ctx.rank in ranks)
+    naive = common.load_script(os.path.join(common.ROOT, "02_naive_ddp.py"))
+    run = common.VerifyRun(ctx, argparse.Namespace(**{**vars(args), "seed": 100 + mine}),
+                           common.VERIFY_CASES["plain"], groups[mine])
+    model = naive.NaiveDDP(run.model)   # no process_group: the world
+    optimizer = run.optimizer(model.parameters())
+    for step in range(run.steps):
+        naive.train_step(model, optimizer, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
+    return run.compare(model.module)
+
+
+def copied_region(script: str, name: str) -> str:
+    """Exactly the text between a script's begin-copy and end-copy marks for ``name``."""
+    with open(os.path.join(common.ROOT, script + ".py")) as f:
+        text = f.read()
+    start = text.index("\n", text.index(f"# ---- begin copy: {name} ")) + 1
+    return text[start:text.index(f"# ---- end copy: {name} ----")]
+
+
+def load_copy(script: str, name: str):
+    """The copied region as a fresh module: nothing in it but what the region imports."""
+    import types
+    mod = types.ModuleType(f"copy_of_{name}")
+    exec(compile(copied_region(script, name), f"<copy of {name} from {script}.py>", "exec"), mod.__dict__)
+    return mod
+
+
+def train_with_copied_region(ctx, args, script, name):
+    """An ordinary training loop with the class from its copied region alone (the sharded
+    optimizer under 02's copied NaiveDDP), against one process on the whole batches."""
+    mod = load_copy(script, name)
+    case = {"opt": "adamw", "tied": True} if name == "FSDP" else {"opt": "adamw", "tied": True, "unused": True}
+    run = common.VerifyRun(ctx, args, case)
+    model = run.model
+    if name == "ShardedOptimizer":
+        wrapped = load_copy("02_naive_ddp", "NaiveDDP").NaiveDDP(model)
+        optimizer = mod.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    else:
+        wrapped = getattr(mod, name)(model, *((1e-6,) if name == "DDPBucketed" else ()))
+        optimizer = run.optimizer(wrapped.parameters())
+    for step in range(run.steps):
+        x, y = run.batch(step)
+        optimizer.zero_grad()
+        wrapped(x, y, use_extra=run.step_options(step)["use_extra"]).backward()
+        wrapped.finish_gradient_synchronization()
+        optimizer.step()
+    if name != "FSDP":
+        return run.compare(model)
+    full = wrapped.gather_full_params()
+    diff = max((full[n] - p.detach()).abs().max().item() for n, p in run.reference.named_parameters())
+    ok = all(torch.allclose(full[n], p.detach(), rtol=1.3e-6, atol=1e-5) for n, p in run.reference.named_parameters())
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff})
+    return {"ok": all(r["ok"] for r in everyone), "max_diff": max(r["max_diff"] for r in everyone)}

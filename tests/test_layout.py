@@ -1,0 +1,94 @@
+"""The shape every numbered script shares: each class is one copyable region that needs
+only torch and the standard library, takes a process group, and the scripts refuse a
+results folder they cannot write before any worker starts."""
+import ast
+import builtins
+import symtable
+import sys
+
+import pytest
+
+import common
+from conftest import run_script, verify_args
+
+CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp": "DDPIndividualParameters",
+           "05_bucketed_ddp": "DDPBucketed", "06_sharded_optimizer": "ShardedOptimizer", "07_fsdp": "FSDP"}
+
+
+def undefined_names(src: str) -> set:
+    """Global names the code reads but neither defines, imports, nor gets from builtins."""
+    top = symtable.symtable(src, "<region>", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    missing = set()
+
+    def walk(table):
+        for s in table.get_symbols():
+            if (table is top or s.is_global()) and s.is_referenced() and s.get_name() not in defined \
+                    and not hasattr(builtins, s.get_name()):
+                missing.add(s.get_name())
+        for child in table.get_children():
+            walk(child)
+    walk(top)
+    return missing
+
+
+@pytest.mark.parametrize("script, name", CLASSES.items())
+def test_the_copy_region_needs_only_torch_and_the_standard_library(script, name):
+    import workers
+    src = workers.copied_region(script, name)
+    assert f"class {name}(" in src
+    imported = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported and all(m == "torch" or m in sys.stdlib_module_names for m in imported), imported
+    assert undefined_names(src) == set()   # nothing from the rest of the script (common, helpers)
+
+
+def test_the_undefined_name_check_can_fail():
+    assert undefined_names("import torch\nclass A:\n    def f(self):\n        return common.x + torch.y\n") == {"common"}
+
+
+@pytest.mark.parametrize("script, name", CLASSES.items())
+def test_the_copied_region_alone_trains_like_one_process(script, name):
+    import workers
+    r = common.launch(workers.train_with_copied_region, verify_args(2), script, name)
+    assert r["ok"], f"{name} copied alone: max diff {r['max_diff']}"
+
+
+# Each group trains on its own data and must match its own single-process reference: a
+# class that communicated over every rank would mix the two groups' gradients.
+SUBGROUP_CASES = {"02_naive_ddp": ["uneven", "everything"], "03_flat_ddp": ["uneven", "everything"],
+                  "04_overlap_ddp": ["uneven", "everything"], "05_bucketed_ddp": ["uneven", "everything"],
+                  "06_sharded_optimizer": ["adamw", "state_dict_round_trip"], "07_fsdp": ["fp32", "fp32 tied"]}
+LAYOUTS = {"{0,1},{2,3}": [[0, 1], [2, 3]], "{0,2},{1,3}": [[0, 2], [1, 3]]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("script", SUBGROUP_CASES)
+def test_each_class_trains_on_a_subgroup(script, layout):
+    import workers
+    everyone = common.launch(workers.verify_on_subgroups, verify_args(4), script, LAYOUTS[layout],
+                             SUBGROUP_CASES[script])
+    for rank, r in enumerate(everyone):
+        assert rank in LAYOUTS[layout][r["group"]]
+        assert r["results"] and all(res["ok"] for res in r["results"].values()), (rank, r["results"])
+
+
+def test_a_class_that_ignores_its_group_fails_the_subgroup_check():
+    import workers
+    r = common.launch(workers.world_ddp_on_subgroups, verify_args(4), LAYOUTS["{0,2},{1,3}"])
+    assert not r["ok"] and r["max_diff"] > 1e-4
+
+
+@pytest.mark.parametrize("script", ["02_naive_ddp.py", "05_bucketed_ddp.py", "01_allreduce_bench.py"])
+def test_an_out_folder_that_cannot_be_written_is_refused_before_any_worker_starts(tmp_path, script):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    p = run_script(script, "--out", str(blocker / "results"), timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--out" in lines[0] and "cannot be written" in lines[0], p.stderr
+    assert p.stdout == ""   # nothing verified, nothing measured
