@@ -51,10 +51,20 @@ def test_the_undefined_name_check_can_fail():
     assert undefined_names("import torch\nclass A:\n    def f(self):\n        return common.x + torch.y\n") == {"common"}
 
 
+_cache = {}
+
+
+def once(key, fn):
+    """One job's result shared by several parametrized tests."""
+    if key not in _cache:
+        _cache[key] = fn()
+    return _cache[key]
+
+
 @pytest.mark.parametrize("script, name", CLASSES.items())
 def test_the_copied_region_alone_trains_like_one_process(script, name):
     import workers
-    r = common.launch(workers.train_with_copied_region, verify_args(2), script, name)
+    r = once("copies", lambda: common.launch(workers.train_with_copied_regions, verify_args(2), CLASSES))[name]
     assert r["ok"], f"{name} copied alone: max diff {r['max_diff']}"
 
 
@@ -70,8 +80,9 @@ LAYOUTS = {"{0,1},{2,3}": [[0, 1], [2, 3]], "{0,2},{1,3}": [[0, 2], [1, 3]]}
 @pytest.mark.parametrize("script", SUBGROUP_CASES)
 def test_each_class_trains_on_a_subgroup(script, layout):
     import workers
-    everyone = common.launch(workers.verify_on_subgroups, verify_args(4), script, LAYOUTS[layout],
-                             SUBGROUP_CASES[script])
+    by_layout = once(script, lambda: common.launch(workers.verify_on_subgroups, verify_args(4), script,
+                                                   list(LAYOUTS.values()), SUBGROUP_CASES[script]))
+    everyone = by_layout[list(LAYOUTS).index(layout)]
     for rank, r in enumerate(everyone):
         assert rank in LAYOUTS[layout][r["group"]]
         assert r["results"] and all(res["ok"] for res in r["results"].values()), (rank, r["results"])

@@ -111,18 +111,21 @@ def record_event_order(ctx, args):
 
 
 
-def verify_on_subgroups(ctx, args, script, layout, cases):
-    """Split the ranks into data-parallel groups (``layout``: lists of ranks) and run the
-    script's verification on this rank's group, each group with its own data."""
+def verify_on_subgroups(ctx, args, script, layouts, cases):
+    """For each layout (lists of ranks), split the ranks into data-parallel groups and run
+    the script's verification on this rank's group, each group with its own data:
+    {layout index: every rank's {"group", "results"}}."""
     import argparse
-    groups = [dist.new_group(ranks) for ranks in layout]
-    mine = next(i for i, ranks in enumerate(layout) if ctx.rank in ranks)
     mod = common.load_script(os.path.join(common.ROOT, script + ".py"))
-    own = argparse.Namespace(**{**vars(args), "seed": 100 + mine})
-    results = mod.verify(ctx, own, cases, groups[mine])
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, {"group": mine, "results": results})
-    return everyone
+    out = {}
+    for k, layout in enumerate(layouts):
+        groups = [dist.new_group(ranks) for ranks in layout]   # every rank creates every group
+        mine = next(i for i, ranks in enumerate(layout) if ctx.rank in ranks)
+        own = argparse.Namespace(**{**vars(args), "seed": 100 + mine})
+        results = mod.verify(ctx, own, cases, groups[mine])
+        out[k] = [None] * ctx.world_size
+        dist.all_gather_object(out[k], {"group": mine, "results": results})
+    return out
 
 
 def world_ddp_on_subgroups(ctx, args, layout):
@@ -155,6 +158,11 @@ def load_copy(script: str, name: str):
     mod = types.ModuleType(f"copy_of_{name}")
     exec(compile(copied_region(script, name), f"<copy of {name} from {script}.py>", "exec"), mod.__dict__)
     return mod
+
+
+def train_with_copied_regions(ctx, args, classes):
+    """train_with_copied_region for each (script, class name): {name: result}."""
+    return {name: train_with_copied_region(ctx, args, script, name) for script, name in classes.items()}
 
 
 def train_with_copied_region(ctx, args, script, name):
