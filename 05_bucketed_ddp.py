@@ -292,8 +292,7 @@ def benchmark(ctx, args, cap, fit=False):
         r.update(bucket_mb=cap, n_buckets=None, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"],
                  vs_plain=r["step_ms"] / rows[2]["step_ms"])
     rows[0]["n_buckets"] = n_buckets[0]
-    # torch DDP waits inside backward, and its C++ reducer bypasses the Python collectives
-    rows[1].update(comm_ms=None, comm_share=None, collectives=None)
+    rows[1].update(comm_ms=None, comm_share=None)   # torch DDP waits inside backward: nothing left after it
     rows[2].update(vs_torch_ddp=None, vs_plain=None)
     return {"rows": rows, "fit": fit_allreduce(ctx, args) if fit else None}
 

@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all test setup clean-results 01 02 03 04 05 06 07
+.PHONY: all test setup clean-results 01 02 03 04 05 06 07 08
 
-all: 01 02 03 04 05 06 07
+all: 01 02 03 04 05 06 07 08
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ clean-results:
 
 07: $(STAMP)
 	$(PY) 07_fsdp.py
+
+08: $(STAMP)
+	$(PY) 08_tensor_parallel.py
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu PY=python3                    # or gpu-01 ... gpu-07, one at a time

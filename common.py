@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 ROOT = Path(__file__).resolve().parent
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -341,37 +342,46 @@ class StepClock:
                 "step": time.perf_counter() - self.t0}
 
 
-@contextlib.contextmanager
-def count_collectives():
-    """Count torch.distributed collective calls made inside the block (on this rank)."""
-    counts = {"n": 0}
-    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-             "all_gather_single", "reduce_scatter_single")
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+def _nbytes(x) -> int:
+    if torch.is_tensor(x):
+        return x.numel() * x.element_size()
+    return sum(_nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
 
-    def counted(fn):
-        def inner(*a, **k):
-            counts["n"] += 1
-            return fn(*a, **k)
-        return inner
-    for n, fn in saved.items():
-        setattr(dist, n, counted(fn))
-    try:
-        yield counts
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
+
+# A collective's size as nccl-tests counts it (all-gather: the output; reduce-scatter: the
+# input), from its arguments; ops not listed count the tensors of their first argument.
+_COLLECTIVE_SIZE = {"_allgather_base_": lambda a: _nbytes(a[0]), "allgather_": lambda a: _nbytes(a[0]),
+                    "_reduce_scatter_base_": lambda a: _nbytes(a[1]), "reduce_scatter_": lambda a: _nbytes(a[1]),
+                    "all_gather_into_tensor": lambda a: _nbytes(a[0]) * a[1]}
+
+
+class count_collectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """``with count_collectives() as c:`` counts the collectives this rank issues inside
+    the block (``c.calls``) and their bytes (``c.bytes``): torch.distributed's calls, the
+    functional collectives of DTensor, and those issued in backward or by torch DDP."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            self.calls += 1
+            self.bytes += _COLLECTIVE_SIZE.get(name, lambda a: _nbytes(a[0]))(args)
+        return func(*args, **(kwargs or {}))
 
 
 def summarize(xs) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": list(xs)}
 
 
-def time_methods(ctx: Ctx, args, methods: dict, interleave=None) -> list:
+def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=False) -> list:
     """Time training steps on the LM: one table row per method (plus its raw stats).
 
     ``methods`` maps a name to ``make()``, which builds that method's model and optimizer and
-    returns ``step(batch, clock)``: one training step on this rank's part of ``batch``. On
+    returns ``step(batch, clock)``: one training step on this rank's part of ``batch`` (with
+    ``global_batch``, ``batch`` is the whole global batch: the step takes its own part). On
     CPU they are all built at once and their steps alternate (a b, b a, ...), so the drift
     of a shared machine hits all alike; on a GPU (where several XL models do not fit) one
     after another. Two warm-up steps, the second counting the collectives, then
@@ -381,13 +391,14 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None) -> list:
     if not interleave:
         rows = []
         for name, make in methods.items():
-            rows += time_methods(ctx, args, {name: make}, True)
+            rows += time_methods(ctx, args, {name: make}, True, global_batch)
             gc.collect()   # a wrapper's hooks make reference cycles: free it before the next
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
         return rows
-    batches = [tuple(shard(t, ctx.rank, ctx.world_size) for t in
-                     lm_batch(args.batch_size, args.context_length, i, args.seed, ctx.device)) for i in range(4)]
+    batches = [lm_batch(args.batch_size, args.context_length, i, args.seed, ctx.device) for i in range(4)]
+    if not global_batch:
+        batches = [tuple(shard(t, ctx.rank, ctx.world_size) for t in b) for b in batches]
     steps = {name: make() for name, make in methods.items()}
 
     def run(name, i):
@@ -399,7 +410,7 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None) -> list:
         run(name, 0)
         with count_collectives() as c:
             run(name, 1)
-        calls[name] = c["n"]
+        calls[name] = (c.calls, c.bytes)
     for i in range(2, args.warmup):
         for name in steps:
             run(name, i)
@@ -415,8 +426,8 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None) -> list:
               for phase in local[name][0]}
         rows.append({"method": name, "step_ms": st["step"]["median"] * 1e3, "step_min_ms": st["step"]["min"] * 1e3,
                      "step_max_ms": st["step"]["max"] * 1e3, "comm_ms": st["comm"]["median"] * 1e3,
-                     "comm_share": st["comm"]["median"] / st["step"]["median"], "collectives": calls[name],
-                     "stats": st})
+                     "comm_share": st["comm"]["median"] / st["step"]["median"], "collectives": calls[name][0],
+                     "comm_MB": calls[name][1] / 1e6, "stats": st})
     return rows
 
 
@@ -463,7 +474,7 @@ class RMSNorm(nn.Module):
 class Block(nn.Module):
     def __init__(self, d_model, d_ff, n_heads):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
         self.ln1 = RMSNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
@@ -472,10 +483,10 @@ class Block(nn.Module):
         self.ff_out = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape   # heads from qkv's width: a tensor-parallel qkv gives this rank's heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(a.transpose(1, 2).flatten(2))
         return x + self.ff_out(F.gelu(self.ff_in(self.ln2(x))))
 
 

@@ -169,6 +169,8 @@ def train_with_copied_region(ctx, args, script, name):
     """An ordinary training loop with the class from its copied region alone (the sharded
     optimizer under 02's copied NaiveDDP), against one process on the whole batches."""
     mod = load_copy(script, name)
+    if script == "08_tensor_parallel":
+        return train_tp_copy(ctx, args, mod)
     case = {"opt": "adamw", "tied": True} if name == "FSDP" else {"opt": "adamw", "tied": True, "unused": True}
     run = common.VerifyRun(ctx, args, case)
     model = run.model
@@ -192,3 +194,39 @@ def train_with_copied_region(ctx, args, script, name):
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff})
     return {"ok": all(r["ok"] for r in everyone), "max_diff": max(r["max_diff"] for r in everyone)}
+
+
+def tp_without_backward_all_reduce(ctx, args):
+    """The control for 08: its verification with f's backward all-reduce removed."""
+    tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
+    tp._CopyToParallel.backward = staticmethod(lambda c, grad: (grad, None))
+    return tp.verify(ctx, args, [ctx.world_size])
+
+
+class SmallMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(20, 32)
+        self.down = torch.nn.Linear(32, 20)
+        self.head = torch.nn.Linear(20, 10)
+
+    def forward(self, x, targets=None, use_extra=False):
+        return torch.nn.functional.cross_entropy(self.head(x + self.down(torch.relu(self.up(x)))), targets)
+
+
+def train_tp_copy(ctx, args, mod):
+    """08's copied layers: parallelize a small MLP, train it with AdamW, compare the
+    gathered weights with one process."""
+    import copy
+    torch.manual_seed(0)
+    ref = SmallMLP()
+    model = mod.parallelize(copy.deepcopy(ref), {"up": "column", "down": "row"})
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
+    for step, (x, y) in enumerate(common.verify_batches(args, 3, 8)[0]):
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            m(x, y).backward()
+            opt.step()
+    full = mod.full_state_dict(model)
+    diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return {"ok": diff < 1e-5 and set(full) == set(dict(ref.named_parameters())), "max_diff": diff}
