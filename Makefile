@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all test setup clean-results 01 02 03 04 05 06 07 08
+.PHONY: all test setup clean-results 01 02 03 04 05 06 07 08 09
 
-all: 01 02 03 04 05 06 07 08
+all: 01 02 03 04 05 06 07 08 09
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ clean-results:
 
 08: $(STAMP)
 	$(PY) 08_tensor_parallel.py
+
+09: $(STAMP)
+	$(PY) 09_pipeline_parallel.py
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu PY=python3                    # or gpu-01 ... gpu-07, one at a time

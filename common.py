@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import torch.utils._python_dispatch
 
 ROOT = Path(__file__).resolve().parent
+# Workers fork from a server that has imported torch once, instead of each importing it again
+mp.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional"])
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
@@ -106,8 +108,9 @@ def script_parser(doc: str, default_steps=10) -> argparse.ArgumentParser:
     return p
 
 
-def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse, fill the machine-dependent defaults and check every flag (UsageError)."""
+def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini") -> argparse.Namespace:
+    """Parse, fill the machine-dependent defaults and check every flag (UsageError);
+    ``cpu_size`` is the model size a CPU run gets by default (xl on a GPU)."""
     args = parser.parse_args(argv)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if under_torchrun():
@@ -134,7 +137,7 @@ def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     if args.model_size is None:
-        args.model_size = "xl" if args.device == "cuda" else "mini"
+        args.model_size = "xl" if args.device == "cuda" else cpu_size
     if args.model_size not in MODEL_SIZES:
         raise UsageError(f"unknown --model-size {args.model_size!r}: choose one of {', '.join(MODEL_SIZES)}")
     if args.batch_size is None:   # the course's global batch of 4 on GPUs, a multiple of the ranks
@@ -200,12 +203,14 @@ def _device_for(device: str, local_rank: int) -> torch.device:
 
 
 def _watch_parent(parent_pid: int):
-    """End this worker if the launching process goes away (killed, crashed). On Linux torch
-    already asks for SIGINT on the parent's death; this also covers a worker whose code
-    swallows KeyboardInterrupt."""
+    """End this worker if the launching process goes away (killed, crashed): the worker's
+    own parent is the fork server, which also ends then, but a worker whose code swallows
+    KeyboardInterrupt would not notice."""
     def loop():
         while True:
-            if os.getppid() != parent_pid:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
                 os._exit(1)
             time.sleep(0.5)
     threading.Thread(target=loop, daemon=True).start()
@@ -257,7 +262,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
     os.close(fd)
     try:
         procs = mp.start_processes(
-            _spawn_entry, nprocs=world_size, join=False, start_method="spawn",
+            _spawn_entry, nprocs=world_size, join=False, start_method="forkserver",
             args=(str(script), worker.__name__, args, job, world_size, store.port, backend, device,
                   timeout, result_path, os.getpid()))
         try:
@@ -452,6 +457,7 @@ MODEL_SIZES = {   # name: (d_model, d_ff, n_layers, n_heads)
     "nano": (64, 256, 2, 2),
     "micro": (128, 512, 2, 4),
     "mini": (256, 1024, 4, 4),
+    "mini8": (256, 1024, 8, 4),   # mini with enough blocks to balance a 4-stage pipeline
     "small": (768, 3072, 12, 12),
     "medium": (1024, 4096, 24, 16),
     "large": (1280, 5120, 36, 20),

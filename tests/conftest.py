@@ -31,6 +31,16 @@ def run_script(*argv, timeout=240, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def refused(script: str, *argv) -> str:
+    """Run a script with bad input: it must exit 2 with one line on stderr and run nothing
+    (no output). Returns that line."""
+    p = run_script(script, *argv, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and p.stdout == "", p.stderr + p.stdout
+    return lines[0]
+
+
 def spawned_workers():
     """PIDs of multiprocessing/torchrun workers still alive on this machine."""
     out = subprocess.run(["pgrep", "-f", "multiprocessing.spawn|torch.distributed.run"],

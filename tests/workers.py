@@ -59,13 +59,6 @@ def sleep_forever(ctx, args):
     time.sleep(600)
 
 
-if __name__ == "__main__":
-    import argparse
-    pid_dir, what = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "fail_on_rank_1")
-    common.run_main(lambda: common.launch(
-        globals()[what], argparse.Namespace(pid_dir=pid_dir), world_size=2, backend="gloo", device="cpu", timeout=300))
-
-
 def _wrapper(args):
     mod = common.load_script(os.path.join(common.ROOT, args.script + ".py"))
     cls = getattr(mod, args.cls)
@@ -171,6 +164,8 @@ def train_with_copied_region(ctx, args, script, name):
     mod = load_copy(script, name)
     if script == "08_tensor_parallel":
         return train_tp_copy(ctx, args, mod)
+    if script == "09_pipeline_parallel":
+        return train_pipeline_copy(ctx, args, mod)
     case = {"opt": "adamw", "tied": True} if name == "FSDP" else {"opt": "adamw", "tied": True, "unused": True}
     run = common.VerifyRun(ctx, args, case)
     model = run.model
@@ -230,3 +225,56 @@ def train_tp_copy(ctx, args, mod):
     full = mod.full_state_dict(model)
     diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return {"ok": diff < 1e-5 and set(full) == set(dict(ref.named_parameters())), "max_diff": diff}
+
+
+def pipeline_stage_fails(ctx, args):
+    """Stage 1 raises in its second micro-batch's forward while stage 0 waits to receive
+    that micro-batch's gradient."""
+    with open(os.path.join(args.pid_dir, f"{ctx.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    pp = common.load_script(os.path.join(common.ROOT, "09_pipeline_parallel.py"))
+    stage = pp.LMStage(common.build_lm("nano", 16, "cpu"), ctx.rank, 2)
+    if ctx.rank == 1:
+        calls = [0]
+        real = stage.forward
+
+        def forward(x):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise ValueError("stage 1 broke on purpose")
+            return real(x)
+        stage.forward = forward
+    pipe = pp.Pipeline(stage, 4, pp.lm_loss, "gpipe", activation_shape=(1, 16, 64))
+    x, y = common.lm_batch(4, 16, 0, 0, "cpu")
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+
+
+def train_pipeline_copy(ctx, args, mod):
+    """09's copied region: a 4-block LM in two stages, 1F1B over 4 micro-batches, AdamW,
+    against one process."""
+    import copy
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 4, 2, context_length=8)
+    stage = mod.LMStage(copy.deepcopy(ref), ctx.rank, ctx.world_size)
+    pipe = mod.Pipeline(stage, 4, mod.lm_loss, "1f1b", activation_shape=(2, 8, 32))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, stage)]
+    for step in range(3):
+        x, y = common.lm_batch(8, 8, step, 0, "cpu")
+        for opt in opts:
+            opt.zero_grad()
+        ref(x, y).backward()
+        pipe.step(x if pipe.first else None, y if pipe.last else None)
+        for opt in opts:
+            opt.step()
+    theirs = dict(ref.named_parameters())
+    diff = max((p - theirs[n]).abs().max().item() for n, p in stage.named_parameters())
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, diff)
+    return {"ok": max(everyone) < 1e-5, "max_diff": max(everyone)}
+
+
+if __name__ == "__main__":
+    import argparse
+    pid_dir, what = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "fail_on_rank_1")
+    common.run_main(lambda: common.launch(
+        globals()[what], argparse.Namespace(pid_dir=pid_dir), world_size=2, backend="gloo", device="cpu", timeout=300))
