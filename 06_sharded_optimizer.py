@@ -51,9 +51,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     (``p.data`` becomes a view of it, as with ZeroRedundancyOptimizer's
     ``parameters_as_bucket_view``), and ``step`` broadcasts each buffer in place.
 
-    ``state_dict()`` is **per rank**: it holds this rank's shard of the state (plus the
-    hyperparameters and the ownership map). Save one file per rank and load each rank's own
-    file back with ``load_state_dict`` into an optimizer built the same way.
+    ``state_dict()`` is **per rank**: this rank's shard of the state (plus the
+    hyperparameters); load each rank's own file back into an optimizer built the same way.
+    ``consolidate_state_dict(to=0)`` gathers the whole state on one rank instead, keyed by
+    the parameters' places in ``param_groups``; ``load_state_dict`` takes that on any number
+    of ranks, each keeping what it now owns.
     """
 
     def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
@@ -122,10 +124,43 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"inner": self.optim.state_dict(), "rank": self.rank, "world_size": self.world_size,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
+    def consolidate_state_dict(self, to: int = 0):
+        """The whole optimizer state on group rank ``to`` (None on the other ranks; every
+        rank must call it). Save it once; load it with load_state_dict on any world size."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        mine = {index[id(p)]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+                for p, st in self.optim.state.items()}
+        everyone = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(mine, everyone, dst=self._global_rank[to], group=self.process_group)
+        if self.rank != to:
+            return None
+        return {"consolidated": True, "state": {k: v for part in everyone for k, v in part.items()},
+                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                  "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]}
+
     def load_state_dict(self, state_dict):
+        if state_dict.get("consolidated"):   # the whole state: keep what this rank owns now
+            params = [p for g in self.param_groups for p in g["params"]]
+            if [len(g["params"]) for g in state_dict["param_groups"]] != [len(g["params"]) for g in self.param_groups]:
+                raise ValueError("the saved parameter groups differ from this optimizer's")
+            index = {id(p): i for i, p in enumerate(params)}
+            inner, n = {"state": {}, "param_groups": []}, 0
+            for g, saved, inner_group in zip(self.param_groups, state_dict["param_groups"], self.optim.param_groups):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+                ids = []
+                for p in inner_group["params"]:
+                    if index[id(p)] in state_dict["state"]:
+                        inner["state"][n] = state_dict["state"][index[id(p)]]
+                    ids.append(n)
+                    n += 1
+                inner["param_groups"].append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+            self.optim.load_state_dict(inner)
+            return
         if (state_dict["rank"], state_dict["world_size"]) != (self.rank, self.world_size):
             raise ValueError(f"this state is rank {state_dict['rank']} of {state_dict['world_size']}; "
-                             f"load each rank's own file (here rank {self.rank} of {self.world_size})")
+                             f"load each rank's own file (here rank {self.rank} of {self.world_size}), "
+                             f"or a consolidate_state_dict() one")
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved)
         self.optim.load_state_dict(state_dict["inner"])
@@ -244,6 +279,32 @@ def verify_case(ctx, args, case, group=None, steps=10):
             "owned": [r["owned"] for r in everyone], "stale_grads": sum(r["stale_grads"] for r in everyone)}
 
 
+def resume_run(ctx, args, path, start, stop, save_at, batch):
+    """NaiveDDP + ShardedOptimizer(AdamW) on the toy model, steps [start, stop) of the same
+    global batches whatever the world size; loads ``path`` when start > 0, saves the model
+    and the consolidated optimizer state there after step ``save_at``. Returns the weights."""
+    naive = common.load_script(common.ROOT / "02_naive_ddp.py")
+    batches, in_dim, n_cls = common.verify_batches(args, stop, batch)
+    torch.manual_seed(0)
+    model = common.ToyModel(in_dim, n_classes=n_cls).to(ctx.device)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    if start:
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
+    ddp = naive.NaiveDDP(model)
+    for step in range(start, stop):
+        x, y = (t.to(ctx.device) for t in batches[step])
+        train_step(ddp, opt, (common.shard(x, ctx.rank, ctx.world_size), common.shard(y, ctx.rank, ctx.world_size)),
+                   common.StepClock(ctx.device))
+        if step + 1 == save_at:
+            state = {"model": {k: v.cpu() for k, v in model.state_dict().items()}, "optim": opt.consolidate_state_dict()}
+            if ctx.rank == 0:
+                torch.save(state, path)
+            dist.barrier()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
 def verify(ctx, args, cases=None, group=None):
     """Each case of CASES (or those named), on ``group`` (default: every rank)."""
     return {n: verify_case(ctx, args, CASES[n], group) for n in cases or CASES}
@@ -255,6 +316,7 @@ def verify(ctx, args, cases=None, group=None):
 def _tensor_bytes(tensors):
     seen, total = set(), 0
     for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t   # a DTensor (torch's FSDP2): this rank's part
         s = t.untyped_storage()
         if s.data_ptr() not in seen:
             seen.add(s.data_ptr())
@@ -371,6 +433,7 @@ def main(argv=None):
     args = common.parse(common.script_parser(__doc__, default_steps=20), argv)  # close ratios need more steps
     if not args.no_verify:
         common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
+        common.check_resume(resume_run, args, f"{NAME}: a consolidated checkpoint on another world size")
     if args.no_bench:
         return
     rows = common.launch(benchmark, args)

@@ -1,11 +1,16 @@
-"""Fully sharded data parallel (FSDP): weights, gradients and optimizer state all sharded.
+"""Fully sharded data parallel (FSDP): weights, gradients and optimizer state all sharded,
+by units, as torch's FSDP2 does it.
 
-Each rank stores 1/world_size of every weight matrix. A layer's full weight is
-all-gathered just before the layer runs and freed right after; backward gathers it again,
-and the weight's gradient is reduce-scattered so each rank keeps only its shard's part.
-The optimizer sees only the shards, so its state is sharded for free. With a compute
-dtype (float16, bfloat16) weights travel and compute in it, while the master shards,
-their gradients and the optimizer state stay float32.
+Each rank stores 1/world_size of every parameter (its first dimension split). The model is
+cut into units (by default each block of its ModuleLists, plus the root for the rest): just
+before a unit's forward one all-gather brings all its parameters whole, and they are freed
+right after; before the unit's backward they are gathered again, and its gradients are
+reduce-scattered in one call, so each rank keeps only its shards' part. The next unit's
+all-gather is issued while the current one computes. The optimizer sees only the shards,
+so its state is sharded for free. With a compute dtype (float16, bfloat16) weights travel
+and compute in it, while the master shards, their gradients and the optimizer state stay
+float32. Gradient accumulation (no_sync), clipping by the global norm, and checkpoints that
+load on any number of ranks work as in an ordinary training loop.
 
 Run:
     python 07_fsdp.py                              # verify (fp32 and fp16), then memory and time
@@ -13,237 +18,494 @@ Run:
     python 07_fsdp.py --compute-dtype bfloat16
     torchrun --standalone --nproc-per-node 2 07_fsdp.py
 
-Prints PASS/FAIL per verification case, then per-rank memory (parameters, gradients,
-optimizer state, peak) and step time for DDP (05's DDPBucketed), DDP with the sharded
-optimizer (06) and FSDP, measured side by side. Writes results/07_fsdp.{json,md}.
+Prints PASS/FAIL per verification case, then step time and per-rank memory (parameters,
+gradients, optimizer state, peak) for DDP (05's DDPBucketed), DDP with the sharded
+optimizer (06), FSDP and torch's FSDP2 (fully_shard on the same units), measured side by
+side. Writes results/07_fsdp.{json,md} and results/07_fsdp_memory.{json,md}.
 """
 
 import copy
 
+import torch.nn.functional as F
+
 import common
 
 # ---- begin copy: FSDP (needs only torch and the standard library) ----
+import contextlib
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 
-def _all_gather(out, inp, group):
+def _all_gather(out, inp, group, async_op=False):
     """all_gather_into_tensor (named all_gather_single in newer torch)."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
 
 
-def _reduce_scatter(out, inp, group):
+def _reduce_scatter(out, inp, group, async_op=False):
     """reduce_scatter_tensor (named reduce_scatter_single in newer torch), summing."""
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 class FSDP(nn.Module):
-    """Shards every parameter with 2+ dimensions across ranks; gathers it per layer.
+    """Fully sharded data parallelism by units, as torch's FSDP2 does it.
 
-        model = FSDP(MyModel().to(device), compute_dtype=torch.bfloat16)   # or None for fp32
-        opt = torch.optim.AdamW(model.parameters())   # the fp32 shards (and 1-D params)
-        loss = loss_fn(model(x_local), y_local)
-        loss.backward()                                # weight grads reduce-scattered here
-        model.finish_gradient_synchronization()        # all-reduce the replicated 1-D grads
-        opt.step()
+        model = FSDP(MyModel().to(device))     # units: each block of the model's ModuleLists, and the root
+        opt = torch.optim.AdamW(model.parameters())   # this rank's shards, under their own names
+        loss = loss_fn(model(x_local), y_local)   # each unit gathered whole before it runs, freed after
+        loss.backward()                           # gathered again; gradients reduce-scattered per unit
+        model.finish_gradient_synchronization()   # wait for them: every .grad is this rank's shard's
+        model.clip_grad_norm_(1.0); opt.step()
 
-    Weight matrices (2+ dims: linear and embedding weights, whatever the module class) are
-    flattened, padded to a multiple of world_size, and each rank keeps one contiguous slice
-    as an fp32 Parameter, so a gradient has its parameter's (shard) shape and dtype. 1-D
-    parameters (norm weights, biases) stay whole on every rank; their gradients are
-    averaged in ``finish_gradient_synchronization``. ``gather_full_params()`` returns every
-    parameter whole, by its original name.
+    Every parameter is split along its first dimension (padded to a multiple of the group
+    size): rank r keeps rows [r*k, (r+1)*k) as a Parameter registered under the original
+    name and with the original number of dimensions, so optimizer parameter groups by name
+    or by ``p.dim()`` work. A unit's shards are views of one flat buffer per rank. Just
+    before a unit's forward one all-gather brings all its parameters whole; during the
+    unit's forward its modules' attributes (``module.weight``) are the whole tensors, so a
+    parent may read a child's parameters (``nn.MultiheadAttention`` reads
+    ``out_proj.weight``); outside forward they are this rank's shards again. After the
+    forward they are freed, gathered again before the unit's backward, and its gradients
+    reduce-scattered in one call. The next unit's all-gather is issued while the current
+    one computes, in forward and in backward. A parameter used by several units (tied
+    weights) belongs to the root unit. ``units``: the submodules to use as units (None: the
+    default above). ``compute_dtype``: weights gathered, computed and reduced in it (float16,
+    bfloat16); shards, their gradients and the optimizer state stay float32.
+    ``process_group``: the group to shard over (default: every rank). Every rank must run
+    the same units in the same order.
 
-    ``process_group`` (default: every rank) is the group the weights are sharded over.
-    Every rank must call the same layers in the same order (each call all-gathers); a
-    layer used on some ranks only would make the collectives disagree.
+    Use ``clip_grad_norm_`` instead of torch.nn.utils.clip_grad_norm_: each rank holds only
+    shards, so torch's would clip every rank by a different norm. ``no_sync()`` accumulates
+    whole-size gradients locally (no communication) until a synchronized backward.
+    ``full_state_dict`` / ``load_full_state_dict`` and ``full_optim_state_dict`` /
+    ``load_full_optim_state_dict`` save whole tensors and load them on any group size.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None):
+    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None):
         super().__init__()
-        self.module = module
-        self.compute_dtype = compute_dtype
-        self.process_group = process_group
+        self.module, self.compute_dtype, self.process_group = module, compute_dtype, process_group
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=src, group=process_group)
-        self._handles = {}        # id(original parameter) -> _Sharded, so a tied weight is sharded once
-        self._sources = {}        # original name -> its _Sharded, or the whole 1-D Parameter
-        self._replicated = []     # 1-D parameters: (name, Parameter)
-        for mod_name, mod in module.named_modules():
-            local = [(n, p) for n, p in mod.named_parameters(recurse=False)]
-            hooked = []
-            for name, p in local:
-                full_name = f"{mod_name}.{name}" if mod_name else name
-                if p.dim() >= 2:
-                    h = self._handles.get(id(p))
-                    if h is None:
-                        h = self._handles[id(p)] = _Sharded(p, process_group, compute_dtype, full_name)
-                    del mod._parameters[name]
-                    mod.register_parameter(f"{name}_shard", h.shard)
-                    hooked.append((name, h))
-                elif compute_dtype is not None:   # kept whole, but fed to the layer cast
-                    del mod._parameters[name]
-                    mod.register_parameter(f"{name}_master", p)
-                    hooked.append((name, p))
-                    self._replicated.append((full_name, p))
-                else:
-                    self._replicated.append((full_name, p))
-                self._sources[full_name] = self._handles[id(p)] if p.dim() >= 2 else p
-            if hooked:
-                for name, _ in hooked:
-                    setattr(mod, name, None)
-                mod.register_forward_pre_hook(self._pre_forward(hooked))
-                mod.register_forward_hook(self._post_forward(hooked))
+        if units is None:   # each module of a ModuleList, outermost ones only
+            units = [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+        units = [u for u in units if u is not module]
+        unit_of = {}   # module -> the unit it belongs to (None: the root)
+        for u in units:
+            for m in u.modules():
+                unit_of.setdefault(m, u)
+        units = [u for u in units if unit_of[u] is u]      # drop units nested in another unit
+        params, uses, names = {}, {}, {}   # by id(parameter): it, [(module, attribute)], its name
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is not None:
+                    params[id(p)] = p
+                    uses.setdefault(id(p), []).append((mod, attr))
+                    names.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+        members = {u: [] for u in units + [None]}   # None: the root unit
+        for key, where in uses.items():
+            homes = {unit_of.get(mod) for mod, _ in where}
+            members[homes.pop() if len(homes) == 1 else None].append(params[key])
+        self._units = [_Unit(self, members[u], uses, names, u) for u in units + [None] if members[u]]
+        self._root = next((u for u in self._units if u.module is None), None)
+        self._where = {id(s): (unit, info) for unit in self._units for s, info in zip(unit.shards, unit.infos)}
+        for unit in self._units:
+            target = unit.module if unit.module is not None else module
+            target.register_forward_pre_hook(self._pre_forward(unit))
+            target.register_forward_hook(self._post_forward(unit))
+        self._order, self._seen = [], []   # non-root units in forward order: the last forward's, this one's
+        self._sync = True
 
-    def _pre_forward(self, hooked):
+    # -- forward and backward -------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._seen = []
+        out = self.module(*args, **kwargs)
+        self._order = self._seen
+        return out
+
+    def _next(self, unit, step):
+        """The unit after (step=1) or before (step=-1) ``unit`` in the last forward's order."""
+        if unit in self._order:
+            i = self._order.index(unit) + step
+            if 0 <= i < len(self._order):
+                return self._order[i]
+        return None
+
+    def _pre_forward(self, unit):
         def hook(mod, args):
-            for name, h in hooked:
-                if isinstance(h, _Sharded):
-                    keep = torch.is_grad_enabled() and h.shard.requires_grad   # will backward need it?
-                    setattr(mod, name, _Gather.apply(h.shard, h, keep))
-                else:
-                    setattr(mod, name, h.to(self.compute_dtype))
+            if unit is not self._root:
+                self._seen.append(unit)
+            unit.unshard()
+            ahead = self._next(unit, 1) if unit is not self._root else (self._order or [None])[0]
+            if ahead is not None:
+                ahead.prefetch()
+            unit.lend(_Gather.apply(unit, *unit.shards))
             if self.compute_dtype is not None:
                 return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                              for a in args)
         return hook
 
-    def _post_forward(self, hooked):
+    def _post_forward(self, unit):
         def hook(mod, args, out):
-            gathered = [h for _, h in hooked if isinstance(h, _Sharded)]
-            for h in gathered:
-                h.free()                      # the full weight goes now, and comes back for backward:
-            if torch.is_tensor(out) and out.requires_grad and gathered:
-                def regather(grad):
-                    for h in gathered:
-                        h.regather()
-                out.register_hook(regather)   # runs just before this layer's backward
-            for name, _ in hooked:
-                setattr(mod, name, None)
+            unit.take_back()
+            if not (torch.is_grad_enabled() and any(s.requires_grad for s in unit.shards)):
+                unit.free()                 # no backward will come
+                return
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                    if torch.is_tensor(t) and t.requires_grad]
+            if unit is self._root:          # its parameters stay whole until its backward ends;
+                for t in outs:              # backward starts with the last unit: fetch it now
+                    t.register_hook(lambda grad: self._backward_starts())
+                return
+            unit.free_storage()             # whole parameters go now, and come back for backward
+            for t in outs:
+                t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         return hook
 
-    def forward(self, *args, **kwargs):
-        for h in self._handles.values():      # copies a forward without backward left behind
-            h.bufs.clear()
-        return self.module(*args, **kwargs)
+    def _backward_starts(self):
+        if self._order:
+            self._order[-1].prefetch()
+
+    def _pre_backward(self, unit):
+        if unit.regathered:
+            return
+        unit.regathered = True
+        unit.unshard(refill=True)
+        before = self._next(unit, -1)
+        if before is not None:
+            before.prefetch()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this block accumulates whole-size gradients locally and
+        communicates nothing; the next synchronized backward reduce-scatters the sum."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
 
     @torch.no_grad()
     def finish_gradient_synchronization(self):
-        """Average the replicated (1-D) parameters' gradients; the sharded ones were
-        reduce-scattered during backward."""
-        params = [p for _, p in self._replicated if p.requires_grad]
-        if not params or self.world_size == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads]).div_(self.world_size)
-        dist.all_reduce(flat, group=self.process_group)
-        offset = 0
-        for p in params:
-            new = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = new
-            else:
-                p.grad.copy_(new)
+        """Wait for every unit's reduce-scatter; then each shard's .grad holds its part of
+        the gradient averaged over the group (None where no rank had one)."""
+        for unit in self._units:
+            unit.finish()
+
+    # -- ordinary training-loop helpers ----------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient by the global norm over all ranks' shards (a collective);
+        returns that norm. Use it instead of torch.nn.utils.clip_grad_norm_."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = next(self.parameters()).device
+        if norm_type == math.inf:
+            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device)).float()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            dist.all_reduce(local, group=self.process_group)
+            total = local.pow(1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
 
     @torch.no_grad()
     def gather_full_params(self) -> dict:
-        """{original parameter name: full fp32 tensor}, on every rank (a collective)."""
-        out, gathered = {}, {}
-        for name, src in self._sources.items():
-            if isinstance(src, _Sharded):
-                if id(src) not in gathered:        # a tied weight is gathered once
-                    gathered[id(src)] = src.gather_master()
-                out[name] = gathered[id(src)]
-            else:
-                out[name] = src.detach().clone()
+        """{original parameter name: whole tensor}, on every rank (a collective)."""
+        out = {}
+        for unit in self._units:
+            out.update(unit.gather_whole())
         return out
 
-
-class _Sharded:
-    """One weight's fp32 shard and the gathered full copy it lends a layer."""
-
-    def __init__(self, p, group, compute_dtype, name):
-        self.name, self.shape, self.numel, self.group = name, p.shape, p.numel(), group
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.world_size, self.compute_dtype = world_size, compute_dtype or p.dtype
-        self.k = -(-self.numel // world_size)                    # shard length, padded
-        flat = torch.zeros(self.k * world_size, dtype=p.dtype, device=p.device)
-        flat[:self.numel] = p.detach().reshape(-1)
-        self.shard = nn.Parameter(flat[rank * self.k:(rank + 1) * self.k].clone(), requires_grad=p.requires_grad)
-        self.bufs = []                                           # gathered copies lent out
-
-    def gather(self, keep):
-        """All-gather the full weight (in the compute dtype) into a new buffer: (buffer, weight).
-        ``keep``: backward will need it back, so free() and regather() look after it."""
-        buf = torch.empty(self.k * self.world_size, dtype=self.compute_dtype, device=self.shard.device)
-        _all_gather(buf, self.shard.detach().to(self.compute_dtype), self.group)
-        if keep:
-            self.bufs.append(buf)
-        return buf, buf[:self.numel].view(self.shape)
-
-    def free(self):
-        for buf in self.bufs:
-            buf.untyped_storage().resize_(0)   # the memory goes; the tensor autograd saved stays
+    def full_state_dict(self) -> dict:
+        """The wrapped module's state_dict with whole tensors, on the group's first rank
+        (empty on the others); every rank must call it."""
+        whole = self.gather_full_params()
+        by_tensor = {id(p): name for name, p in self.module.named_parameters()}
+        if self.rank != 0:
+            return {}
+        return {k: (whole[by_tensor[id(v)]] if id(v) in by_tensor else v).detach().clone().cpu()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
 
     @torch.no_grad()
-    def regather(self):
-        for buf in self.bufs:
-            if buf.untyped_storage().nbytes() == 0:
-                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-                # .data: refilling the storage autograd saved must not count as an in-place change
-                _all_gather(buf.data, self.shard.detach().to(self.compute_dtype), self.group)
+    def load_full_state_dict(self, state: dict):
+        """Load whole tensors (a state_dict of the unwrapped module, saved at any group
+        size) into this rank's shards. Pass it on every rank."""
+        own = self.module.state_dict(keep_vars=True)
+        if set(own) != set(state):
+            raise ValueError(f"keys differ: missing {sorted(set(own) - set(state))}, "
+                             f"unexpected {sorted(set(state) - set(own))}")
+        for key, value in state.items():
+            target = own[key]
+            if id(target) in self._where:
+                target.copy_(self._where[id(target)][1].slice(value.to(target.device, target.dtype)))
+            else:
+                target.copy_(value)
 
-    def release(self, buf):
-        buf.untyped_storage().resize_(0)
-        self.bufs = [b for b in self.bufs if b is not buf]
+    @torch.no_grad()
+    def full_optim_state_dict(self, optimizer) -> dict:
+        """The optimizer's state with whole tensors, keyed by parameter name, on the group's
+        first rank (empty on the others); every rank must call it."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        state, groups = {}, []
+        for group in optimizer.param_groups:
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": [names[id(p)] for p in group["params"]]})
+            for p in group["params"]:
+                unit, info = self._where[id(p)]
+                state[names[id(p)]] = {k: unit.gather_one(info, v) if torch.is_tensor(v) and v.dim() else v
+                                       for k, v in optimizer.state.get(p, {}).items()}
+        if self.rank != 0:
+            return {}
+        return {"state": {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()},
+                "param_groups": groups}
 
-    def reduce_scatter(self, grad_full):
-        flat = torch.zeros(self.k * self.world_size, dtype=grad_full.dtype, device=grad_full.device)
-        flat[:self.numel] = grad_full.reshape(-1)
-        flat.div_(self.world_size)                              # average by dividing before the sum
-        out = torch.empty(self.k, dtype=grad_full.dtype, device=grad_full.device)
-        _reduce_scatter(out, flat, self.group)
-        return out.to(self.shard.dtype)
+    def load_full_optim_state_dict(self, optimizer, full: dict):
+        """Load a full_optim_state_dict (saved at any group size) into ``optimizer``, built
+        over this model's parameters with the same parameter groups. Pass it on every rank."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        local, index = {"state": {}, "param_groups": []}, 0
+        if len(optimizer.param_groups) != len(full["param_groups"]):
+            raise ValueError("the optimizer's parameter groups differ from the saved ones")
+        for group, saved in zip(optimizer.param_groups, full["param_groups"]):
+            if [names[id(p)] for p in group["params"]] != saved["params"]:
+                raise ValueError("the optimizer's parameter groups differ from the saved ones")
+            ids = []
+            for p in group["params"]:
+                entry = full["state"].get(names[id(p)], {})
+                if entry:
+                    info = self._where[id(p)][1]
+                    local["state"][index] = {k: info.slice(v.to(p.device)) if torch.is_tensor(v) and v.dim() else v
+                                             for k, v in entry.items()}
+                ids.append(index)
+                index += 1
+            local["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict(local)
 
-    def gather_master(self):
-        full = torch.empty(self.k * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
-        _all_gather(full, self.shard.detach(), self.group)
-        return full[:self.numel].view(self.shape).clone()
+
+class _ShardInfo:
+    """Where one parameter lives: its whole shape, and its rows in the unit's flat buffers."""
+
+    def __init__(self, shape, offset, world_size, rank):
+        self.shape, self.offset, self.world_size, self.rank = tuple(shape), offset, world_size, rank
+        self.rows = shape[0] if len(shape) else 1
+        self.rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+        self.rows_per = -(-self.rows // world_size)
+        self.numel = self.rows_per * self.rest          # this rank's share, padding included
+        self.shard_shape = (self.rows_per,) + tuple(shape[1:]) if len(shape) else (1,)
+
+    def slice(self, whole):
+        """This rank's padded rows of a whole tensor of this parameter's shape."""
+        out = torch.zeros(self.shard_shape, dtype=whole.dtype, device=whole.device)
+        lo = self.rank * self.rows_per
+        rows = whole.reshape(self.rows, self.rest)[lo:lo + self.rows_per]
+        out.view(-1, self.rest)[:rows.shape[0]] = rows
+        return out
+
+    def copy_out(self, gathered, into):
+        """Fill ``into`` (the whole parameter) from the unit's gathered buffer (ranks x U)."""
+        src = gathered[:, self.offset:self.offset + self.numel].view(self.world_size, self.rows_per, self.rest)
+        dst = into.view(self.rows, self.rest)
+        if self.rows == self.world_size * self.rows_per:
+            dst.view(self.world_size, self.rows_per, self.rest).copy_(src)
+        else:
+            for r in range(self.world_size):
+                lo, hi = r * self.rows_per, min((r + 1) * self.rows_per, self.rows)
+                if lo < hi:
+                    dst[lo:hi].copy_(src[r, :hi - lo])
+
+    def copy_in(self, whole, send):
+        """Put a whole-size gradient into the reduce-scatter buffer (ranks x U'), zeros as padding."""
+        dst = send[:, self.offset:self.offset + self.numel].view(self.world_size, self.rows_per, self.rest)
+        src = whole.reshape(self.rows, self.rest)
+        if self.rows == self.world_size * self.rows_per:
+            dst.copy_(src.view(self.world_size, self.rows_per, self.rest))
+            return
+        dst.zero_()
+        for r in range(self.world_size):
+            lo, hi = r * self.rows_per, min((r + 1) * self.rows_per, self.rows)
+            if lo < hi:
+                dst[r, :hi - lo].copy_(src[lo:hi])
+
+
+class _Unit:
+    """One unit: its parameters' shards (views of one flat buffer on this rank), and the
+    whole tensors it lends its modules while they run."""
+
+    def __init__(self, fsdp, params, uses, names, module):
+        self.fsdp, self.module, self.group = fsdp, module, fsdp.process_group
+        ws, rank = fsdp.world_size, fsdp.rank
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"an FSDP unit mixes parameter dtypes {sorted(map(str, dtypes))}: make them separate units")
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.compute_dtype = fsdp.compute_dtype or self.dtype
+        self.names = [names[id(p)] for p in params]
+        self.uses = [uses[id(p)] for p in params]
+        self.infos, offset = [], 0
+        for p in params:
+            self.infos.append(_ShardInfo(p.shape, offset, ws, rank))
+            offset += self.infos[-1].numel
+        self.size = offset                                 # U: this rank's flat buffer
+        self.flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        self.shards = []
+        with torch.no_grad():
+            for p, info in zip(params, self.infos):
+                view = self.flat[info.offset:info.offset + info.numel].view(info.shard_shape)
+                view.copy_(info.slice(p.detach()))
+                shard = nn.Parameter(view, requires_grad=p.requires_grad)
+                for mod, attr in uses[id(p)]:
+                    mod._parameters[attr] = shard
+                self.shards.append(shard)
+        self.gathered, self.work, self.whole = None, None, None
+        self.regathered, self.pending, self.reducing = False, None, None
+
+    def prefetch(self):
+        if self.gathered is None:
+            self.gathered = torch.empty(self.fsdp.world_size * self.size, dtype=self.compute_dtype, device=self.device)
+            self.work = _all_gather(self.gathered, self.flat.to(self.compute_dtype), self.group, async_op=True)
+
+    def unshard(self, refill=False):
+        """Make sure the gathered buffer is here; with ``refill``, copy it back into the
+        whole tensors autograd saved (their storage was freed after forward)."""
+        self.prefetch()
+        self.work.wait()
+        if refill:
+            g = self.gathered.view(self.fsdp.world_size, self.size)
+            for t, info in zip(self.whole, self.infos):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+                info.copy_out(g, t.data)   # .data: refilling saved storage is not an in-place change
+            self.gathered = None
+
+    def whole_tensors(self):
+        """New whole tensors from the gathered buffer (inside the gather's forward)."""
+        g = self.gathered.view(self.fsdp.world_size, self.size)
+        out = []
+        for info in self.infos:
+            t = torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
+            info.copy_out(g, t)
+            out.append(t)
+        self.gathered = None
+        return out
+
+    def lend(self, whole):
+        """The modules see the whole tensors, under the parameters' own names."""
+        self.whole, self.regathered = list(whole), False
+        for t, uses in zip(self.whole, self.uses):
+            for mod, attr in uses:
+                mod.__dict__[attr] = t
+
+    def take_back(self):
+        for uses in self.uses:
+            for mod, attr in uses:
+                mod.__dict__.pop(attr, None)
+
+    def free_storage(self):
+        for t in self.whole:
+            t.untyped_storage().resize_(0)   # the tensor autograd saved stays; its memory goes
+
+    def free(self):
+        self.whole = None
+
+    def after_backward(self, grads):
+        """The unit's backward is done: free the whole tensors, then reduce-scatter the
+        gradients (asynchronously), or keep adding them up inside no_sync."""
+        self.free_storage()
+        self.whole = None
+        grads = [g if g is None else g.to(self.compute_dtype) for g in grads]
+        if self.pending is not None:   # accumulated under no_sync
+            grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, self.pending)]
+            self.pending = None
+        if not self.fsdp._sync:
+            self.pending = grads
+            return
+        ws, n = self.fsdp.world_size, len(self.infos)
+        send = torch.empty(ws, self.size + n, dtype=self.compute_dtype, device=self.device)
+        for g, info in zip(grads, self.infos):
+            if g is None:
+                send[:, info.offset:info.offset + info.numel].zero_()
+            else:
+                info.copy_in(g, send)
+        send[:, self.size:] = torch.tensor([float(g is not None) for g in grads], dtype=send.dtype, device=send.device)
+        send.div_(ws)                                   # average by dividing before the sum
+        out = torch.empty(self.size + n, dtype=self.compute_dtype, device=self.device)
+        self.reducing = (_reduce_scatter(out, send.view(-1), self.group, async_op=True), out)
+
+    def finish(self):
+        if self.reducing is None:
+            return
+        work, out = self.reducing
+        work.wait()
+        self.reducing = None
+        out = out.to(self.dtype)
+        had = out[self.size:].tolist()
+        for shard, info, n in zip(self.shards, self.infos, had):
+            if not shard.requires_grad or n == 0:
+                continue   # no rank had a gradient: it stays None, as in single-process training
+            g = out[info.offset:info.offset + info.numel].view(info.shard_shape)
+            if shard.grad is None:
+                shard.grad = g
+            else:
+                shard.grad.add_(g)
+
+    def gather_one(self, info, shard):
+        """The whole tensor (this parameter's shape) from every rank's shard-shaped tensor."""
+        buf = torch.empty(self.fsdp.world_size * info.numel, dtype=shard.dtype, device=shard.device)
+        _all_gather(buf, shard.reshape(-1).contiguous(), self.group)
+        g = buf.view(self.fsdp.world_size, info.numel)
+        whole = torch.empty(info.shape, dtype=shard.dtype, device=shard.device)
+        _ShardInfo(info.shape, 0, info.world_size, info.rank).copy_out(g, whole)
+        return whole
+
+    def gather_whole(self) -> dict:
+        return {name: self.gather_one(info, shard.detach()) for name, info, shard in zip(self.names, self.infos, self.shards)}
 
 
 class _Gather(torch.autograd.Function):
-    """shard -> full weight (all-gather); backward: full gradient -> shard gradient
-    (reduce-scatter)."""
+    """A unit's shards -> its whole parameters (from the all-gather already done); backward:
+    hand the whole gradients to the unit, which reduce-scatters them into the shards."""
 
     @staticmethod
-    def forward(ctx, shard, h, keep):
-        ctx.h = h
-        ctx.buf, full = h.gather(keep)
-        return full
+    def forward(ctx, unit, *shards):
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)   # an unused parameter's gradient must stay None, not zeros
+        whole = unit.whole_tensors()
+        ctx.mark_non_differentiable(*[t for t, s in zip(whole, shards) if not s.requires_grad])
+        return tuple(whole)
 
     @staticmethod
-    def backward(ctx, grad_full):
-        ctx.h.release(ctx.buf)      # the layer's backward is done with this copy
-        return ctx.h.reduce_scatter(grad_full), None, None
+    def backward(ctx, *grads):
+        ctx.unit.after_backward(list(grads))
+        return (None,) * (1 + len(grads))
 # ---- end copy: FSDP ----
 
 
-def train_step(model, optimizer, batch, clock):
-    """One training step on this rank's part of the global batch, timed by phase."""
+def train_step(model, optimizer, batch, clock, micro_batches=1, max_norm=None, **forward_kwargs):
+    """One training step on this rank's part of the global batch, timed by phase; with
+    ``micro_batches`` > 1 the gradients accumulate (communicated once, at the last), with
+    ``max_norm`` they are clipped by the global norm."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    with clock.phase("forward"):      # gathers each layer's weights just before it runs
-        loss = model(x, y)
-    with clock.phase("backward"):     # gathers them again; reduce-scatters the weight gradients
-        loss.backward()
-    with clock.phase("comm"):         # the replicated (1-D) parameters' gradients
+    for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        with model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
+            with clock.phase("forward"):      # gathers each unit just before it runs
+                loss = model(xm, ym, **forward_kwargs) / micro_batches
+            with clock.phase("backward"):     # gathers it again; reduce-scatters its gradients
+                loss.backward()
+    with clock.phase("comm"):                 # waits for the last reduce-scatters
         model.finish_gradient_synchronization()
     with clock.phase("optim"):
+        if max_norm is not None:
+            model.clip_grad_norm_(max_norm)
         optimizer.step()
 
 
@@ -255,75 +517,188 @@ DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOW_PRECISION_TOL = {"rtol": 1e-2, "atol": 2e-3}
 
 
-def _reference_step(master, x, y, compute_dtype):
+class EncoderLM(nn.Module):
+    """A causal LM of standard modules: embeddings, an nn.TransformerEncoder of
+    nn.TransformerEncoderLayer (whose nn.MultiheadAttention reads its child out_proj's
+    weight itself), and a head."""
+
+    def __init__(self, vocab=common.VOCAB_SIZE, d=32, heads=4, d_ff=64, layers=2, context=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        layer = nn.TransformerEncoderLayer(d, heads, d_ff, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        logits = self.head(self.encoder(x, mask=mask, is_causal=True))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _reference_step(master, x, y, compute_dtype, micro_batches=1, max_norm=None, kwargs=None):
     """One single-process step on the global batch, weights and inputs cast like FSDP's."""
-    if compute_dtype is None:
-        master(x, y).backward()
-        return
-    low = copy.deepcopy(master).to(compute_dtype)
-    low(x.to(compute_dtype), y).backward()   # the toy model takes its loss in float32
-    for p, q in zip(master.parameters(), low.parameters()):
-        if q.grad is not None:
-            p.grad = q.grad.float()
+    model = master if compute_dtype is None else copy.deepcopy(master).to(compute_dtype)
+    for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        xm = xm.to(compute_dtype) if compute_dtype is not None and xm.is_floating_point() else xm
+        (model(xm, ym, **(kwargs or {})) / micro_batches).backward()
+    if model is not master:
+        for p, q in zip(master.parameters(), model.parameters()):
+            p.grad = None if q.grad is None else q.grad.float()
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm)
 
 
-def verify_case(ctx, args, compute_dtype, tied=False, group=None, steps=5):
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * size)
-    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]   # reference on the same device
+# name: model ("toy", "lm": the kit's LM, "encoder": EncoderLM), dtype (compute), tied,
+# unused (a layer used every other step, one never: their gradients stay None), accum
+# (micro-batches, all but the last inside no_sync), clip (max norm), groups (optimizer groups
+# by p.dim(): shards keep it), units ("layers": one unit per linear layer of the toy;
+# default: each block of a ModuleList, plus the root)
+CASES = {
+    "toy fp32": {"model": "toy"},
+    "toy fp32, a unit per layer": {"model": "toy", "units": "layers"},
+    "toy fp32 tied": {"model": "toy", "tied": True},
+    "toy fp32, unused parameters (AdamW)": {"model": "toy", "unused": True, "adamw": True},
+    "toy fp32, accumulation over 2 micro-batches (no_sync)": {"model": "toy", "accum": 2, "units": "layers"},
+    "LM fp32 (AdamW, clipped at 1.0)": {"model": "lm", "adamw": True, "clip": 1.0},
+    "LM fp32 (AdamW, no weight decay on 1-D parameters)": {"model": "lm", "adamw": True, "groups": True},
+    "TransformerEncoderLayer model fp32 (AdamW)": {"model": "encoder", "adamw": True},
+    "toy float16": {"model": "toy", "dtype": torch.float16},
+    "toy float16 tied": {"model": "toy", "dtype": torch.float16, "tied": True},
+}
+
+
+def build_case(case, args, size, steps, device):
+    """The case's model (the same on every rank) and its global batches."""
     torch.manual_seed(args.seed)
-    ref = common.ToyModel(in_dim, n_classes=n_cls, tied=tied).to(ctx.device)
-    model = FSDP(copy.deepcopy(ref), compute_dtype=compute_dtype, process_group=group)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    micro = case.get("accum", 1)
+    if case["model"] == "toy":
+        batches, in_dim, n_cls = common.verify_batches(args, steps, 8 * size * micro)
+        model = common.ToyModel(in_dim, n_classes=n_cls, tied=case.get("tied", False), unused=case.get("unused", False))
+    else:
+        batches = [common.lm_batch(4 * size * micro, 16, i, args.seed, "cpu") for i in range(steps)]
+        model = common.TransformerLM(32, 64, 2, 4, context_length=16) if case["model"] == "lm" else EncoderLM()
+    return model.to(device), [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def make_optimizer(case, params):
+    # AdamW's eps 1e-6: its division turns last-bit differences in nearly-cancelling
+    # gradients into visible ones (see 08); the check is on FSDP
+    params = list(params)
+    if case.get("groups"):   # as training loops often do: no weight decay on norms and biases
+        params = [{"params": [p for p in params if p.dim() >= 2]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6) if case.get("adamw") else \
+        torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def verify_case(ctx, args, case, group=None, steps=5):
+    """Train FSDP on this rank's part of every global batch and one process on the whole
+    batches (cast like FSDP's compute dtype); compare every parameter, gathered, by name."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    dtype, micro = case.get("dtype"), case.get("accum", 1)
+    ref, batches = build_case(case, args, size, steps, ctx.device)
+    copy_ = copy.deepcopy(ref)
+    units = [copy_.fc1, copy_.fc2, copy_.fc3, copy_.head] if case.get("units") == "layers" else None
+    model = FSDP(copy_, compute_dtype=dtype, process_group=group, units=units)
+    opt, ref_opt = make_optimizer(case, model.parameters()), make_optimizer(case, ref.parameters())
     shapes_ok = True
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
+        extra = {"use_extra": step % 2 == 0} if case.get("unused") else {}
         ref_opt.zero_grad()
-        _reference_step(ref, x, y, compute_dtype)
+        _reference_step(ref, x, y, dtype, micro, case.get("clip"), extra)
         ref_opt.step()
-        train_step(model, opt, (common.shard(x, rank, size), common.shard(y, rank, size)), common.StepClock(ctx.device))
-        shapes_ok &= all(p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype
+        train_step(model, opt, (common.shard(x, rank, size), common.shard(y, rank, size)), common.StepClock(ctx.device),
+                   micro, case.get("clip"), **extra)
+        shapes_ok &= all(p.grad is None or (p.grad.shape == p.shape and p.grad.dtype == p.dtype)
                          for p in model.parameters())
-    full = model.gather_full_params()
-    tol = LOW_PRECISION_TOL if compute_dtype is not None else {}
+    return compare_whole(ctx, model.gather_full_params(), ref, LOW_PRECISION_TOL if dtype else {}, group,
+                         shapes_ok=shapes_ok)
+
+
+def compare_whole(ctx, whole, ref, tol, group, **extra):
+    """Gathered whole parameters against the reference's, by name, gathered over the group."""
     diff, ok = 0.0, True
     for name, p in ref.named_parameters():
-        diff = max(diff, (full[name].to(p.device).double() - p.detach().double()).abs().max().item())
+        diff = max(diff, (whole[name].double() - p.detach().double()).abs().max().item())
         try:
-            torch.testing.assert_close(full[name].to(p.device), p.detach(), **tol)
+            torch.testing.assert_close(whole[name], p.detach(), **tol)
         except AssertionError:
             ok = False
-    everyone = [None] * size
-    dist.all_gather_object(everyone, {
-        "ok": ok, "max_diff": diff, "shapes_ok": shapes_ok,
-        "replicated": [p.grad.tolist() for _, p in model._replicated], "names": sorted(full),
-        "ref_names": sorted(n for n, _ in ref.named_parameters(remove_duplicate=False))}, group=group)
-    same_replicated = all(r["replicated"] == everyone[0]["replicated"] for r in everyone)
-    return {"ok": all(r["ok"] and r["shapes_ok"] for r in everyone) and same_replicated,
-            "max_diff": max(r["max_diff"] for r in everyone), "bitwise": False,
-            "shapes_ok": all(r["shapes_ok"] for r in everyone), "replicated_identical": same_replicated,
-            "names_match": everyone[0]["names"] == everyone[0]["ref_names"]}
+    local = {"ok": ok and set(whole) == {n for n, _ in ref.named_parameters()}, "max_diff": diff, **extra}
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, local, group=group)
+    return {"ok": all(r["ok"] and r.get("shapes_ok", True) for r in everyone),
+            "max_diff": max(r["max_diff"] for r in everyone), **{k: all(r[k] for r in everyone) for k in extra}}
 
 
 def verify(ctx, args, cases=None, group=None):
-    """fp32 and one low-precision compute dtype (--compute-dtype, default float16), with and
-    without tied weights; ``cases`` names some of them, ``group`` shards over a subgroup."""
+    """Every case of CASES (or those named), with --compute-dtype's low precision in place
+    of float16 when given; ``group`` shards over a subgroup."""
     low = DTYPES.get(getattr(args, "compute_dtype", "float32")) or torch.float16
-    all_cases = {f"{label}{' tied' if tied else ''}": (dt, tied)
-                 for label, dt in (("fp32", None), (str(low).replace("torch.", ""), low)) for tied in (False, True)}
-    return {name: verify_case(ctx, args, *all_cases[name], group=group) for name in cases or all_cases}
+    out = {}
+    for name in cases or CASES:
+        case = dict(CASES[name])
+        if case.get("dtype") is not None:
+            case["dtype"] = low
+            name = name.replace("float16", str(low).replace("torch.", ""))
+        out[name] = verify_case(ctx, args, case, group)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmark: memory and time against DDP and DDP + sharded optimizer
+# Checkpoints: save at one world size, resume at another
 # ----------------------------------------------------------------------------------------
-def methods(args):
+def resume_run(ctx, args, path, start, stop, save_at, batch):
+    """The LM of the verification, FSDP + AdamW (clipped at 1.0), trained from ``start`` to
+    ``stop`` on the same global batches whatever the world size; loads ``path`` when
+    start > 0, saves it (whole tensors, from the first rank) after step ``save_at``.
+    Returns the whole parameters at the end."""
+    case = {"model": "lm", "adamw": True}
+    ref, batches = build_case(case, args, batch // 4, stop, ctx.device)   # batch sequences
+    model = FSDP(ref)
+    opt = make_optimizer(case, model.parameters())
+    if start:
+        saved = torch.load(path, weights_only=False)
+        model.load_full_state_dict(saved["model"])
+        model.load_full_optim_state_dict(opt, saved["optim"])
+    for step in range(start, stop):
+        x, y = batches[step]
+        train_step(model, opt, (common.shard(x, ctx.rank, ctx.world_size), common.shard(y, ctx.rank, ctx.world_size)),
+                   common.StepClock(ctx.device), max_norm=1.0)
+        if step + 1 == save_at:
+            state = {"model": model.full_state_dict(), "optim": model.full_optim_state_dict(opt)}
+            if ctx.rank == 0:
+                torch.save(state, path)
+            dist.barrier()
+    return {k: v.cpu() for k, v in model.gather_full_params().items()}
+
+
+# ----------------------------------------------------------------------------------------
+# Benchmark: memory and time against DDP, DDP + sharded optimizer and torch's FSDP2
+# ----------------------------------------------------------------------------------------
+def torch_fsdp2(model, ctx):
+    """torch's FSDP2 on the same units: fully_shard on every block, then on the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.no_sync = contextlib.nullcontext
+    model.finish_gradient_synchronization = lambda: None   # FSDP2 has waited inside backward
+    return model
+
+
+def methods(args, ctx):
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
     dt = DTYPES[args.compute_dtype]
     return {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None),
             "DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25), sharded.make_optimizer("sharded")),
-            f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None)}
+            f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None),
+            "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None)}
 
 
 def build(ctx, args, wrap, optimizer):
@@ -335,7 +710,7 @@ def build(ctx, args, wrap, optimizer):
 def memory_worker(ctx, args, index):
     """Memory per rank after two full training steps (state exists), for method ``index``."""
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
-    name, (wrap, optimizer) = list(methods(args).items())[index]
+    name, (wrap, optimizer) = list(methods(args, ctx).items())[index]
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     model, opt = build(ctx, args, wrap, optimizer)
@@ -345,27 +720,33 @@ def memory_worker(ctx, args, index):
                    common.StepClock(ctx.device))
     row = sharded.memory_snapshot(ctx, "after optimizer step", model, opt)
     row.pop("point")
+    row["state_MB"] = row["params_MB"] + row["grads_MB"] + row["opt_state_MB"]
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, row)
     return [{"method": name, "rank": r, **row} for r, row in enumerate(everyone)]
 
 
 def benchmark(ctx, args):
-    """DDP, DDP + ShardedOptimizer and FSDP on the LM, steps alternating: one row each."""
+    """DDP, DDP + ShardedOptimizer, FSDP and torch's FSDP2 on the LM, steps alternating."""
     def method(wrap, optimizer):
         def make():
             model, opt = build(ctx, args, wrap, optimizer)
             return lambda batch, clock: train_step(model, opt, batch, clock)
         return make
-    rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args).items()})
+    rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args, ctx).items()})
+    steps = {r["method"]: r["stats"]["step"]["all"] for r in rows}
+    ours, theirs = list(steps)[2], list(steps)[3]   # steps alternate: compare them pair by pair
+    ratios = [a / b for a, b in zip(steps[ours], steps[theirs])]
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
+    rows[2].update(vs_torch=common.summarize(ratios)["median"], vs_torch_min=min(ratios), vs_torch_max=max(ratios))
     return rows
 
 
-HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "optim_ms", "collectives"]
-MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "other_MB", "peak_MB"]
-NAME, TITLE = "07_fsdp", "FSDP against DDP and DDP + sharded optimizer: time per iteration"
+HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_torch", "vs_torch_min", "vs_torch_max", "comm_ms",
+           "optim_ms", "collectives", "comm_MB"]
+MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "state_MB", "other_MB", "peak_MB"]
+NAME, TITLE = "07_fsdp", "FSDP against DDP, DDP + sharded optimizer and torch's FSDP2: time per iteration"
 
 
 def main(argv=None):
@@ -375,17 +756,18 @@ def main(argv=None):
     args = common.parse(p, argv)
     if not args.no_verify:
         common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
+        common.check_resume(resume_run, args, f"{NAME}: a full checkpoint on another world size")
     if args.no_bench:
         return
     rows = common.launch(benchmark, args)
     common.report_table(args, NAME, TITLE, rows, HEADERS)
     # one job per method: fresh processes, so each peak belongs to that method alone
-    mem = [row for i in range(len(methods(args))) for row in common.launch(memory_worker, args, i)]
+    mem = [row for i in range(4) for row in common.launch(memory_worker, args, i)]
     if common.is_reporter():
         table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
-                                    title="FSDP against DDP: memory per rank after a step (MiB)")
-        print(f"\nMemory per rank after a training step (MiB; peak = "
-              f"{'max_memory_allocated' if args.device == 'cuda' else 'peak RSS'})\n{table}\n"
+                                    title="FSDP against DDP and torch's FSDP2: memory per rank after a step (MiB)")
+        print(f"\nMemory per rank after a training step (MiB; state = parameters + gradients + optimizer state; "
+              f"peak = {'max_memory_allocated' if args.device == 'cuda' else 'peak RSS'})\n{table}\n"
               f"wrote {args.out}/07_fsdp_memory.json and .md")
 
 

@@ -693,6 +693,33 @@ class VerifyRun:
                 "bitwise": all(r["bitwise"] for r in everyone)}
 
 
+def check_resume(worker, args, label, steps=6):
+    """A checkpoint saved at this world size, resumed at another (twice as many ranks, or
+    half when there are 4 or more), must end where the uninterrupted run ends.
+    ``worker(ctx, args, path, start, stop, save_at, batch)`` trains steps [start, stop) on
+    the same global batches whatever the world size, loading ``path`` when start > 0 and
+    saving it after step ``save_at``, and returns the final weights by name."""
+    if under_torchrun():
+        print(f"verify {label}: skipped under torchrun (its world size is fixed)") if is_reporter() else None
+        return
+    now = args.world_size
+    then = now // 2 if now >= 4 else now * 2
+    batch = 4 * math.lcm(now, then)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "checkpoint.pt")
+        whole = launch(worker, args, path, 0, steps, steps // 2, batch)
+        resumed = launch(worker, args, path, steps // 2, steps, None, batch, world_size=then)
+    ok = set(whole) == set(resumed)
+    try:
+        for k in whole:
+            torch.testing.assert_close(resumed[k], whole[k])
+    except (AssertionError, KeyError):
+        ok = False
+    diff = max((resumed[k].double() - whole[k].double()).abs().max().item() for k in whole if k in resumed)
+    check_verification({f"saved at {now} ranks after step {steps // 2}, resumed at {then}": {"ok": ok, "max_diff": diff}},
+                       label)
+
+
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((pa.detach().double() - pb.detach().double()).abs().max().item()
                for pa, pb in zip(a.parameters(), b.parameters()))

@@ -57,7 +57,7 @@ def test_state_dict_belongs_to_one_rank(one_rank):
     opt = sharded.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
     state = opt.state_dict()
     state["rank"] = 1
-    with pytest.raises(ValueError, match="own file"):
+    with pytest.raises(ValueError, match="own file.*consolidate_state_dict"):
         opt.load_state_dict(state)
 
 
@@ -74,3 +74,20 @@ def test_script_writes_memory_and_timing(tmp_path):
         assert plain["opt_state_MB"] == pytest.approx(2 * plain["params_MB"], rel=0.01)
         assert shard["opt_state_MB"] < 0.6 * plain["opt_state_MB"]
     assert mem["summary"]["opt_state_ratio"] <= mem["summary"]["opt_state_bar"]
+
+
+@pytest.mark.parametrize("first, then", [(2, 4), (4, 2)])
+def test_a_consolidated_checkpoint_resumes_on_another_world_size(tmp_path, first, then):
+    import common
+    from conftest import verify_args
+    path = str(tmp_path / "checkpoint.pt")
+    whole = common.launch(sharded.resume_run, verify_args(first), path, 0, 6, 3, 16)
+    saved = torch.load(path, weights_only=False)
+    assert saved["optim"]["consolidated"] and len(saved["optim"]["state"]) == len(whole)   # every parameter's state
+    resumed = common.launch(sharded.resume_run, verify_args(then), path, 3, 6, None, 16)
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k])
+    saved["optim"]["state"] = {}   # the control: AdamW starting its moments again ends elsewhere
+    torch.save(saved, path)
+    fresh = common.launch(sharded.resume_run, verify_args(then), path, 3, 6, None, 16)
+    assert max((fresh[k] - whole[k]).abs().max().item() for k in whole) > 1e-4

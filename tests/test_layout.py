@@ -74,7 +74,7 @@ def test_the_copied_region_alone_trains_like_one_process(script, name):
 # class that communicated over every rank would mix the two groups' gradients.
 SUBGROUP_CASES = {"02_naive_ddp": ["uneven", "everything"], "03_flat_ddp": ["uneven", "everything"],
                   "04_overlap_ddp": ["uneven", "everything"], "05_bucketed_ddp": ["uneven", "everything"],
-                  "06_sharded_optimizer": ["adamw", "state_dict_round_trip"], "07_fsdp": ["fp32", "fp32 tied"]}
+                  "06_sharded_optimizer": ["adamw", "state_dict_round_trip"], "07_fsdp": ["toy fp32 tied", "LM fp32 (AdamW, clipped at 1.0)"]}
 LAYOUTS = {"{0,1},{2,3}": [[0, 1], [2, 3]], "{0,2},{1,3}": [[0, 2], [1, 3]]}
 
 
