@@ -46,13 +46,16 @@ class DDPBucketed(nn.Module):
         model.finish_gradient_synchronization()  # wait; every gradient is now the average
         opt.step()
 
-    ``process_group`` (default: every rank) is the data-parallel group. Buckets hold
-    parameters in reverse ``module.parameters()`` order, at most
-    ``bucket_size_mb`` MiB of gradients each (a larger parameter gets a bucket of its own),
-    one dtype and device per bucket; tied parameters appear once and frozen ones not at all.
-    Each parameter's ``.grad`` is a view into its bucket's flat buffer: no second copy of
-    the gradients, no copy back after the all-reduce. ``zero_grad()`` works with
-    ``set_to_none`` True or False (a fresh gradient is moved into its view by the hook).
+    ``process_group`` (default: every rank) is the data-parallel group. Buckets hold at
+    most ``bucket_size_mb`` MiB of gradients each, the first one at most ``first_bucket_mb``
+    (so communication starts early), a larger parameter a bucket of its own; one dtype and
+    device per bucket; tied parameters appear once and frozen ones not at all. Until the
+    first synchronized step they follow reverse ``module.parameters()`` order; that step
+    records the order in which gradients really arrive, every rank adopts the group's first
+    rank's record (parameters without a gradient then go last), and the buckets are rebuilt
+    in that order once. Each parameter's ``.grad`` is a view into its bucket's flat buffer:
+    no second copy of the gradients, no copy back after the all-reduce. ``zero_grad()``
+    works with ``set_to_none`` True or False (a fresh gradient is moved into its view).
 
     Bucket k is launched only after buckets 0..k-1, so all ranks issue the same collectives
     in the same order. Buckets that never filled (a parameter got no gradient) are reduced
@@ -62,37 +65,45 @@ class DDPBucketed(nn.Module):
     only accumulates; the next synchronized backward reduces the sum.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
+                 first_bucket_mb: float = 1.0):
         super().__init__()
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        if not bucket_size_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"bucket_size_mb and first_bucket_mb must be positive, got {bucket_size_mb}, "
+                             f"{first_bucket_mb}")
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
+        self._src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=src, group=process_group)
-        cap = bucket_size_mb * 1024 * 1024
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
-        groups, open_ = [], {}          # groups: lists of parameters, in bucket order
-        for p in params:
-            key = (p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
-            g = open_.get(key)
-            if g is None or g[1] + nbytes > cap:
-                g = open_[key] = [[], 0]
-                groups.append(g[0])
-            g[0].append(p)
-            g[1] += nbytes
-        self.buckets = [_Bucket(ps, process_group) for ps in groups]
-        self._where = {}                # parameter -> (bucket index, slot)
-        for b, bucket in enumerate(self.buckets):
-            for j, p in enumerate(bucket.params):
-                self._where[p] = (b, j)
-                p.register_post_accumulate_grad_hook(self._make_hook(b, j))
+                dist.broadcast(t, src=self._src, group=process_group)
+        self._caps = (min(first_bucket_mb, bucket_size_mb) * 2**20, bucket_size_mb * 2**20)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._build(list(range(len(self._params)))[::-1])
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._arrived, self._rebuilt = [], False   # gradient order seen before the rebuild
         self._next = 0                  # the next bucket to launch
         self._sync = True
+
+    def _build(self, order):
+        """Buckets along ``order`` (parameter indices), the first capped lower."""
+        groups, open_ = [], {}          # groups: lists of parameter indices, in bucket order
+        for i in order:
+            p = self._params[i]
+            key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+            g = open_.get(key)
+            if g is None or g[1] + nbytes > self._caps[min(len(groups), 1) if g is None else g[2]]:
+                g = open_[key] = [[], 0, min(len(groups), 1)]   # indices, bytes, which cap
+                groups.append(g[0])
+            g[0].append(i)
+            g[1] += nbytes
+        self.buckets = [_Bucket([self._params[i] for i in idx], self.process_group) for idx in groups]
+        self._slot = [None] * len(self._params)   # parameter index -> (bucket, place in it)
+        for bucket, idx in zip(self.buckets, groups):
+            for j, i in enumerate(idx):
+                self._slot[i] = (bucket, j)
 
     @property
     def bucket_sizes_mb(self):
@@ -100,9 +111,6 @@ class DDPBucketed(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def on_train_batch_start(self):
-        """Nothing to do: buckets are reset by finish_gradient_synchronization()."""
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -113,11 +121,12 @@ class DDPBucketed(nn.Module):
         finally:
             self._sync = prev
 
-    def _make_hook(self, b, j):
-        bucket = self.buckets[b]
-
+    def _make_hook(self, i):
         @torch.no_grad()
         def hook(p):
+            if not self._rebuilt:
+                self._arrived.append(i)
+            bucket, j = self._slot[i]
             if not self._sync:
                 bucket.attach(j, p, 1)      # accumulate in the bucket, unscaled
                 return
@@ -139,6 +148,25 @@ class DDPBucketed(nn.Module):
         for bucket in self.buckets:
             bucket.finish()
         self._next = 0
+        if not self._rebuilt:
+            self._rebuild()
+
+    def _rebuild(self):
+        """Once, after the first synchronized step: buckets in the order gradients arrived on
+        the group's first rank (those that got none last), the gradients moved along."""
+        seen = list(dict.fromkeys(self._arrived))
+        order = seen + [i for i in reversed(range(len(self._params))) if i not in set(seen)]
+        device = self._params[0].device if self._params else "cpu"
+        agreed = torch.tensor(order, dtype=torch.int64, device=device)
+        dist.broadcast(agreed, src=self._src, group=self.process_group)
+        self._rebuilt, self._arrived = True, []
+        old = [p.grad for p in self._params]
+        self._build(agreed.tolist())
+        for i, (p, g) in enumerate(zip(self._params, old)):
+            if g is not None:
+                bucket, j = self._slot[i]
+                bucket.views[j].copy_(g)
+                p.grad = bucket.views[j]
 
 
 class _Bucket:
@@ -154,6 +182,7 @@ class _Bucket:
             self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.flags = self.buffer[numel:]
+        self.flags.fill_(1)
         self.work = None
         self.missing = False
         self._reset()
@@ -176,7 +205,6 @@ class _Bucket:
             view.div_(divisor)
 
     def launch(self, world_size, partial=False):
-        self.flags.fill_(1)
         self.missing = False
         if partial:
             for j, p in enumerate(self.params):
@@ -195,6 +223,7 @@ class _Bucket:
             for j, (p, n) in enumerate(zip(self.params, self.flags.tolist())):
                 if p.grad is None and n > 0:
                     p.grad = self.views[j]
+        self.flags.fill_(1)                 # ready for the next step, off backward's path
         self._reset()
 # ---- end copy: DDPBucketed ----
 
@@ -269,31 +298,48 @@ def no_wrapper(module):
     return module
 
 
-def lm_method(ctx, args, wrap, n_buckets=None):
-    """make() for common.time_methods: the LM wrapped by ``wrap``, AdamW, train_step."""
+MODELS = {"lm": common.build_lm,                 # the kit's LM (RMSNorm, fused qkv, GELU MLP)
+          "encoder": common.build_encoder_lm}     # the same size in nn.TransformerEncoderLayer's
+
+
+def lm_method(ctx, args, wrap, n_buckets=None, model="lm"):
+    """make() for common.time_methods: the model wrapped by ``wrap``, AdamW, train_step."""
     def make():
-        model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
-        if n_buckets is not None:
-            n_buckets.append(len(model.buckets))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        return lambda batch, clock: train_step(model, optimizer, batch, clock)
+        model_ = wrap(MODELS[model](args.model_size, args.context_length, ctx.device, args.seed))
+        return _stepper(model_, n_buckets)
     return make
 
 
-def benchmark(ctx, args, cap, fit=False):
-    """One bucket size: DDPBucketed, torch DDP at the same bucket_cap_mb and plain training
-    (no wrapper), steps alternating. With ``fit``, also fits the all-reduce cost."""
+def _stepper(model, n_buckets):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch, clock):
+        train_step(model, optimizer, batch, clock)
+        if n_buckets is not None:   # after the first step's rebuild
+            n_buckets[:] = [len(model.buckets)]
+    return step
+
+
+def benchmark(ctx, args, model, cap, fit=False):
+    """One model and bucket size: DDPBucketed, torch DDP at the same bucket_cap_mb (its
+    first bucket left at its default) and plain training (no wrapper), steps alternating;
+    vs_torch_ddp is the median of the paired steps' ratios. With ``fit``, also fits the
+    all-reduce cost."""
     n_buckets = []
     rows = common.time_methods(ctx, args, {
-        f"DDPBucketed {cap:g} MB": lm_method(ctx, args, lambda m: DDPBucketed(m, cap), n_buckets),
-        f"torch DDP {cap:g} MB": lm_method(ctx, args, lambda m: torch_ddp(m, cap, ctx.device)),
-        "plain (no wrapper)": lm_method(ctx, args, no_wrapper)})
-    for r in rows:   # vs_plain: each wrapper's cost over plain training (at one rank, its own cost)
-        r.update(bucket_mb=cap, n_buckets=None, vs_torch_ddp=r["step_ms"] / rows[1]["step_ms"],
-                 vs_plain=r["step_ms"] / rows[2]["step_ms"])
+        f"DDPBucketed {cap:g} MB": lm_method(ctx, args, lambda m: DDPBucketed(m, cap), n_buckets, model),
+        f"torch DDP {cap:g} MB": lm_method(ctx, args, lambda m: torch_ddp(m, cap, ctx.device), model=model),
+        "plain (no wrapper)": lm_method(ctx, args, no_wrapper, model=model)})
+    steps = [r["stats"]["step"]["all"] for r in rows]
+    for r, mine in zip(rows, steps):   # vs_plain: each wrapper's cost over plain training
+        paired = {"torch": [a / b for a, b in zip(mine, steps[1])], "plain": [a / b for a, b in zip(mine, steps[2])]}
+        r.update(model=model, bucket_mb=cap, n_buckets=None,
+                 vs_torch_ddp=common.summarize(paired["torch"])["median"], vs_torch_ddp_min=min(paired["torch"]),
+                 vs_torch_ddp_max=max(paired["torch"]), vs_plain=common.summarize(paired["plain"])["median"])
     rows[0]["n_buckets"] = n_buckets[0]
     rows[1].update(comm_ms=None, comm_share=None)   # torch DDP waits inside backward: nothing left after it
-    rows[2].update(vs_torch_ddp=None, vs_plain=None)
+    rows[1].update(vs_torch_ddp_min=None, vs_torch_ddp_max=None)
+    rows[2].update(vs_torch_ddp=None, vs_torch_ddp_min=None, vs_torch_ddp_max=None, vs_plain=None)
     return {"rows": rows, "fit": fit_allreduce(ctx, args) if fit else None}
 
 
@@ -301,9 +347,10 @@ def benchmark_baselines(ctx, args):
     """The two unbucketed ends: per-parameter overlapped (04) and one flat all-reduce (03)."""
     overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
     flat = common.load_script(common.ROOT / "03_flat_ddp.py")
-    return common.time_methods(ctx, args, {
+    rows = common.time_methods(ctx, args, {
         "per-parameter overlapped (04)": lm_method(ctx, args, overlap.DDPIndividualParameters),
         "flat after backward (03)": lm_method(ctx, args, flat.FlatDDP)})
+    return [{**r, "model": "lm"} for r in rows]
 
 
 def fit_allreduce(ctx, args):
@@ -336,6 +383,8 @@ def overhead_model(s, w, o, n_b):
 
 
 def analyse(rows, fit, args):
+    """The overhead model on the kit's LM's sweep."""
+    rows = [r for r in rows if r.get("model", "lm") == "lm"]
     s = common.lm_param_count(args.model_size, args.context_length) * 4
     w, o = fit["w_Bps"] or math.inf, fit["o_s"]
     # the formula's optimum, kept between one bucket and one bucket per parameter tensor
@@ -353,9 +402,16 @@ def analyse(rows, fit, args):
 
 def plot(rows, args):
     plt = common.pyplot()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        plot_model(ax, [r for r in rows if r["model"] == model], args, model)
+    common.save_figure(fig, f"{args.out}/05_bucket_sweep.png")
+
+
+def plot_model(ax, rows, args, model):
     ours = sorted((r for r in rows if r["method"].startswith("DDPBucketed")), key=lambda r: r["bucket_mb"])
     theirs = sorted((r for r in rows if r["method"].startswith("torch DDP")), key=lambda r: r["bucket_mb"])
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     x = [r["bucket_mb"] for r in ours]
     ax.errorbar(x, [r["step_ms"] for r in ours], marker="o", label="DDPBucketed (ours)",
                 yerr=[[r["step_ms"] - r["step_min_ms"] for r in ours], [r["step_max_ms"] - r["step_ms"] for r in ours]],
@@ -370,14 +426,14 @@ def plot(rows, args):
     ax.set_xscale("log")
     ax.set_xlabel("bucket size (MB)")
     ax.set_ylabel("step time (ms, median; bars min-max)")
-    ax.set_title(f"{args.model_size} LM, {args.world_size} x {args.backend}/{args.device}")
+    name = "the kit's LM" if model == "lm" else "nn.TransformerEncoderLayer model"
+    ax.set_title(f"{args.model_size} {name}, {args.world_size} x {args.backend}/{args.device}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    common.save_figure(fig, f"{args.out}/05_bucket_sweep.png")
 
 
-HEADERS = ["method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_max_ms", "comm_ms",
-           "vs_torch_ddp", "vs_plain", "collectives"]
+HEADERS = ["model", "method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms", "step_max_ms", "comm_ms",
+           "vs_torch_ddp", "vs_torch_ddp_min", "vs_torch_ddp_max", "vs_plain", "collectives"]
 NAME, TITLE = "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size"
 
 
@@ -385,6 +441,8 @@ def main(argv=None):
     p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[1, 10, 100, 1000],
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                   help="the kit's LM (lm) and a model of nn.TransformerEncoderLayer's of the same size (encoder)")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also time 04's per-parameter and 03's flat DDP (--no-baselines: the sweep only)")
     p.add_argument("--time-box", type=float, default=None,
@@ -406,19 +464,20 @@ def main(argv=None):
 
     # One job (fresh processes) per bucket size; the table is rewritten after each, so a run
     # cut short keeps what it measured. The first size also fits the all-reduce cost.
-    jobs, rows, fit, note = caps + (["baselines"] if args.baselines else []), [], None, ""
+    jobs = [(m, c) for m in dict.fromkeys(args.models) for c in caps] + (["baselines"] if args.baselines else [])
+    rows, fit, note = [], None, ""
     started = time.perf_counter()
     for i, job in enumerate(jobs):
         if i and args.time_box and rank0_decides(time.perf_counter() - started > args.time_box):
             note = (f"Time box ({args.time_box:g} s) reached: not run: "
-                    f"{', '.join(f'{j:g}' if j != 'baselines' else j for j in jobs[i:])}.")
+                    f"{', '.join(f'{j[0]} {j[1]:g}' if j != 'baselines' else j for j in jobs[i:])}.")
             if report:
                 print(note)
             break
         if job == "baselines":
             rows += common.launch(benchmark_baselines, args)
         else:
-            got = common.launch(benchmark, args, job, fit is None)
+            got = common.launch(benchmark, args, *job, fit is None and job[0] == "lm")
             rows, fit = rows + got["rows"], fit or got["fit"]
         if report and i < len(jobs) - 1:
             common.save_results(args.out, NAME, rows, common.lm_settings(args), headers=HEADERS, title=TITLE,
@@ -426,7 +485,9 @@ def main(argv=None):
     common.report_table(args, NAME, TITLE, rows, HEADERS, note)
     if not report:
         return
-
+    if fit is None:   # the overhead model needs the LM's first job
+        plot(rows, args)
+        return
     a = analyse(rows, fit, args)
     print(f"\nOverhead model: overhead(n_b) = s/(n_b*w) + n_b*o, best n_b = sqrt(s/(w*o)), "
           f"bucket = sqrt(s*w*o)\n  fitted all-reduce cost: o = {a['o_ms']:.3f} ms per call, "
@@ -436,7 +497,7 @@ def main(argv=None):
           f"overhead {a['overhead_opt_ms']:.1f} ms\n"
           f"  measured best bucket (of the sweep): {a['measured_best_mb']:g} MiB, "
           f"{a['measured_best_step_ms']:.1f} ms/step, {a['best_vs_torch_ddp']:.3f}x torch DDP at that cap")
-    ours = {r["bucket_mb"]: r for r in rows if r["method"].startswith("DDPBucketed")}
+    ours = {r["bucket_mb"]: r for r in rows if r["method"].startswith("DDPBucketed") and r["model"] == "lm"}
     common.save_results(args.out, "05_overhead_model", [
         {"bucket_mb": b, "predicted_overhead_ms": v, "n_buckets": ours[b]["n_buckets"],
          "step_ms": ours[b]["step_ms"], "comm_ms": ours[b]["comm_ms"]}

@@ -517,26 +517,6 @@ DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOW_PRECISION_TOL = {"rtol": 1e-2, "atol": 2e-3}
 
 
-class EncoderLM(nn.Module):
-    """A causal LM of standard modules: embeddings, an nn.TransformerEncoder of
-    nn.TransformerEncoderLayer (whose nn.MultiheadAttention reads its child out_proj's
-    weight itself), and a head."""
-
-    def __init__(self, vocab=common.VOCAB_SIZE, d=32, heads=4, d_ff=64, layers=2, context=16):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
-        layer = nn.TransformerEncoderLayer(d, heads, d_ff, dropout=0.0, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx, targets):
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
-        logits = self.head(self.encoder(x, mask=mask, is_causal=True))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def _reference_step(master, x, y, compute_dtype, micro_batches=1, max_norm=None, kwargs=None):
     """One single-process step on the global batch, weights and inputs cast like FSDP's."""
     model = master if compute_dtype is None else copy.deepcopy(master).to(compute_dtype)
@@ -578,7 +558,7 @@ def build_case(case, args, size, steps, device):
         model = common.ToyModel(in_dim, n_classes=n_cls, tied=case.get("tied", False), unused=case.get("unused", False))
     else:
         batches = [common.lm_batch(4 * size * micro, 16, i, args.seed, "cpu") for i in range(steps)]
-        model = common.TransformerLM(32, 64, 2, 4, context_length=16) if case["model"] == "lm" else EncoderLM()
+        model = common.TransformerLM(32, 64, 2, 4, context_length=16) if case["model"] == "lm" else common.EncoderLM()
     return model.to(device), [(x.to(device), y.to(device)) for x, y in batches]
 
 

@@ -526,6 +526,34 @@ def build_lm(size: str, context_length: int, device, seed: int = 0) -> Transform
         return TransformerLM(d_model, d_ff, n_layers, n_heads, context_length=context_length)
 
 
+class EncoderLM(nn.Module):
+    """A causal LM of standard modules: embeddings, an nn.TransformerEncoder of
+    nn.TransformerEncoderLayer (whose nn.MultiheadAttention reads its child out_proj's
+    weight itself), and a head."""
+
+    def __init__(self, vocab=VOCAB_SIZE, d=32, heads=4, d_ff=64, layers=2, context=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        layer = nn.TransformerEncoderLayer(d, heads, d_ff, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        logits = self.head(self.encoder(x, mask=mask, is_causal=True))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_encoder_lm(size: str, context_length: int, device, seed: int = 0) -> EncoderLM:
+    """An EncoderLM of the kit's LM sizes (d_model, d_ff, layers, heads)."""
+    torch.manual_seed(seed)
+    d_model, d_ff, n_layers, n_heads = MODEL_SIZES[size]
+    with torch.device(device):
+        return EncoderLM(VOCAB_SIZE, d_model, n_heads, d_ff, n_layers, context_length)
+
+
 def lm_batch(global_batch: int, context_length: int, step: int, seed: int, device):
     """The same random global batch of tokens on every rank: (inputs, targets)."""
     g = torch.Generator().manual_seed(seed * 100_003 + step)
@@ -561,14 +589,20 @@ class ToyModel(nn.Module):
     unused:  ``extra`` is used only when forward gets ``use_extra=True``, and
              ``never`` is never used at all (it never gets a gradient).
     mixed:   ``dbl`` computes in float64 (a second gradient dtype).
+    scrambled: the layers are registered in another order than they run (head first), so
+             reverse registration order is not the order backward produces gradients.
     ``model(x)`` gives logits; ``model(x, targets)`` the cross-entropy loss.
     """
 
-    def __init__(self, in_dim=20, hidden=32, n_classes=10, tied=False, frozen=False, unused=False, mixed=False):
+    def __init__(self, in_dim=20, hidden=32, n_classes=10, tied=False, frozen=False, unused=False, mixed=False,
+                 scrambled=False):
         super().__init__()
+        if scrambled:
+            self.head, self.fc3 = nn.Linear(hidden, n_classes), nn.Linear(hidden, hidden, bias=False)
         self.fc1 = nn.Linear(in_dim, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = nn.Linear(hidden, hidden, bias=False)
+        if not scrambled:
+            self.fc3 = nn.Linear(hidden, hidden, bias=False)
         if tied:
             self.fc3.weight = self.fc2.weight
         if frozen:
@@ -576,7 +610,8 @@ class ToyModel(nn.Module):
         self.extra = nn.Linear(hidden, hidden) if unused else None
         self.never = nn.Parameter(torch.randn(hidden)) if unused else None
         self.dbl = nn.Linear(hidden, hidden).double() if mixed else None
-        self.head = nn.Linear(hidden, n_classes)
+        if not scrambled:
+            self.head = nn.Linear(hidden, n_classes)
 
     def forward(self, x, targets=None, use_extra=False):
         h = torch.relu(self.fc1(x))
@@ -630,6 +665,7 @@ VERIFY_CASES = {
     "uneven": {"unused": True, "uneven": True},
     "accum": {"accum": 2},
     "mixed": {"mixed": True},
+    "scrambled": {"scrambled": True, "unused": True, "opt": "adamw"},
     "everything": {"tied": True, "frozen": True, "unused": True, "mixed": True, "accum": 2, "opt": "adamw"},
 }
 
@@ -648,7 +684,7 @@ class VerifyRun:
         batches, in_dim, n_cls = verify_batches(args, self.steps, 8 * self.size * self.accum)
         self.batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]
         torch.manual_seed(args.seed)
-        flags = {k: case[k] for k in ("tied", "frozen", "unused", "mixed") if k in case}
+        flags = {k: case[k] for k in ("tied", "frozen", "unused", "mixed", "scrambled") if k in case}
         self.reference = ToyModel(in_dim, n_classes=n_cls, **flags).to(ctx.device)
         self.model = copy.deepcopy(self.reference)
         with torch.no_grad():
