@@ -1,23 +1,45 @@
-"""All-reduce benchmark: how long one all-reduce of float32 data takes, by backend and
-device (gloo on CPU, NCCL on GPU, gloo on GPU), data size and number of processes.
+"""Collectives benchmark: how long one collective of float32 data takes, by operation,
+backend and device (gloo on CPU, NCCL on GPU, gloo on GPU), data size and number of
+processes; and all-reduce built from scratch, around a ring and up and down a tree.
 
 Run:
-    python 01_allreduce_bench.py                              # the whole grid this machine can run
+    python 01_allreduce_bench.py                              # all-reduce, the whole grid this machine can run
     python 01_allreduce_bench.py --configs gloo-cpu --world-sizes 2 --sizes-mb 1 10
+    python 01_allreduce_bench.py --ops all                    # every op below, 1 KB to 100 MB
+    python 01_allreduce_bench.py --ops ring_all_reduce tree_all_reduce all_reduce --world-sizes 2 3 4 6
     torchrun --nproc-per-node 2 01_allreduce_bench.py --configs nccl-cuda
 
-Each (backend, device, ranks) configuration is one job: for every size it warms up, then
-times at least --iters all-reduces (the device synchronized around each), taking per
-iteration the slowest rank's time. The result is checked against the known sum once per
-size. Sizes are decimal (1 MB = 10^6 bytes); algbw = bytes / time and
-busbw = algbw x 2(n-1)/n in GB/s (10^9 bytes/s), as nccl-tests reports them.
+Ops (--ops; `all` = every one): all_reduce (the default), broadcast and reduce (rank 0 the
+root), all_gather, reduce_scatter, all_to_all, ping_pong (ranks paired 0-1, 2-3, ...: one
+sends, the other sends it back; with an odd world size the last rank sits out; the time is
+half the round trip), ring_all_reduce and tree_all_reduce (ours, from scratch, on
+isend/irecv), all_reduce_2_groups (the world split into two halves by new_group, both
+all-reducing at once; even world sizes only).
 
-Writes results/01_allreduce.{json,md}, results/01_allreduce_time.png and
-results/01_allreduce_busbw.png (rewritten after every configuration, so a killed run
-keeps what it measured).
+Each (backend, device, ranks) configuration is one job: for every op and size the result
+is checked first (known values in, known values out, compared exactly), then, after a
+warm-up, at least --iters calls are timed (the device synchronized around each), taking
+per iteration the slowest rank's time. Before timing the from-scratch all-reduces, each
+is compared with dist.all_reduce on random integer tensors (exactly) and float tensors (at
+tolerance), at sizes that do not divide by the rank count, on the world and on a subgroup.
+
+Sizes are decimal (1 MB = 10^6 bytes) and follow nccl-tests: the size is the whole buffer
+(all_gather: the gathered output; reduce_scatter: the input; all_to_all: each rank's
+send buffer), rounded down to a multiple of the rank count where the op splits it.
+algbw = bytes / time and busbw = algbw x the op's bus factor, in GB/s (10^9 bytes/s):
+all-reduce 2(n-1)/n, all-gather, reduce-scatter and all-to-all (n-1)/n, broadcast, reduce
+and ping-pong 1. With both from-scratch all-reduces timed, the alpha-beta model of each
+(time = alpha x latency steps + bytes / beta) is fitted and the size where the ring
+overtakes the tree is given per rank count.
+
+Writes results/01_allreduce.{json,md}, _time.png, _busbw.png when only all_reduce runs,
+else results/01_collectives.* (plus _ring_tree.png), rewritten after every configuration
+so that a killed run keeps what it measured.
 """
 
 import argparse
+import math
+import os
 import time
 
 import torch
@@ -25,84 +47,398 @@ import torch.distributed as dist
 
 import common
 
+# ---- begin copy: ring and tree all-reduce (needs only torch and the standard library) ----
+import torch
+import torch.distributed as dist
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` (default: every rank) in place, around a
+    ring, as NCCL's ring algorithm does: the tensor is cut into n chunks; in n-1
+    reduce-scatter steps each rank sends one chunk to its right neighbour and adds the chunk
+    arriving from its left, after which rank r holds the full sum of chunk r+1; n-1
+    all-gather steps then pass the finished chunks around. Every rank sends 2(n-1)/n of
+    the tensor in 2(n-1) steps, whatever n is. Any size (chunks may be uneven or empty),
+    any dtype that adds; call it on every rank of the group with the same shape."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce needs a contiguous tensor")
+    if n == 1:
+        return tensor
+    right, left = _peer(group, r + 1), _peer(group, r - 1)
+    chunks = tensor.view(-1).tensor_split(n)          # the first ones are the larger
+    incoming = torch.empty_like(chunks[0])
+    for s in range(n - 1):   # reduce-scatter: after step s, chunk r-s-1 holds s+2 ranks' sum
+        mine, theirs = chunks[(r - s) % n], chunks[(r - s - 1) % n]
+        _exchange(mine, right, incoming[:theirs.numel()], left, group)
+        theirs.add_(incoming[:theirs.numel()])
+    for s in range(n - 1):   # all-gather: the chunk finished at the previous step moves on
+        _exchange(chunks[(r + 1 - s) % n], right, chunks[(r - s) % n], left, group)
+    return tensor
+
+
+def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` in place on a binary tree (group rank i
+    has children 2i+1 and 2i+2): each rank adds its children's sums to its own and sends
+    the total to its parent; rank 0 then holds the sum and sends it back down. 2 log2(n)
+    steps instead of the ring's 2(n-1), but whole tensors on every edge (not pipelined in
+    chunks, as NCCL's tree is): few steps for small tensors, more bytes for large ones."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    children = [_peer(group, c) for c in (2 * r + 1, 2 * r + 2) if c < n]
+    parent = _peer(group, (r - 1) // 2) if r else None
+    received = [torch.empty_like(tensor) for _ in children]
+    for work in [dist.irecv(b, c, group=group) for b, c in zip(received, children)]:
+        work.wait()
+    for b in received:   # left child, then right: the same order on every call
+        tensor.add_(b)
+    if parent is not None:
+        dist.send(tensor, parent, group=group)
+        dist.recv(tensor, parent, group=group)
+    for work in [dist.isend(tensor, c, group=group) for c in children]:
+        work.wait()
+    return tensor
+
+
+def _peer(group, i):
+    """The global rank of group rank i (mod the group's size), as isend/irecv want it."""
+    group = group or dist.group.WORLD
+    return dist.get_global_rank(group, i % dist.get_world_size(group))
+
+
+def _exchange(send, to, recv, source, group):
+    """Send ``send`` to ``to`` while receiving ``recv`` from ``source`` (an empty part is
+    skipped on both sides: its size is known to both)."""
+    ops = ([dist.P2POp(dist.isend, send, to, group)] if send.numel() else []) + \
+          ([dist.P2POp(dist.irecv, recv, source, group)] if recv.numel() else [])
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+# ---- end copy: ring and tree all-reduce ----
+
+
 CONFIGS = {"gloo-cpu": ("gloo", "cpu"), "nccl-cuda": ("nccl", "cuda"), "gloo-cuda": ("gloo", "cuda")}
+# op: bus factor as a function of the ranks taking part, as nccl-tests counts it
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0,
+              "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_to_all": lambda n: (n - 1) / n, "ping_pong": lambda n: 1.0,
+              "ring_all_reduce": lambda n: 2 * (n - 1) / n, "tree_all_reduce": lambda n: 2 * (n - 1) / n,
+              "all_reduce_2_groups": lambda n: 2 * (n // 2 - 1) / (n // 2)}
+OPS = list(BUS_FACTOR)
+SPLIT = ("all_gather", "reduce_scatter", "all_to_all")   # the buffer is cut into n parts
+# torch 2.14 renamed the flat-tensor forms; older versions have only the old names
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def allreduce_worker(ctx, args):
-    """Time all sizes for this job's configuration; returns one row per size."""
-    rows = []
+def op_case(op, ctx, numel, halves):
+    """Buffers for one op at one size, filled with known values. Returns (run, out,
+    expected, nbytes): run() does the op once; right after it, ``out`` must equal
+    ``expected`` (None where this rank receives nothing). Outputs start at -1, which no
+    op produces, so an op that did nothing fails the check."""
+    n, r = ctx.world_size, ctx.rank
+    f32 = {"dtype": torch.float32, "device": ctx.device}
+    if op in SPLIT:
+        numel = max(numel - numel % n, n)
+    part = numel // n
+    x = torch.full((numel,), float(r + 1), **f32)
+    total = torch.full((numel,), n * (n + 1) / 2, **f32)
+    if op in ("all_reduce", "ring_all_reduce", "tree_all_reduce"):
+        fn = {"all_reduce": dist.all_reduce, "ring_all_reduce": ring_all_reduce,
+              "tree_all_reduce": tree_all_reduce}[op]
+        return (lambda: fn(x)), x, total, numel * 4
+    if op == "all_reduce_2_groups":
+        mine = halves[r >= n // 2]
+        members = range(n // 2) if r < n // 2 else range(n // 2, n)
+        return (lambda: dist.all_reduce(x, group=mine)), x, torch.full_like(x, sum(k + 1 for k in members)), numel * 4
+    if op == "broadcast":
+        return (lambda: dist.broadcast(x, src=0)), x, torch.ones_like(x) if r else None, numel * 4
+    if op == "reduce":
+        return (lambda: dist.reduce(x, dst=0)), x, total if r == 0 else None, numel * 4
+    labels = torch.arange(1, n + 1, **f32).repeat_interleave(part)   # part i holds i+1
+    if op == "all_gather":
+        out = torch.full((numel,), -1.0, **f32)
+        return (lambda: all_gather_flat(out, x[:part])), out, labels, numel * 4
+    if op == "reduce_scatter":
+        x = labels * (r + 1)            # part j of rank r holds (j+1)(r+1)
+        out = torch.full((part,), -1.0, **f32)
+        return (lambda: reduce_scatter_flat(out, x)), out, total[:part] * (r + 1), numel * 4
+    if op == "all_to_all":
+        x = labels + r * n              # part j of rank r holds r*n + j + 1: it goes to rank j
+        out = torch.full((numel,), -1.0, **f32)
+        expected = torch.arange(n, **f32).repeat_interleave(part) * n + r + 1
+        return (lambda: dist.all_to_all_single(out, x)), out, expected, numel * 4
+    if op == "ping_pong":
+        partner = r + 1 if r % 2 == 0 else r - 1
+        back = torch.full((numel,), -1.0, **f32)
+        if partner >= n:                # odd world size: the last rank sits out
+            return (lambda: None), back, None, numel * 4
+        if r % 2 == 0:
+            def run():
+                dist.send(x, partner)
+                dist.recv(back, partner)
+            return run, back, x.clone(), numel * 4   # its own values, sent back
+
+        def run():
+            dist.recv(back, partner)
+            dist.send(back, partner)
+        return run, back, torch.full_like(x, float(partner + 1)), numel * 4
+    raise ValueError(f"unknown op {op}")
+
+
+def check_from_scratch(ctx, args):
+    """ring and tree all-reduce against dist.all_reduce: integers exactly, floats at
+    tolerance, sizes that do not divide by the rank count, on the world and on the even
+    ranks' subgroup. Returns the largest float difference; raises on a mismatch."""
     n = ctx.world_size
-    started = time.perf_counter()
-    for size_mb in args.sizes_mb:
-        nbytes = int(size_mb * 1e6)
-        x = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
-        # correctness: every rank contributes rank+1, so each element must become n(n+1)/2
-        x.fill_(ctx.rank + 1)
-        dist.all_reduce(x)
-        common.sync(ctx.device)
-        expected = n * (n + 1) / 2
-        if not torch.all(x == expected):
-            bad = x[x != expected][0].item()
-            raise RuntimeError(f"all-reduce of {size_mb} MB gave {bad}, expected {expected}")
-        x.zero_()  # zeros stay zeros: no overflow however many iterations run
-        times, stopped = [], False
-        for i in range(args.warmup + args.iters):
+    evens = dist.new_group(list(range(0, n, 2)))   # every rank takes part in creating it
+    worst = 0.0
+    g = torch.Generator().manual_seed(1234 + ctx.rank)
+    for group in (None, evens):
+        if group is not None and ctx.rank % 2:
+            continue
+        for numel in sorted({1, max(n - 1, 1), 7, 1001, 12345}):
+            for dtype in (torch.int64, torch.float32):
+                x = (torch.randint(-1000, 1000, (numel,), generator=g) if dtype == torch.int64
+                     else torch.randn(numel, generator=g)).to(dtype=dtype, device=ctx.device)
+                want = x.clone()
+                dist.all_reduce(want, group=group)
+                for fn in (ring_all_reduce, tree_all_reduce):
+                    got = fn(x.clone(), group)
+                    where = f"{fn.__name__} of {numel} {dtype} on {'the even ranks' if group else 'the world'}"
+                    if dtype == torch.int64 and not torch.equal(got, want):
+                        raise RuntimeError(f"{where} differs from dist.all_reduce")
+                    if dtype == torch.float32:
+                        diff = (got - want).abs().max().item()
+                        if not diff <= 1e-5:
+                            raise RuntimeError(f"{where}: max |diff| {diff:.3g} from dist.all_reduce")
+                        worst = max(worst, diff)
+    return worst
+
+
+def bench_worker(ctx, args, ops):
+    """Check and time every op and size for this job's configuration; one row each."""
+    n = ctx.world_size
+    halves = [dist.new_group(list(range(n // 2))), dist.new_group(list(range(n // 2, n)))] \
+        if "all_reduce_2_groups" in ops else None
+    checked = None
+    if {"ring_all_reduce", "tree_all_reduce"} & set(ops):
+        checked = check_from_scratch(ctx, args)
+    rows = []
+    for op in ops:
+        started = time.perf_counter()
+        for size_mb in args.sizes_mb:
+            run, out, expected, nbytes = op_case(op, ctx, max(round(size_mb * 1e6) // 4, 1), halves)
+            run()
             common.sync(ctx.device)
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            common.sync(ctx.device)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-            # the time box: rank 0's clock decides, so every rank stops after the same iteration
-            flag = torch.tensor([float(time.perf_counter() - started > args.time_box and len(times) >= 1)],
-                                device=ctx.device)   # NCCL carries device tensors only
-            dist.broadcast(flag, src=0)
-            if flag.item():
-                stopped = True
+            if expected is not None and not torch.equal(out, expected):
+                bad = (out != expected).nonzero()[0].item()
+                raise RuntimeError(f"{op} of {size_mb} MB at {n} ranks: element {bad} is {out[bad].item()}, "
+                                   f"expected {expected[bad].item()}")
+            for t in (out, *([] if expected is None else [expected])):
+                t.zero_()   # zeros stay zeros: no overflow however many iterations run
+            times, stopped = time_op(ctx, args, run, started)
+            everyone = [None] * n
+            dist.all_gather_object(everyone, times)
+            per_iter = [max(r[i] for r in everyone) for i in range(len(times))]
+            if op == "ping_pong":   # one way: half the round trip
+                per_iter = [t / 2 for t in per_iter]
+            st = common.summarize(per_iter)
+            algbw = nbytes / st["median"] / 1e9
+            rows.append({"op": op, "backend": ctx.backend, "device": ctx.device.type, "ranks": n,
+                         "size_mb": size_mb, "bytes": nbytes, "iters": len(per_iter), "time_ms": st["median"] * 1e3,
+                         "min_ms": st["min"] * 1e3, "max_ms": st["max"] * 1e3, "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * BUS_FACTOR[op](n), "time_boxed": stopped,
+                         "all_ms": [t * 1e3 for t in per_iter]})
+            if op in ("ring_all_reduce", "tree_all_reduce"):
+                rows[-1]["check_max_diff"] = checked
+            if stopped:
                 break
-        everyone = [None] * n
-        dist.all_gather_object(everyone, times)
-        per_iter = [max(r[i] for r in everyone) for i in range(len(times))]
-        st = common.summarize(per_iter)
-        algbw = nbytes / st["median"] / 1e9
-        rows.append({"backend": ctx.backend, "device": ctx.device.type, "ranks": n, "size_mb": size_mb,
-                     "iters": len(per_iter), "time_ms": st["median"] * 1e3, "min_ms": st["min"] * 1e3,
-                     "max_ms": st["max"] * 1e3, "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n,
-                     "time_boxed": stopped, "all_ms": [t * 1e3 for t in per_iter]})
-        del x
-        if stopped:
-            break
     return rows
 
 
-HEADERS = ["backend", "device", "ranks", "size_mb", "iters", "time_ms", "min_ms", "max_ms", "algbw_GBps", "busbw_GBps"]
+def time_op(ctx, args, run, started):
+    """Warm-up, then at least args.iters timed calls; the time box (rank 0's clock decides,
+    so every rank stops after the same iteration) cuts a size short."""
+    times = []
+    for i in range(args.warmup + args.iters):
+        common.sync(ctx.device)
+        t0 = time.perf_counter()
+        run()
+        common.sync(ctx.device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        flag = torch.tensor([float(time.perf_counter() - started > args.time_box and len(times) >= 1)],
+                            device=ctx.device)   # NCCL carries device tensors only
+        dist.broadcast(flag, src=0)
+        if flag.item():
+            return times, True
+    return times, False
 
 
-def plot(rows, out, name):
-    plt = common.pyplot()
-    groups = {}
+# ---------------------------------------------------------------------------------------
+# The alpha-beta model of the two from-scratch all-reduces
+# ---------------------------------------------------------------------------------------
+def ring_cost(n, nbytes):
+    """(latency steps, bytes through one rank's link) of ring_all_reduce."""
+    return 2 * (n - 1), 2 * (n - 1) / n * nbytes
+
+
+def tree_cost(n, nbytes):
+    """The same for tree_all_reduce: per level of edges one step up and one down, and the
+    busiest parent at that level takes (up) and gives (down) one tensor per child."""
+    steps = volume = 0
+    level = 0
+    while 2**level - 1 < n and 2**(level + 1) - 1 < n:   # nodes at this level have children
+        parents = range(2**level - 1, min(2**(level + 1) - 1, n))
+        most = max(sum(c < n for c in (2 * i + 1, 2 * i + 2)) for i in parents)
+        steps, volume = steps + 2, volume + 2 * most * nbytes
+        level += 1
+    return steps, volume
+
+
+COST = {"ring_all_reduce": ring_cost, "tree_all_reduce": tree_cost}
+
+
+def fit_line(points):
+    """time = a + c x bytes through (bytes, seconds) points, least squares on the relative
+    error (so 1 KB counts as much as 100 MB); a and c kept non-negative."""
+    w = [1 / t**2 for _, t in points]
+    sw, sx, sxx = sum(w), sum(wi * x for wi, (x, _) in zip(w, points)), sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sy, sxy = sum(wi * t for wi, (_, t) in zip(w, points)), sum(wi * x * t for wi, (x, t) in zip(w, points))
+    det = sw * sxx - sx * sx
+    a, c = ((sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det) if det > 0 else (-1.0, -1.0)
+    if a < 0 or c < 0:   # one term only
+        a, c = (0.0, sxy / sxx) if a < 0 else (sy / sw, 0.0)
+    return a, c
+
+
+def fit_alpha_beta(rows):
+    """For each configuration, from-scratch op and rank count: the line through its sizes,
+    read as the alpha-beta model (alpha = a / latency steps, beta = bytes per rank / c)."""
+    fits = {}
     for r in rows:
-        groups.setdefault((r["backend"], r["device"], r["ranks"]), []).append(r)
-    for key, ylabel, fname, logy in (("time_ms", "time per all-reduce (ms)", "_time.png", True),
+        if r["op"] in COST and r["ranks"] > 1:
+            fits.setdefault(f"{r['backend']}+{r['device']}", {}).setdefault(r["op"], {}).setdefault(r["ranks"], [])
+            fits[f"{r['backend']}+{r['device']}"][r["op"]][r["ranks"]].append((r["bytes"], r["time_ms"] / 1e3))
+    for by_op in fits.values():
+        for op, by_n in by_op.items():
+            for n, points in by_n.items():
+                if len({x for x, _ in points}) < 2:
+                    by_n[n] = None
+                    continue
+                a, c = fit_line(points)
+                steps, per_byte = COST[op](n, 1.0)
+                by_n[n] = {"alpha_us": a / steps * 1e6, "beta_GBps": per_byte / c / 1e9 if c else None,
+                           "a_ms": a * 1e3, "ms_per_MB": c * 1e9,
+                           "max_rel_err": max(abs(a + c * x - t) / t for x, t in points)}
+    return fits
+
+
+def predict(fit, nbytes):
+    """Seconds for ``nbytes`` by a fitted line."""
+    return (fit["a_ms"] + fit["ms_per_MB"] * nbytes / 1e6) / 1e3
+
+
+def crossover(ring, tree):
+    """Where the fitted ring and tree take equal time: {"small": the one faster for the
+    smallest tensors, "equal_at_mb": the size above which the other is faster, None if
+    it never is}."""
+    lines = {"ring": (ring["a_ms"], ring["ms_per_MB"]), "tree": (tree["a_ms"], tree["ms_per_MB"])}
+    large = min(lines, key=lambda k: (lines[k][1], lines[k][0]))    # the faster for large tensors
+    other = "tree" if large == "ring" else "ring"
+    (a_l, c_l), (a_o, c_o) = lines[large], lines[other]
+    if a_o < a_l * (1 - 1e-9):   # the other starts lower: faster up to where they cross
+        return {"small": other, "equal_at_mb": (a_l - a_o) / (c_o - c_l) if c_o > c_l else None}
+    return {"small": large, "equal_at_mb": None}
+
+
+def analyse(rows):
+    """Per configuration and rank count: the alpha-beta fit of ring and tree, where the
+    model puts their crossover and the sizes at which the tree was measured faster."""
+    out = {}
+    for key, by_op in fit_alpha_beta(rows).items():
+        ring, tree = by_op.get("ring_all_reduce", {}), by_op.get("tree_all_reduce", {})
+        for n in sorted(set(ring) & set(tree)):
+            if not (ring[n] and tree[n]):
+                continue
+            mine = [r for r in rows if f"{r['backend']}+{r['device']}" == key and r["ranks"] == n]
+            t = {op: {r["size_mb"]: r["time_ms"] for r in mine if r["op"] == op} for op in COST}
+            both = sorted(set(t["ring_all_reduce"]) & set(t["tree_all_reduce"]))
+            out.setdefault(key, {})[n] = {
+                "ring_all_reduce": ring[n], "tree_all_reduce": tree[n], "model": crossover(ring[n], tree[n]),
+                "measured_tree_faster_at_mb": [s for s in both if t["tree_all_reduce"][s] < t["ring_all_reduce"][s]]}
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------
+def plot(rows, out, name, ops):
+    plt = common.pyplot()
+    configs = sorted({(r["backend"], r["device"], r["ranks"]) for r in rows})
+    for key, ylabel, fname, logy in (("time_ms", "time per call (ms)", "_time.png", True),
                                      ("busbw_GBps", "bus bandwidth (GB/s)", "_busbw.png", False)):
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for (backend, device, ranks), rs in sorted(groups.items()):
-            rs = sorted(rs, key=lambda r: r["size_mb"])
-            ax.plot([r["size_mb"] for r in rs], [r[key] for r in rs], marker="o",
-                    label=f"{backend}+{device}, {ranks} ranks")
-        ax.set_xscale("log")
-        if logy:
-            ax.set_yscale("log")
-        ax.set_xlabel("data size (MB, float32)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"all-reduce: {ylabel.split(' (')[0]}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ops == ["all_reduce"]:   # one panel, one curve per configuration
+            fig, ax = plt.subplots(figsize=(6.5, 4.2))
+            panels = [(ax, configs, None)]
+        else:                       # one panel per configuration, one curve per op
+            fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.2), squeeze=False)
+            panels = [(ax, [c], c) for ax, c in zip(axes[0], configs)]
+        for ax, cs, title in panels:
+            for op in ops:
+                for c in cs:
+                    rs = sorted((r for r in rows if r["op"] == op and (r["backend"], r["device"], r["ranks"]) == c),
+                                key=lambda r: r["size_mb"])
+                    if rs:
+                        ax.plot([r["size_mb"] for r in rs], [r[key] for r in rs], marker="o",
+                                label=f"{c[0]}+{c[1]}, {c[2]} ranks" if title is None else op)
+            ax.set_xscale("log")
+            if logy:
+                ax.set_yscale("log")
+            ax.set_xlabel("data size (MB, float32)")
+            ax.set_ylabel(ylabel)
+            what = ylabel.split(" (")[0]
+            ax.set_title(f"all-reduce: {what}" if title is None else f"{what}, {title[0]}+{title[1]}, {title[2]} ranks")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
         common.save_figure(fig, f"{out}/{name}{fname}")
 
 
+def plot_ring_tree(rows, analysis, out, name):
+    """Measured time of ring, tree and dist.all_reduce beside the fitted model, per rank count."""
+    plt = common.pyplot()
+    panels = [(key, n) for key, by_n in analysis.items() for n in by_n]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (key, n) in zip(axes[0], panels):
+        for op, color in (("ring_all_reduce", "C0"), ("tree_all_reduce", "C1"), ("all_reduce", "C2")):
+            rs = sorted((r for r in rows if r["op"] == op and f"{r['backend']}+{r['device']}" == key
+                         and r["ranks"] == n), key=lambda r: r["size_mb"])
+            if not rs:
+                continue
+            short = "dist.all_reduce" if op == "all_reduce" else op.split("_")[0]
+            ax.plot([r["size_mb"] for r in rs], [r["time_ms"] for r in rs], "o", color=color,
+                    label=f"{short} (measured)")
+            fit = analysis[key][n].get(op)
+            if fit:
+                beta = f"{fit['beta_GBps']:.2g} GB/s" if fit["beta_GBps"] else "no size term"
+                ax.plot([r["size_mb"] for r in rs], [predict(fit, r["bytes"]) * 1e3 for r in rs], "-",
+                        color=color, label=f"{short} model: {fit['alpha_us']:.0f} us/step, {beta}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("data size (MB, float32)")
+        ax.set_ylabel("time per all-reduce (ms)")
+        ax.set_title(f"ring against tree, {key}, {n} ranks")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    common.save_figure(fig, f"{out}/{name}_ring_tree.png")
+
+
+# ---------------------------------------------------------------------------------------
+# Plan and main
+# ---------------------------------------------------------------------------------------
 def plan(args, n_gpus):
-    """The (backend, device, ranks) jobs to run, and notes on the ones skipped."""
+    """The (backend, device, ranks, ops) jobs to run, and notes on what is skipped."""
     jobs, notes = [], []
     for name in args.configs:
         backend, device = CONFIGS[name]
@@ -112,8 +448,26 @@ def plan(args, n_gpus):
             elif backend == "nccl" and n_gpus < ws:
                 notes.append(f"skipped {name} at {ws} ranks: NCCL needs {ws} GPUs, this machine has {n_gpus}")
             else:
-                jobs.append((backend, device, ws))
+                ops = list(args.ops)
+                for op, why in (("ping_pong", ws < 2 and "needs 2 ranks"),
+                                ("all_reduce_2_groups", ws % 2 and "needs an even world size")):
+                    if op in ops and why:
+                        ops.remove(op)
+                        notes.append(f"skipped {op} at {ws} ranks: {why}")
+                if ops:
+                    jobs.append((backend, device, ws, ops))
     return jobs, notes
+
+
+def parse_ops(ops):
+    names = [o for o in ops if o != "all"]
+    unknown = [o for o in names if o not in BUS_FACTOR]
+    if unknown:
+        raise common.UsageError(f"unknown op(s) {', '.join(unknown)}; choose from all, {', '.join(OPS)}")
+    return OPS if "all" in ops else list(dict.fromkeys(names))
+
+
+HEADERS = ["backend", "device", "ranks", "size_mb", "iters", "time_ms", "min_ms", "max_ms", "algbw_GBps", "busbw_GBps"]
 
 
 def main(argv=None):
@@ -123,28 +477,35 @@ def main(argv=None):
     default_configs = ["gloo-cpu"] + (["nccl-cuda"] if n_gpus else [])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=default_configs,
                    help=f"backend-device pairs (default here: {' '.join(default_configs)})")
+    p.add_argument("--ops", nargs="+", default=["all_reduce"], metavar="OP",
+                   help=f"collectives to time: all, or any of {', '.join(OPS)} (default: all_reduce)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 6])
-    p.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1000])
+    p.add_argument("--sizes-mb", nargs="+", type=float, default=None,
+                   help="default: 1 10 100 1000 for all_reduce alone, else 0.001 0.01 0.1 1 10 100")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size (at least 1)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--time-box", type=float, default=300.0,
-                   help="seconds per configuration; past it a size stops after its current iteration")
+                   help="seconds per configuration and op; past it a size stops after its current iteration")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default=str(common.ROOT / "results"))
-    p.add_argument("--name", default="01_allreduce", help="results file stem")
+    p.add_argument("--name", default=None, help="results file stem (default: 01_allreduce for all_reduce "
+                                                "alone, else 01_collectives)")
     args = p.parse_args(argv)
+    args.ops = parse_ops(args.ops)
+    alone = args.ops == ["all_reduce"]
+    args.sizes_mb = args.sizes_mb or ([1, 10, 100, 1000] if alone else [0.001, 0.01, 0.1, 1, 10, 100])
+    args.name = args.name or ("01_allreduce" if alone else "01_collectives")
     args.configs = list(dict.fromkeys(args.configs))   # each once, in the order given
     args.world_sizes = list(dict.fromkeys(args.world_sizes))
     if any(ws < 1 for ws in args.world_sizes):
         raise common.UsageError(f"--world-sizes must all be at least 1, got {args.world_sizes}")
-    if any(s <= 0 for s in args.sizes_mb):
+    if any(not s > 0 for s in args.sizes_mb):
         raise common.UsageError(f"--sizes-mb must all be positive, got {args.sizes_mb}")
-    if args.iters < 1 or args.warmup < 0 or args.time_box <= 0:
+    if args.iters < 1 or args.warmup < 0 or not args.time_box > 0:
         raise common.UsageError("--iters must be at least 1, --warmup at least 0, --time-box positive")
     common.check_out(args.out)
     if common.under_torchrun():
-        ws = int(__import__("os").environ["WORLD_SIZE"])
-        args.world_sizes = [ws]
+        args.world_sizes = [int(os.environ["WORLD_SIZE"])]
         args.configs = args.configs[:1]
     jobs, notes = plan(args, n_gpus)
     if common.under_torchrun() and not jobs:
@@ -152,12 +513,13 @@ def main(argv=None):
     report = common.is_reporter()
     for note in notes if report else []:
         print(note)
-    rows, failed = [], []
-    for backend, device, ws in jobs:
+    rows, failed, analysis = [], [], {}
+    headers = HEADERS if alone else ["op"] + HEADERS
+    for backend, device, ws, ops in jobs:
         if report:
             print(f"{backend}+{device}, {ws} ranks ...", flush=True)
         try:
-            got = common.launch(allreduce_worker, args, world_size=ws, backend=backend, device=device)
+            got = common.launch(bench_worker, args, ops, world_size=ws, backend=backend, device=device)
         except common.LaunchError as e:
             lines = str(e).strip().splitlines()   # first line: which rank; last: its exception
             failed.append(f"{backend}+{device} at {ws} ranks failed: {lines[0]}"
@@ -168,16 +530,48 @@ def main(argv=None):
             continue
         rows += got
         for r in got:
-            print(f"  {r['size_mb']:>7g} MB  {r['time_ms']:9.2f} ms  busbw {r['busbw_GBps']:6.2f} GB/s"
+            label = "" if alone else f"{r['op']:<20}"
+            print(f"  {label}{r['size_mb']:>7g} MB  {r['time_ms']:9.3f} ms  "
+                  f"busbw {r['busbw_GBps']:6.3f} GB/s"
                   f"{'  (time box: ' + str(r['iters']) + ' iters)' if r['time_boxed'] else ''}")
+        if any("check_max_diff" in r for r in got):
+            print(f"  ring and tree all-reduce equal dist.all_reduce (integers exactly, floats within "
+                  f"{max(r.get('check_max_diff') or 0 for r in got):.2g})")
+        analysis = analyse(rows)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
-        table = common.save_results(args.out, args.name, rows, settings, headers=HEADERS,
-                                    title="All-reduce benchmark", note="\n".join(notes + failed))
-        plot(rows, args.out, args.name)
+        table = common.save_results(args.out, args.name, rows, settings, headers=headers,
+                                    title="All-reduce benchmark" if alone else "Collectives benchmark",
+                                    note="\n".join(notes + failed + describe(analysis)),
+                                    extra={"ring_tree": analysis} if analysis else None)
+        plot(rows, args.out, args.name, args.ops)
+        if analysis:
+            plot_ring_tree(rows, analysis, args.out, args.name)
     if report and rows:
-        print(f"\n{table}\nwrote {args.out}/{args.name}.json, .md, _time.png, _busbw.png")
+        print("\n".join([f"\n{table}", *describe(analysis),
+                         f"wrote {args.out}/{args.name}.json, .md, _time.png, _busbw.png"
+                         + (", _ring_tree.png" if analysis else "")]))
     if failed:
         raise common.LaunchError("; ".join(failed))
+
+
+def describe(analysis):
+    """The fits and crossovers in sentences."""
+    lines = []
+    for key, by_n in analysis.items():
+        for n, c in by_n.items():
+            fits = "; ".join(
+                f"{op.split('_')[0]} alpha {c[op]['alpha_us']:.0f} us/step, beta "
+                f"{c[op]['beta_GBps']:.3g} GB/s" if c[op]["beta_GBps"] else f"{op.split('_')[0]} alpha "
+                f"{c[op]['alpha_us']:.0f} us/step, no size term" for op in COST)
+            worst = max(c[op]["max_rel_err"] for op in COST)
+            small, at = c["model"]["small"], c["model"]["equal_at_mb"]
+            other = "ring" if small == "tree" else "tree"
+            where = (f"the {small} is faster at every size" if at is None
+                     else f"the {small} is faster up to {at:.3g} MB, the {other} above")
+            lines.append(f"{key} at {n} ranks: {fits} (worst point {100 * worst:.0f} % off); by the model {where}; "
+                         f"measured, the tree was faster at "
+                         f"{', '.join(f'{s:g}' for s in c['measured_tree_faster_at_mb']) or 'no size'} MB")
+    return lines
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ test: $(STAMP)
 
 01: $(STAMP)
 	$(PY) 01_allreduce_bench.py
+	$(PY) 01_allreduce_bench.py --ops all --iters 5 --warmup 2
 
 02: $(STAMP)
 	$(PY) 02_naive_ddp.py

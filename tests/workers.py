@@ -278,3 +278,40 @@ if __name__ == "__main__":
     pid_dir, what = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "fail_on_rank_1")
     common.run_main(lambda: common.launch(
         globals()[what], argparse.Namespace(pid_dir=pid_dir), world_size=2, backend="gloo", device="cpu", timeout=300))
+
+
+def copied_ring_and_tree(ctx, args):
+    """01's ring and tree all-reduce from their copied region alone, against dist.all_reduce
+    on integer tensors (exactly), on the world and on the even ranks' subgroup."""
+    mod = load_copy("01_allreduce_bench", "ring and tree all-reduce")
+    n = ctx.world_size
+    evens = dist.new_group(list(range(0, n, 2)))
+    g = torch.Generator().manual_seed(ctx.rank)
+    checked = 0
+    for group in (None, evens):
+        if group is not None and ctx.rank % 2:
+            continue
+        for numel in (1, 5, 1003):
+            x = torch.randint(-10**6, 10**6, (numel,), generator=g)
+            want = x.clone()
+            dist.all_reduce(want, group=group)
+            for fn in (mod.ring_all_reduce, mod.tree_all_reduce):
+                got = fn(x.clone(), group)
+                assert torch.equal(got, want), (fn.__name__, numel, group)
+                checked += 1
+    return checked
+
+
+def unrun_cases_fail_their_check(ctx, args, ops):
+    """Each op's buffers before the op runs: the check must see the difference."""
+    bench = common.load_script(common.ROOT / "01_allreduce_bench.py")
+    n = ctx.world_size
+    halves = [dist.new_group(list(range(n // 2))), dist.new_group(list(range(n // 2, n)))]
+    caught = {}
+    for op in ops:
+        run, out, expected, nbytes = bench.op_case(op, ctx, 1000, halves)
+        caught[op] = expected is None or not torch.equal(out, expected)
+        run()   # keep every rank's calls matched
+        common.sync(ctx.device)
+        caught[op] = caught[op] and (expected is None or torch.equal(out, expected))
+    return caught
