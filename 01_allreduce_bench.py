@@ -14,7 +14,7 @@ root), all_gather, reduce_scatter, all_to_all, ping_pong (ranks paired 0-1, 2-3,
 sends, the other sends it back; with an odd world size the last rank sits out; the time is
 half the round trip), ring_all_reduce and tree_all_reduce (ours, from scratch, on
 isend/irecv), all_reduce_2_groups (the world split into two halves by new_group, both
-all-reducing at once; even world sizes only).
+all-reducing at once; even world sizes of 4 or more).
 
 Each (backend, device, ranks) configuration is one job: for every op and size the result
 is checked first (known values in, known values out, compared exactly), then, after a
@@ -33,8 +33,9 @@ and ping-pong 1. With both from-scratch all-reduces timed, the alpha-beta model 
 overtakes the tree is given per rank count.
 
 Writes results/01_allreduce.{json,md}, _time.png, _busbw.png when only all_reduce runs,
-else results/01_collectives.* (plus _ring_tree.png), rewritten after every configuration
-so that a killed run keeps what it measured.
+else results/01_collectives.* (plus _summary.{json,md}, one row per op and rank count,
+and _ring_tree.png), rewritten after every configuration so that a killed run keeps what
+it measured.
 """
 
 import argparse
@@ -450,7 +451,7 @@ def plan(args, n_gpus):
             else:
                 ops = list(args.ops)
                 for op, why in (("ping_pong", ws < 2 and "needs 2 ranks"),
-                                ("all_reduce_2_groups", ws % 2 and "needs an even world size")):
+                                ("all_reduce_2_groups", (ws % 2 or ws < 4) and "needs an even world size of 4+")):
                     if op in ops and why:
                         ops.remove(op)
                         notes.append(f"skipped {op} at {ws} ranks: {why}")
@@ -544,6 +545,10 @@ def main(argv=None):
                                     note="\n".join(notes + failed + describe(analysis)),
                                     extra={"ring_tree": analysis} if analysis else None)
         plot(rows, args.out, args.name, args.ops)
+        if not alone:   # the op-by-op overview
+            common.save_results(args.out, f"{args.name}_summary", summary(rows), settings,
+                                title="Collectives: latency (time of the smallest size) and busbw (GB/s) of "
+                                      "the largest sizes", note=f"All sizes: `{args.name}.md`.")
         if analysis:
             plot_ring_tree(rows, analysis, args.out, args.name)
     if report and rows:
@@ -552,6 +557,21 @@ def main(argv=None):
                          + (", _ring_tree.png" if analysis else "")]))
     if failed:
         raise common.LaunchError("; ".join(failed))
+
+
+def summary(rows):
+    """One row per op, configuration and rank count: the time of the smallest size (the
+    latency side) and busbw at the three largest (the bandwidth side)."""
+    sizes = sorted({r["size_mb"] for r in rows})
+    big = sizes[-3:]
+    out = []
+    for key in dict.fromkeys((r["op"], r["backend"], r["device"], r["ranks"]) for r in rows):
+        mine = {r["size_mb"]: r for r in rows if (r["op"], r["backend"], r["device"], r["ranks"]) == key}
+        row = dict(zip(("op", "backend", "device", "ranks"), key))
+        row[f"time_ms_{sizes[0]:g}MB"] = mine[sizes[0]]["time_ms"] if sizes[0] in mine else None
+        row.update({f"busbw_{s:g}MB": mine[s]["busbw_GBps"] if s in mine else None for s in big})
+        out.append(row)
+    return out
 
 
 def describe(analysis):

@@ -67,7 +67,8 @@ def test_every_op_is_checked_and_reported_with_its_bus_factor_at_2_and_4_ranks(t
                 "--warmup", "0", "--out", str(tmp_path)])   # each op's result is checked in the worker
     doc = json.loads((tmp_path / "01_collectives.json").read_text())
     rows = doc["rows"]
-    assert {(r["op"], r["ranks"]) for r in rows} == {(op, n) for op in bench.OPS for n in (2, 4)}
+    assert {(r["op"], r["ranks"]) for r in rows} == \
+        {(op, n) for op in bench.OPS for n in (2, 4)} - {("all_reduce_2_groups", 2)}   # halves of one rank: nothing
     factor = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1, "reduce": lambda n: 1,
               "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_to_all": lambda n: (n - 1) / n, "ping_pong": lambda n: 1}
@@ -85,6 +86,11 @@ def test_every_op_is_checked_and_reported_with_its_bus_factor_at_2_and_4_ranks(t
     assert "| op" in md and "ring_all_reduce" in md and "alpha" in md
     for png in ("_time", "_busbw", "_ring_tree"):
         assert (tmp_path / f"01_collectives{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "01_collectives_summary.json").read_text())["rows"]
+    assert len(summary) == len({(r["op"], r["ranks"]) for r in rows})   # one row per op and rank count
+    first = next(r for r in rows if r["op"] == "reduce" and r["ranks"] == 4 and r["size_mb"] == 0.0001)
+    s4 = next(r for r in summary if r["op"] == "reduce" and r["ranks"] == 4)
+    assert s4["time_ms_0.0001MB"] == first["time_ms"] and "busbw_0.001001MB" in s4
     assert not (tmp_path / "01_allreduce.json").exists()   # the all-reduce-only results are not touched
 
 
@@ -121,12 +127,13 @@ def test_unknown_op_is_refused():
 
 
 def test_plan_drops_ops_a_world_size_cannot_run_with_a_note():
-    args = type("A", (), {"configs": ["gloo-cpu"], "world_sizes": [1, 3, 4],
+    args = type("A", (), {"configs": ["gloo-cpu"], "world_sizes": [1, 2, 3, 4],
                           "ops": ["all_reduce", "ping_pong", "all_reduce_2_groups"]})()
     jobs, notes = bench.plan(args, 0)
-    assert jobs == [("gloo", "cpu", 1, ["all_reduce"]), ("gloo", "cpu", 3, ["all_reduce", "ping_pong"]),
+    assert jobs == [("gloo", "cpu", 1, ["all_reduce"]), ("gloo", "cpu", 2, ["all_reduce", "ping_pong"]),
+                    ("gloo", "cpu", 3, ["all_reduce", "ping_pong"]),
                     ("gloo", "cpu", 4, ["all_reduce", "ping_pong", "all_reduce_2_groups"])]
-    assert len(notes) == 3
+    assert len(notes) == 4
 
 
 def test_cost_model_and_fit_recover_known_alpha_and_beta():
