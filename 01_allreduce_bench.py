@@ -536,8 +536,8 @@ def main(argv=None):
                   f"busbw {r['busbw_GBps']:6.3f} GB/s"
                   f"{'  (time box: ' + str(r['iters']) + ' iters)' if r['time_boxed'] else ''}")
         if any("check_max_diff" in r for r in got):
-            print(f"  ring and tree all-reduce equal dist.all_reduce (integers exactly, floats within "
-                  f"{max(r.get('check_max_diff') or 0 for r in got):.2g})")
+            print(f"  ring and tree all-reduce equal dist.all_reduce: integers exactly, floats with a largest "
+                  f"difference of {max(r.get('check_max_diff') or 0 for r in got):.2g}")
         analysis = analyse(rows)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
         table = common.save_results(args.out, args.name, rows, settings, headers=headers,
