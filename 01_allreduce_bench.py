@@ -39,7 +39,6 @@ it measured.
 """
 
 import argparse
-import math
 import os
 import time
 
@@ -185,7 +184,7 @@ def op_case(op, ctx, numel, halves):
     raise ValueError(f"unknown op {op}")
 
 
-def check_from_scratch(ctx, args):
+def check_from_scratch(ctx):
     """ring and tree all-reduce against dist.all_reduce: integers exactly, floats at
     tolerance, sizes that do not divide by the rank count, on the world and on the even
     ranks' subgroup. Returns the largest float difference; raises on a mismatch."""
@@ -222,7 +221,7 @@ def bench_worker(ctx, args, ops):
         if "all_reduce_2_groups" in ops else None
     checked = None
     if {"ring_all_reduce", "tree_all_reduce"} & set(ops):
-        checked = check_from_scratch(ctx, args)
+        checked = check_from_scratch(ctx)
     rows = []
     for op in ops:
         started = time.perf_counter()
@@ -302,13 +301,12 @@ COST = {"ring_all_reduce": ring_cost, "tree_all_reduce": tree_cost}
 def fit_line(points):
     """time = a + c x bytes through (bytes, seconds) points, least squares on the relative
     error (so 1 KB counts as much as 100 MB); a and c kept non-negative."""
-    w = [1 / t**2 for _, t in points]
-    sw, sx, sxx = sum(w), sum(wi * x for wi, (x, _) in zip(w, points)), sum(wi * x * x for wi, (x, _) in zip(w, points))
-    sy, sxy = sum(wi * t for wi, (_, t) in zip(w, points)), sum(wi * x * t for wi, (x, t) in zip(w, points))
-    det = sw * sxx - sx * sx
-    a, c = ((sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det) if det > 0 else (-1.0, -1.0)
+    xs, ts = [x for x, _ in points], [t for _, t in points]
+    w = [1 / t**2 for t in ts]
+    a, c = common.fit_line(xs, ts, w)
     if a < 0 or c < 0:   # one term only
-        a, c = (0.0, sxy / sxx) if a < 0 else (sy / sw, 0.0)
+        a, c = ((0.0, sum(wi * x * t for wi, x, t in zip(w, xs, ts)) / sum(wi * x * x for wi, x in zip(w, xs)))
+                if a < 0 else (sum(wi * t for wi, t in zip(w, ts)) / sum(w), 0.0))
     return a, c
 
 
@@ -361,8 +359,7 @@ def analyse(rows):
         for n in sorted(set(ring) & set(tree)):
             if not (ring[n] and tree[n]):
                 continue
-            mine = [r for r in rows if f"{r['backend']}+{r['device']}" == key and r["ranks"] == n]
-            t = {op: {r["size_mb"]: r["time_ms"] for r in mine if r["op"] == op} for op in COST}
+            t = {op: {r["size_mb"]: r["time_ms"] for r in series(rows, op, *key.split("+"), n)} for op in COST}
             both = sorted(set(t["ring_all_reduce"]) & set(t["tree_all_reduce"]))
             out.setdefault(key, {})[n] = {
                 "ring_all_reduce": ring[n], "tree_all_reduce": tree[n], "model": crossover(ring[n], tree[n]),
@@ -373,6 +370,23 @@ def analyse(rows):
 # ---------------------------------------------------------------------------------------
 # Plots
 # ---------------------------------------------------------------------------------------
+def series(rows, op, backend, device, ranks):
+    """One op's rows at one configuration and rank count, by size."""
+    return sorted((r for r in rows if (r["op"], r["backend"], r["device"], r["ranks"]) == (op, backend, device, ranks)),
+                  key=lambda r: r["size_mb"])
+
+
+def style(ax, ylabel, title, logy):
+    ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("data size (MB, float32)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot(rows, out, name, ops):
     plt = common.pyplot()
     configs = sorted({(r["backend"], r["device"], r["ranks"]) for r in rows})
@@ -387,20 +401,13 @@ def plot(rows, out, name, ops):
         for ax, cs, title in panels:
             for op in ops:
                 for c in cs:
-                    rs = sorted((r for r in rows if r["op"] == op and (r["backend"], r["device"], r["ranks"]) == c),
-                                key=lambda r: r["size_mb"])
+                    rs = series(rows, op, *c)
                     if rs:
                         ax.plot([r["size_mb"] for r in rs], [r[key] for r in rs], marker="o",
                                 label=f"{c[0]}+{c[1]}, {c[2]} ranks" if title is None else op)
-            ax.set_xscale("log")
-            if logy:
-                ax.set_yscale("log")
-            ax.set_xlabel("data size (MB, float32)")
-            ax.set_ylabel(ylabel)
             what = ylabel.split(" (")[0]
-            ax.set_title(f"all-reduce: {what}" if title is None else f"{what}, {title[0]}+{title[1]}, {title[2]} ranks")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            style(ax, ylabel, f"all-reduce: {what}" if title is None
+                  else f"{what}, {title[0]}+{title[1]}, {title[2]} ranks", logy)
         common.save_figure(fig, f"{out}/{name}{fname}")
 
 
@@ -413,8 +420,7 @@ def plot_ring_tree(rows, analysis, out, name):
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (key, n) in zip(axes[0], panels):
         for op, color in (("ring_all_reduce", "C0"), ("tree_all_reduce", "C1"), ("all_reduce", "C2")):
-            rs = sorted((r for r in rows if r["op"] == op and f"{r['backend']}+{r['device']}" == key
-                         and r["ranks"] == n), key=lambda r: r["size_mb"])
+            rs = series(rows, op, *key.split("+"), n)
             if not rs:
                 continue
             short = "dist.all_reduce" if op == "all_reduce" else op.split("_")[0]
@@ -425,13 +431,7 @@ def plot_ring_tree(rows, analysis, out, name):
                 beta = f"{fit['beta_GBps']:.2g} GB/s" if fit["beta_GBps"] else "no size term"
                 ax.plot([r["size_mb"] for r in rs], [predict(fit, r["bytes"]) * 1e3 for r in rs], "-",
                         color=color, label=f"{short} model: {fit['alpha_us']:.0f} us/step, {beta}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("data size (MB, float32)")
-        ax.set_ylabel("time per all-reduce (ms)")
-        ax.set_title(f"ring against tree, {key}, {n} ranks")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        style(ax, "time per all-reduce (ms)", f"ring against tree, {key}, {n} ranks", True)
     common.save_figure(fig, f"{out}/{name}_ring_tree.png")
 
 

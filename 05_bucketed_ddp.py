@@ -157,7 +157,8 @@ class DDPBucketed(nn.Module):
         """Once, after the first synchronized step: buckets in the order gradients arrived on
         the group's first rank (those that got none last), the gradients moved along."""
         seen = list(dict.fromkeys(self._arrived))
-        order = seen + [i for i in reversed(range(len(self._params))) if i not in set(seen)]
+        got = set(seen)
+        order = seen + [i for i in reversed(range(len(self._params))) if i not in got]
         device = self._params[0].device if self._params else "cpu"
         agreed = torch.tensor(order, dtype=torch.int64, device=device)
         dist.broadcast(agreed, src=self._src, group=self.process_group)
@@ -371,10 +372,8 @@ def fit_allreduce(ctx, args):
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, ts[3:])
         times.append(sorted(max(r[i] for r in everyone) for i in range(10))[5])
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    slope = sum((s - mx) * (t - my) for s, t in zip(sizes, times)) / sum((s - mx) ** 2 for s in sizes)
-    o = max(my - slope * mx, 1e-7)
+    o, slope = common.fit_line(sizes, times)
+    o = max(o, 1e-7)
     # w is None when time does not grow with size (one rank: nothing crosses a link)
     return {"sizes_bytes": sizes, "times_s": times, "o_s": o, "w_Bps": 1 / slope if slope > 0 else None}
 

@@ -381,6 +381,20 @@ def summarize(xs) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": list(xs)}
 
 
+def fit_line(xs, ys, weights=None) -> tuple[float, float]:
+    """Weighted least squares of y = a + c x: returns (a, c), unclamped (c = 0 when every
+    x is the same)."""
+    w = weights or [1.0] * len(xs)
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    if sxx == 0:
+        return my, 0.0
+    c = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx
+    return my - c * mx, c
+
+
 def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=False) -> list:
     """Time training steps on the LM: one table row per method (plus its raw stats).
 
