@@ -47,24 +47,36 @@ import torch.distributed as dist
 
 import common
 
-# ---- begin copy: ring and tree all-reduce (needs only torch and the standard library) ----
+# ---- begin copy: point-to-point (ring and tree all-reduce, ping-pong; needs only torch and the standard library) ----
 import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def host_staged(tensor: torch.Tensor, group=None, host_staging=None) -> bool:
+    """Whether point-to-point on ``group`` must go through host memory: gloo's collectives
+    take GPU tensors but its send/recv only CPU ones. ``host_staging`` True or False forces
+    the answer (None: gloo with a tensor off the CPU); NCCL and CPU tensors go directly."""
+    if host_staging is not None:
+        return host_staging
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None, host_staging=None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks of ``group`` (default: every rank) in place, around a
     ring, as NCCL's ring algorithm does: the tensor is cut into n chunks; in n-1
     reduce-scatter steps each rank sends one chunk to its right neighbour and adds the chunk
     arriving from its left, after which rank r holds the full sum of chunk r+1; n-1
     all-gather steps then pass the finished chunks around. Every rank sends 2(n-1)/n of
     the tensor in 2(n-1) steps, whatever n is. Any size (chunks may be uneven or empty),
-    any dtype that adds; call it on every rank of the group with the same shape."""
+    any dtype that adds; call it on every rank of the group with the same shape. Staged
+    through host memory (see host_staged), it runs on a host copy and copies the sum back."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if not tensor.is_contiguous():
         raise ValueError("ring_all_reduce needs a contiguous tensor")
     if n == 1:
         return tensor
+    if host_staged(tensor, group, host_staging):
+        return tensor.copy_(ring_all_reduce(tensor.to("cpu", copy=True), group, host_staging=False))
     right, left = _peer(group, r + 1), _peer(group, r - 1)
     chunks = tensor.view(-1).tensor_split(n)          # the first ones are the larger
     incoming = torch.empty_like(chunks[0])
@@ -77,13 +89,16 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def tree_all_reduce(tensor: torch.Tensor, group=None, host_staging=None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks of ``group`` in place on a binary tree (group rank i
     has children 2i+1 and 2i+2): each rank adds its children's sums to its own and sends
     the total to its parent; rank 0 then holds the sum and sends it back down. 2 log2(n)
     steps instead of the ring's 2(n-1), but whole tensors on every edge (not pipelined in
-    chunks, as NCCL's tree is): few steps for small tensors, more bytes for large ones."""
+    chunks, as NCCL's tree is): few steps for small tensors, more bytes for large ones.
+    Staged through host memory like ring_all_reduce."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    if n > 1 and host_staged(tensor, group, host_staging):
+        return tensor.copy_(tree_all_reduce(tensor.to("cpu", copy=True), group, host_staging=False))
     children = [_peer(group, c) for c in (2 * r + 1, 2 * r + 2) if c < n]
     parent = _peer(group, (r - 1) // 2) if r else None
     received = [torch.empty_like(tensor) for _ in children]
@@ -112,7 +127,23 @@ def _exchange(send, to, recv, source, group):
           ([dist.P2POp(dist.irecv, recv, source, group)] if recv.numel() else [])
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
-# ---- end copy: ring and tree all-reduce ----
+
+
+def ping_pong(tensor, out, peer: int, first: bool, group=None, host_staging=None):
+    """One round trip with group rank ``peer``: the ``first`` side sends ``tensor`` and
+    receives the reply into ``out``; the other receives into ``out`` and sends that back.
+    Blocking send/recv: if both sides sent first they would deadlock, so the order is the
+    point. Staged through host memory as host_staged says."""
+    staged = host_staged(out, group, host_staging)
+    wire = torch.empty_like(out, device="cpu") if staged else out
+    peer = _peer(group, peer)
+    if first:
+        dist.send(tensor.to("cpu", copy=True) if staged else tensor, peer, group=group)
+    dist.recv(wire, peer, group=group)
+    if not first:
+        dist.send(wire, peer, group=group)
+    return out.copy_(wire) if staged else out
+# ---- end copy: point-to-point ----
 
 
 CONFIGS = {"gloo-cpu": ("gloo", "cpu"), "nccl-cuda": ("nccl", "cuda"), "gloo-cuda": ("gloo", "cuda")}
@@ -129,11 +160,12 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def op_case(op, ctx, numel, halves):
+def op_case(op, ctx, numel, halves, host_staging=None):
     """Buffers for one op at one size, filled with known values. Returns (run, out,
     expected, nbytes): run() does the op once; right after it, ``out`` must equal
     ``expected`` (None where this rank receives nothing). Outputs start at -1, which no
-    op produces, so an op that did nothing fails the check."""
+    op produces, so an op that did nothing fails the check. ``host_staging``: for the
+    point-to-point ops (see host_staged)."""
     n, r = ctx.world_size, ctx.rank
     f32 = {"dtype": torch.float32, "device": ctx.device}
     if op in SPLIT:
@@ -142,8 +174,8 @@ def op_case(op, ctx, numel, halves):
     x = torch.full((numel,), float(r + 1), **f32)
     total = torch.full((numel,), n * (n + 1) / 2, **f32)
     if op in ("all_reduce", "ring_all_reduce", "tree_all_reduce"):
-        fn = {"all_reduce": dist.all_reduce, "ring_all_reduce": ring_all_reduce,
-              "tree_all_reduce": tree_all_reduce}[op]
+        fn = {"all_reduce": dist.all_reduce, "ring_all_reduce": lambda t: ring_all_reduce(t, None, host_staging),
+              "tree_all_reduce": lambda t: tree_all_reduce(t, None, host_staging)}[op]
         return (lambda: fn(x)), x, total, numel * 4
     if op == "all_reduce_2_groups":
         mine = halves[r >= n // 2]
@@ -171,16 +203,9 @@ def op_case(op, ctx, numel, halves):
         back = torch.full((numel,), -1.0, **f32)
         if partner >= n:                # odd world size: the last rank sits out
             return (lambda: None), back, None, numel * 4
-        if r % 2 == 0:
-            def run():
-                dist.send(x, partner)
-                dist.recv(back, partner)
-            return run, back, x.clone(), numel * 4   # its own values, sent back
-
-        def run():
-            dist.recv(back, partner)
-            dist.send(back, partner)
-        return run, back, torch.full_like(x, float(partner + 1)), numel * 4
+        first = r % 2 == 0              # sends its own values and gets them back
+        return (lambda: ping_pong(x, back, partner, first, host_staging=host_staging)), back, \
+            (x.clone() if first else torch.full_like(x, float(partner + 1))), numel * 4
     raise ValueError(f"unknown op {op}")
 
 

@@ -246,14 +246,24 @@ def naive_tensor_parallel_lm(model, process_group=None):
 
 def torch_tensor_parallel_lm(model, mesh):
     """The same split with torch.distributed.tensor.parallel: qkv's heads ordered by rank as
-    for ours, then ColwiseParallel / RowwiseParallel on the same four layers."""
+    for ours, then ColwiseParallel / RowwiseParallel on the same four layers. The replicated
+    modules (embeddings, norms, head) get Replicate DTensor parameters, plain tensors in and
+    out, as torch's TP examples have every parameter a DTensor: an optimizer's foreach path
+    (the default on CUDA) refuses a list that mixes DTensors and plain tensors."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     tp = mesh.size()
+
+    def inputs_to_dtensor(module, inputs, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if torch.is_tensor(t) else t
+                     for t in inputs)
     for block in model.blocks:
         with torch.no_grad():
             block.qkv.weight.copy_(block.qkv.weight[heads_by_rank(block.n_heads, block.head_dim, tp)])
         parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
                                          "ff_in": ColwiseParallel(), "ff_out": RowwiseParallel()})
+    for module in [model.tok, model.pos, model.ln_f, model.head] + [n for b in model.blocks for n in (b.ln1, b.ln2)]:
+        distribute_module(module, mesh, input_fn=inputs_to_dtensor, output_fn=lambda mod, out, mesh: out.to_local())
     return model
 
 
@@ -461,14 +471,19 @@ NAME, TITLE = "08_tensor_parallel", "Tensor parallelism against data parallelism
 
 def main(argv=None):
     p = common.script_parser(__doc__)
-    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4],
-                   help="one job per world size (ignored under torchrun: its world size)")
+    p.add_argument("--world-sizes", nargs="+", type=int, default=None,
+                   help="one job per world size (default: 2 4, with NCCL those this machine has GPUs for; "
+                        "ignored under torchrun: its world size)")
     p.add_argument("--tp", nargs="+", type=int, default=None,
                    help="tensor-parallel degrees (default: every divisor > 1 of each world size); "
                         "the rest of the ranks are data parallel")
     p.set_defaults(batch_size=8)
     args = common.parse(p, argv)
-    sizes = [args.world_size] if common.under_torchrun() else list(dict.fromkeys(args.world_sizes))
+    sizes = [args.world_size] if common.under_torchrun() else list(dict.fromkeys(
+        args.world_sizes or [w for w in (2, 4) if common.nccl_fits(args.backend, w)]))
+    if not sizes or not all(common.nccl_fits(args.backend, w) for w in sizes):
+        raise common.UsageError(f"tensor parallelism needs 2 or more ranks, and nccl a GPU per rank: "
+                                f"world sizes {sizes or [2]} but {common.gpu_count()} GPU(s) here; {common.NCCL_HINT}")
     d, f, _, heads = common.MODEL_SIZES[args.model_size]
     _, vf, _, vheads = common.MODEL_SIZES[VERIFY_LM]
     plan = {}

@@ -133,15 +133,18 @@ class Pipeline:
     ``activation_shape``: what one micro-batch's activations look like between stages. If
     ``module`` has ``no_sync`` (a DDP wrapper over the stage's data-parallel group), every
     backward but the last runs inside it; call its finish_gradient_synchronization after.
-    ``timed``: record each action's start and end (``timeline``); ``count_activations``:
-    count the bytes autograd saves for backward, held between a micro-batch's F and B
-    (``peak_activation_bytes``).
+    ``host_staging``: send and receive through host memory (None: when the group's backend
+    is gloo and the stage is on a GPU, since gloo's send/recv take CPU tensors only; NCCL
+    and CPU tensors go directly). ``timed``: record each action's start and end
+    (``timeline``); ``count_activations``: count the bytes autograd saves for backward,
+    held between a micro-batch's F and B (``peak_activation_bytes``).
     """
 
     def __init__(self, module, n_microbatches: int, loss_fn, schedule="1f1b", process_group=None,
-                 activation_shape=None, activation_dtype=torch.float32, timed=False, count_activations=False):
+                 activation_shape=None, activation_dtype=torch.float32, timed=False, count_activations=False,
+                 host_staging=None):
         self.module, self.m, self.loss_fn = module, n_microbatches, loss_fn
-        self.group = process_group
+        self.group, self.host_staging = process_group, host_staging
         self.stage, self.n_stages = dist.get_rank(process_group), dist.get_world_size(process_group)
         peer = lambda s: dist.get_global_rank(process_group or dist.group.WORLD, s)  # noqa: E731
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
@@ -155,8 +158,15 @@ class Pipeline:
     def _buffer(self, device):
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
+    def _wire(self, t):
+        """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
+        return t.to("cpu", copy=True) if self._staged else t
+
     def step(self, inputs=None, targets=None):
         m, device = self.m, next(self.module.parameters()).device
+        self._staged = self.host_staging if self.host_staging is not None else \
+            device.type != "cpu" and dist.get_backend(self.group) == "gloo"
+        wire = torch.device("cpu") if self._staged else device   # where received tensors land
         xs = inputs.chunk(m) if self.first else [None] * m
         ys = targets.chunk(m) if self.last else [None] * m
         saved_in, saved_out, held, losses, sends, sent = {}, {}, {}, [], [], []
@@ -164,10 +174,10 @@ class Pipeline:
         for k, (kind, i) in enumerate(self.order):
             recvs = []                       # what this action needs from a neighbour
             if kind == "F" and not self.first:
-                saved_in[i] = self._buffer(device)
+                saved_in[i] = self._buffer(wire)
                 recvs.append(dist.P2POp(dist.irecv, saved_in[i], self.prev, self.group, tag=2 * i))
             if kind == "B" and not self.last:
-                grad = self._buffer(device)
+                grad = self._buffer(wire)
                 recvs.append(dist.P2POp(dist.irecv, grad, self.next, self.group, tag=2 * i + 1))
             if sends or recvs:   # wait for what this action receives; sends finish in the background
                 works = dist.batch_isend_irecv(sends + recvs)
@@ -175,6 +185,10 @@ class Pipeline:
                 for work in works[len(done_later):]:
                     work.wait()
                 sent += done_later
+                if kind == "F" and not self.first:
+                    saved_in[i] = saved_in[i].to(device)
+                if kind == "B" and not self.last:
+                    grad = grad.to(device)
             sends = []
             if self.timed:
                 _sync(device)
@@ -190,7 +204,7 @@ class Pipeline:
                 if self.last:
                     losses.append(out.detach())
                 else:
-                    sends = [dist.P2POp(dist.isend, out.detach(), self.next, self.group, tag=2 * i)]
+                    sends = [dist.P2POp(dist.isend, self._wire(out.detach()), self.next, self.group, tag=2 * i)]
             else:
                 last_backward = k == len(self.order) - 1
                 sync = contextlib.nullcontext() if last_backward or not hasattr(self.module, "no_sync") \
@@ -200,7 +214,7 @@ class Pipeline:
                 x = saved_in.pop(i)
                 live -= held.pop(i, 0)
                 if not self.first:
-                    sends = [dist.P2POp(dist.isend, x.grad, self.prev, self.group, tag=2 * i + 1)]
+                    sends = [dist.P2POp(dist.isend, self._wire(x.grad), self.prev, self.group, tag=2 * i + 1)]
             if self.timed:
                 _sync(device)
                 self.timeline.append((kind, i, start, time.perf_counter() - t0))
@@ -327,6 +341,12 @@ def torch_pipeline(ctx, args, stage, m, schedule):
     return (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pstage, n_microbatches=m, loss_fn=lm_loss)
 
 
+def torch_pipelining_runs(backend, device) -> bool:
+    """torch.distributed.pipelining sends the stage's own tensors: over gloo they must be
+    on the CPU (gloo's send/recv abort the rank on CUDA tensors)."""
+    return not (backend == "gloo" and device == "cuda")
+
+
 def benchmark(ctx, args, microbatches):
     """For each number of micro-batches and schedule, ours and torch's on the same stages,
     steps alternating; for ours also the bubble of every step and the activation memory."""
@@ -354,8 +374,8 @@ def benchmark(ctx, args, microbatches):
         sched = torch_pipeline(ctx, args, stage, m, schedule)
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
 
-        def step(batch, clock):
-            x, y = batch
+        def step(batch, clock):   # contiguous: torch 2.11's stages check the strides of what they get
+            x, y = (t.contiguous() for t in batch)
             opt.zero_grad(set_to_none=True)
             with clock.phase("pipeline"):
                 sched.step(*([x] if stage.first else []), **({"target": y} if stage.last else {}))
@@ -368,7 +388,9 @@ def benchmark(ctx, args, microbatches):
     for m in microbatches:
         for schedule in SCHEDULES:
             methods[f"{schedule}, m {m} (ours)"] = lambda m=m, s=schedule: ours(m, s)
-            if schedule == "gpipe" or m >= p:   # torch's Schedule1F1B refuses fewer micro-batches than stages
+            # torch's Schedule1F1B refuses fewer micro-batches than stages; its stages send CUDA
+            # tensors point to point, which gloo cannot carry (main says so)
+            if (schedule == "gpipe" or m >= p) and torch_pipelining_runs(ctx.backend, ctx.device.type):
                 methods[f"{schedule}, m {m} (torch)"] = lambda m=m, s=schedule: theirs(m, s)
     rows = common.time_methods(ctx, args, methods, global_batch=True)
     everyone = [None] * p
@@ -454,7 +476,8 @@ NAME, TITLE = "09_pipeline_parallel", "Pipeline parallelism: GPipe and 1F1B agai
 
 def main(argv=None):
     p = common.script_parser(__doc__)
-    p.add_argument("--stages", nargs="+", type=int, default=[2, 4], help="pipeline depths, one job each")
+    p.add_argument("--stages", nargs="+", type=int, default=None,
+                   help="pipeline depths, one job each (default: 2 4, with NCCL those this machine has GPUs for)")
     p.add_argument("--replicas", type=int, default=1,
                    help="data-parallel replicas of every stage (world size = stages x replicas)")
     p.add_argument("--microbatches", nargs="+", type=int, default=[1, 2, 4, 8])
@@ -463,7 +486,10 @@ def main(argv=None):
     n_layers = common.MODEL_SIZES[args.model_size][2]
     if args.replicas < 1:
         raise common.UsageError(f"--replicas must be at least 1, got {args.replicas}")
-    stages = list(dict.fromkeys(args.stages))
+    stages = list(dict.fromkeys(args.stages or [s for s in (2, 4) if common.nccl_fits(args.backend, s * args.replicas)]))
+    if not stages or not all(common.nccl_fits(args.backend, s * args.replicas) for s in stages):
+        raise common.UsageError(f"a pipeline needs 2 or more ranks, and nccl a GPU per rank: {stages or [2]} stages x "
+                                f"{args.replicas} replicas but {common.gpu_count()} GPU(s) here; {common.NCCL_HINT}")
     if common.under_torchrun():   # the world is given: every depth must divide it
         bad = [s for s in stages if args.world_size % s]
         if bad:
@@ -485,10 +511,16 @@ def main(argv=None):
             common.check_verification(common.launch(verify, args, s, args.microbatches, world_size=worlds[s]),
                                       f"{NAME}, {s} stages on {worlds[s]} ranks")
         if 2 in stages and worlds[2] == 2 and not common.under_torchrun():   # pipeline x data: 2 x 2
-            common.check_verification(common.launch(verify, args, 2, args.microbatches, world_size=4),
-                                      f"{NAME}, 2 stages x 2 replicas")
+            if common.nccl_fits(args.backend, 4):
+                common.check_verification(common.launch(verify, args, 2, args.microbatches, world_size=4),
+                                          f"{NAME}, 2 stages x 2 replicas")
+            elif common.is_reporter():
+                print(f"verify {NAME}, 2 stages x 2 replicas: skipped (4 NCCL ranks, {common.gpu_count()} GPU(s))")
     if args.no_bench:
         return
+    if not torch_pipelining_runs(args.backend, args.device) and common.is_reporter():
+        print("torch.distributed.pipelining: not run (its stages send CUDA tensors point to point, which gloo "
+              "cannot carry; ours stage them through host memory)")
     rows = []
     for s in stages:   # one job per depth; the table is rewritten after each
         if worlds[s] != s:

@@ -56,26 +56,32 @@ clean-results:
 	$(PY) 09_pipeline_parallel.py --warmup 3
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
-#   make gpu PY=python3                    # or gpu-01 ... gpu-07, one at a time
+#   make gpu-smoke PY=python3              # first: every script at a small size, a few minutes
+#   make gpu PY=python3                    # or gpu-01 ... gpu-09, one at a time
 # NCCL refuses two ranks on one GPU, so each DDP script runs twice: NCCL at 1 rank and gloo
-# over CUDA tensors at 2 ranks. Every run is time-boxed (GPU_BOX seconds) and a failed or
-# killed run does not stop the next one. Dry run of the plan on a CPU machine:
+# over CUDA tensors at 2 ranks; 08 and 09 need 2 ranks, so gloo only. Every run is
+# time-boxed (GPU_BOX seconds) and a failed or killed run does not stop the next one. Dry
+# runs on a CPU machine:
 #   make gpu GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
+#   make gpu-smoke GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
 GPU_OUT  ?= results/gpu
 GPU_BOX  ?= 540
 GPU_DEV  ?= cuda
 GPU_NCCL ?= nccl
-GPU_SIZE ?= xl
+GPU_SIZE ?=
 GPU_DEPS := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 GPU_RUN   = -timeout -k 10 $(GPU_BOX) $(PY)
-GPU_LM    = --device $(GPU_DEV) --model-size $(GPU_SIZE) --warmup 5 --steps 10
+GPU_LM    = --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),xl) --warmup 5 --steps 10
 GPU_ONE   = --backend $(GPU_NCCL) --world-size 1 $(GPU_LM) --out $(GPU_OUT)/nccl_1rank
 GPU_TWO   = --backend gloo --world-size 2 $(GPU_LM) --out $(GPU_OUT)/gloo_cuda_2ranks
+# where two ranks share one 80 GB GPU and XL does not fit or split: torch DDP's own buckets
+# take two XL ranks past 40 GiB each (05), and XL's 25 heads do not split over 2 ranks (08)
+GPU_TWO_LARGE = $(subst --model-size $(or $(GPU_SIZE),xl),--model-size $(or $(GPU_SIZE),large),$(GPU_TWO))
 
-.PHONY: gpu gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07
+.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09
 
 # most wanted first: a session's 30 minutes of device time may not cover all of it
-gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-02 gpu-03 gpu-07
+gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-02 gpu-03
 
 gpu-01: $(GPU_DEPS)
 	$(GPU_RUN) 01_allreduce_bench.py --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) \
@@ -94,10 +100,44 @@ gpu-02 gpu-03: gpu-0%: $(GPU_DEPS)
 # At 1 rank, 20 steps: plain training, ours and torch DDP are within a few per cent there.
 # At 2 ranks the sweep alone (ours, torch DDP and plain at 4 caps) nearly fills a time box:
 # gpu-03 and gpu-04 time the unbucketed baselines on the same setting, and no bucket size
-# starts after GPU_SWEEP_BOX seconds (each finished size is saved at once). Two XL ranks
-# with AdamW need 38-41 GiB each: on an 80 GB GPU the 2-rank run fails (out of memory);
-# results/gpu/ has it from an H200.
+# starts after GPU_SWEEP_BOX seconds (each finished size is saved at once). results/gpu/
+# has the 2-rank sweep at XL from an H200.
 GPU_SWEEP_BOX ?= 400
 gpu-05: $(GPU_DEPS)
 	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_ONE) --steps 20
-	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_TWO) --no-baselines --time-box $(GPU_SWEEP_BOX)
+	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_TWO_LARGE) --no-baselines --time-box $(GPU_SWEEP_BOX)
+
+gpu-08: $(GPU_DEPS)
+	$(GPU_RUN) 08_tensor_parallel.py $(GPU_TWO_LARGE) --world-sizes 2
+
+gpu-09: $(GPU_DEPS)
+	$(GPU_RUN) 09_pipeline_parallel.py $(GPU_TWO) --stages 2
+
+# ---- make gpu-smoke: every numbered script at a small size (verification and a few steps
+# of its benchmark), SMOKE_JOBS jobs at once, each time-boxed; one log per job under
+# SMOKE_OUT and SUMMARY.md (script, setting, exit status, seconds). Fails if any job did.
+SMOKE      ?= 01 02 03 04 05 06 07 08 09
+SMOKE_OUT  ?= $(GPU_OUT)/smoke
+SMOKE_JOBS ?= 6
+SMOKE_BOX  ?= 300
+SMOKE_LM    = --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) --warmup 1 --steps 2
+gpu-smoke: $(GPU_DEPS)
+	@rm -rf $(SMOKE_OUT) && mkdir -p $(SMOKE_OUT)
+	@for n in $(SMOKE); do s=$$(ls $$n*_*.py); case $$n in \
+	  01) echo "$$s all_ops --ops all --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) --world-sizes 1 2 \
+	        --sizes-mb 0.001 1 --iters 3 --warmup 1 --time-box 20";; \
+	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2";; \
+	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2";; \
+	  *)  echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
+	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)";; \
+	  esac; done | xargs -P $(SMOKE_JOBS) -L 1 sh -c 'job=$${1%.py}.$$2; script=$$1; shift 2; \
+	    start=$$(date +%s); timeout -k 10 $(SMOKE_BOX) $(PY) $$script "$$@" --out $(SMOKE_OUT)/$$job \
+	    > $(SMOKE_OUT)/$$job.log 2>&1; rc=$$?; echo "$$job $$rc $$(( $$(date +%s) - start ))" \
+	    > $(SMOKE_OUT)/$$job.status; echo "$$job: exit $$rc"' sh || true
+	@{ echo "# make gpu-smoke at $$(git rev-parse --short HEAD 2>/dev/null || echo '?'), $$(date -u '+%F %T') UTC"; \
+	   echo; $(PY) -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0) \
+	     if torch.cuda.is_available() else 'no GPU')"; echo; \
+	   echo "| script | setting | exit status | seconds |"; echo "|---|---|---|---|"; \
+	   cat $(SMOKE_OUT)/*.status | sort | awk '{split($$1, a, "."); print "| " a[1] " | " a[2] " | " $$2 " | " $$3 " |"}'; \
+	 } > $(SMOKE_OUT)/SUMMARY.md; cat $(SMOKE_OUT)/SUMMARY.md
+	@! cat $(SMOKE_OUT)/*.status | awk '$$2 != 0' | grep -q .

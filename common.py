@@ -108,11 +108,27 @@ def script_parser(doc: str, default_steps=10) -> argparse.ArgumentParser:
     return p
 
 
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_fits(backend: str, world_size: int) -> bool:
+    """NCCL needs a GPU of its own per rank ("Duplicate GPU detected" otherwise); under
+    torchrun, a GPU per rank of this node."""
+    if backend != "nccl":
+        return True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    return local <= gpu_count()
+
+
+NCCL_HINT = "use --backend gloo --device cuda (ranks then share the GPUs)"
+
+
 def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini") -> argparse.Namespace:
     """Parse, fill the machine-dependent defaults and check every flag (UsageError);
     ``cpu_size`` is the model size a CPU run gets by default (xl on a GPU)."""
     args = parser.parse_args(argv)
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n_gpus = gpu_count()
     if under_torchrun():
         args.world_size = int(os.environ["WORLD_SIZE"])
     elif args.world_size is None:
@@ -126,10 +142,9 @@ def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini") -> argpar
     if args.backend == "nccl":
         if args.device != "cuda":
             raise UsageError("nccl works on CUDA tensors only: use --device cuda or --backend gloo")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) if under_torchrun() else args.world_size
-        if n_gpus < local:
-            raise UsageError(f"nccl needs one GPU per rank: {local} ranks but {n_gpus} GPU(s) here; "
-                             f"use --backend gloo or --world-size {max(n_gpus, 1)}")
+        if not nccl_fits("nccl", args.world_size):
+            raise UsageError(f"nccl needs one GPU per rank: {args.world_size} ranks but {n_gpus} GPU(s) here; "
+                             f"{NCCL_HINT}, or fewer ranks")
     if args.device == "cuda" and n_gpus == 0:
         raise UsageError("--device cuda but no GPU is visible: use --device cpu")
     if args.steps < 1 or args.warmup < 0 or args.verify_steps < 1:
@@ -246,6 +261,8 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
     world_size = world_size or args.world_size
     backend, device = backend or args.backend, device or args.device
     timeout = timeout or getattr(args, "timeout", 300.0)
+    if not nccl_fits(backend, world_size):   # the scripts check first; this is the safety net
+        raise UsageError(f"a job of {world_size} NCCL ranks on {gpu_count()} GPU(s): {NCCL_HINT}")
     if under_torchrun():
         local_rank = int(os.environ["LOCAL_RANK"])
         ctx = Ctx(int(os.environ["RANK"]), world_size, local_rank, backend, _device_for(device, local_rank))
@@ -755,10 +772,16 @@ def check_resume(worker, args, label, steps=6):
     now = args.world_size
     then = now // 2 if now >= 4 else now * 2
     batch = 4 * math.lcm(now, then)
+    backend = args.backend
+    if not nccl_fits(backend, then):   # one GPU: the resumed ranks share it over gloo
+        backend = "gloo"
+        if is_reporter():
+            print(f"verify {label}: resumed over gloo on {args.device} (NCCL needs a GPU per rank: "
+                  f"{then} ranks, {gpu_count()} GPU(s))")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "checkpoint.pt")
         whole = launch(worker, args, path, 0, steps, steps // 2, batch)
-        resumed = launch(worker, args, path, steps // 2, steps, None, batch, world_size=then)
+        resumed = launch(worker, args, path, steps // 2, steps, None, batch, world_size=then, backend=backend)
     ok = set(whole) == set(resumed)
     try:
         for k in whole:

@@ -118,7 +118,8 @@ def test_each_check_fails_when_the_op_does_not_run():
 
 def test_the_copied_ring_and_tree_alone_equal_dist_all_reduce_at_3_ranks():
     import workers
-    assert bench.common.launch(workers.copied_ring_and_tree, verify_args(3)) == 2 * 2 * 3   # world and subgroup
+    # rank 0: world and subgroup x ring and tree x direct and staged x 3 sizes, and 2 ping-pongs
+    assert bench.common.launch(workers.copied_ring_and_tree, verify_args(3)) == 2 * 2 * 2 * 3 + 2
 
 
 def test_unknown_op_is_refused():

@@ -83,3 +83,9 @@ def test_script_counts_the_bytes_the_formula_predicts(tmp_path):
 ])
 def test_bad_input_exits_2_with_one_line(argv, words):
     assert words in refused("08_tensor_parallel.py", *argv)
+
+
+def test_torch_baseline_steps_with_foreach_optimizers_like_on_a_gpu():
+    import workers   # foreach=True, CUDA's default: a list mixing DTensors and plain tensors fails
+    r = common.launch(workers.torch_tp_with_foreach, verify_args(2))
+    assert r["names_match"] and r["max_diff"] < 1e-5, r

@@ -118,3 +118,8 @@ def test_under_torchrun_a_depth_that_does_not_divide_the_world_is_refused():
                    "--stages", "4", timeout=120)
     assert p.returncode != 0 and "--stages 4 does not divide the world size 2" in p.stderr
     assert not spawned_workers()
+
+
+def test_staging_through_host_memory_gives_the_same_gradients():
+    import workers   # forced on the CPU: on a GPU, gloo's send/recv need it
+    assert common.launch(workers.pipeline_staged_equals_direct, verify_args(2)) == [True, True]

@@ -15,7 +15,7 @@ CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp
            "05_bucketed_ddp": "DDPBucketed", "06_sharded_optimizer": "ShardedOptimizer", "07_fsdp": "FSDP",
            "08_tensor_parallel": "tensor-parallel layers", "09_pipeline_parallel": "pipeline parallelism"}
 MAIN_CLASS = {"tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline"}   # several classes
-REGIONS = {**CLASSES, "01_allreduce_bench": "ring and tree all-reduce"}   # 01's are functions
+REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point"}   # 01's are functions
 
 
 def undefined_names(src: str) -> set:

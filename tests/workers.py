@@ -282,8 +282,9 @@ if __name__ == "__main__":
 
 def copied_ring_and_tree(ctx, args):
     """01's ring and tree all-reduce from their copied region alone, against dist.all_reduce
-    on integer tensors (exactly), on the world and on the even ranks' subgroup."""
-    mod = load_copy("01_allreduce_bench", "ring and tree all-reduce")
+    on integer tensors (exactly), on the world and on the even ranks' subgroup, directly and
+    staged through host memory (forced: on a GPU, gloo needs it); and ping-pong both ways."""
+    mod = load_copy("01_allreduce_bench", "point-to-point")
     n = ctx.world_size
     evens = dist.new_group(list(range(0, n, 2)))
     g = torch.Generator().manual_seed(ctx.rank)
@@ -296,9 +297,16 @@ def copied_ring_and_tree(ctx, args):
             want = x.clone()
             dist.all_reduce(want, group=group)
             for fn in (mod.ring_all_reduce, mod.tree_all_reduce):
-                got = fn(x.clone(), group)
-                assert torch.equal(got, want), (fn.__name__, numel, group)
-                checked += 1
+                for staging in (False, True):
+                    got = fn(x.clone(), group, host_staging=staging)
+                    assert torch.equal(got, want), (fn.__name__, numel, group, staging)
+                    checked += 1
+    for staging in (False, True):   # ranks 0 and 1: 0 sends its values, 1 sends back what came
+        if ctx.rank < 2:
+            mine, out = torch.full((7,), float(ctx.rank + 1)), torch.zeros(7)
+            mod.ping_pong(mine, out, 1 - ctx.rank, ctx.rank == 0, host_staging=staging)
+            assert torch.equal(out, torch.full((7,), 1.0)), (ctx.rank, staging, out)
+            checked += 1
     return checked
 
 
@@ -315,3 +323,47 @@ def unrun_cases_fail_their_check(ctx, args, ops):
         common.sync(ctx.device)
         caught[op] = caught[op] and (expected is None or torch.equal(out, expected))
     return caught
+
+
+def torch_tp_with_foreach(ctx, args):
+    """08's torch baseline and our TP from the same LM, 3 AdamW steps each with
+    foreach=True (the CUDA default, where DTensors and plain tensors must not mix): the
+    whole weights must agree."""
+    from torch.distributed.device_mesh import init_device_mesh
+    tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    theirs = tp.torch_tensor_parallel_lm(common.build_lm("micro", 16, "cpu"), mesh)
+    ours = tp.tensor_parallel_lm(common.build_lm("micro", 16, "cpu"))
+    for model in (theirs, ours):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=True)
+        for step in range(3):
+            opt.zero_grad()
+            model(*common.lm_batch(4, 16, step, 0, "cpu")).backward()
+            opt.step()
+    whole = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+    order = tp.heads_by_rank(4, 32, ctx.world_size)   # torch's qkv rows are in our rank order
+    full = tp.full_state_dict(ours)
+    for name, t in full.items():
+        if name.endswith("qkv.weight"):
+            full[name] = t[order]
+    diff = max((whole[n] - full[n]).abs().max().item() for n in full)
+    return {"names_match": set(whole) == set(full), "max_diff": diff}
+
+
+def pipeline_staged_equals_direct(ctx, args):
+    """09's Pipeline over 2 stages (1F1B, 4 micro-batches) sending directly and staged
+    through host memory (forced, as gloo needs on a GPU): the same loss and gradients, bit
+    for bit."""
+    pp = common.load_script(os.path.join(common.ROOT, "09_pipeline_parallel.py"))
+    x, y = common.lm_batch(8, 16, 0, 0, "cpu")
+    got = []
+    for staging in (False, True):
+        stage = pp.LMStage(common.build_lm("nano", 16, "cpu"), ctx.rank, 2)
+        pipe = pp.Pipeline(stage, 4, pp.lm_loss, "1f1b", activation_shape=(2, 16, 64), host_staging=staging)
+        loss = pipe.step(x if pipe.first else None, y if pipe.last else None)
+        got.append((loss, [p.grad.clone() for p in stage.parameters()]))
+    (loss0, g0), (loss1, g1) = got
+    same = all(torch.equal(a, b) for a, b in zip(g0, g1)) and (loss0 is None or torch.equal(loss0, loss1))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, same)
+    return everyone
