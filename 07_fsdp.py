@@ -25,6 +25,7 @@ side. Writes results/07_fsdp.{json,md} and results/07_fsdp_memory.{json,md}.
 """
 
 import copy
+import itertools
 
 import torch.nn.functional as F
 
@@ -71,12 +72,22 @@ class FSDP(nn.Module):
     ``out_proj.weight``); outside forward they are this rank's shards again. After the
     forward they are freed, gathered again before the unit's backward, and its gradients
     reduce-scattered in one call. The next unit's all-gather is issued while the current
-    one computes, in forward and in backward. A parameter used by several units (tied
-    weights) belongs to the root unit. ``units``: the submodules to use as units (None: the
-    default above). ``compute_dtype``: weights gathered, computed and reduced in it (float16,
-    bfloat16); shards, their gradients and the optimizer state stay float32.
+    one computes, in forward and in backward; a unit's reduce-scatter runs while the next
+    unit computes its gradients, and is waited for (its whole-size input freed) before that
+    unit issues its own, so at most one is in flight. A parameter used by several units
+    (tied weights) belongs to the root unit. ``units``: the submodules to use as units
+    (None: the default above). ``compute_dtype``: weights gathered, computed and reduced in
+    it (float16, bfloat16); shards, their gradients and the optimizer state stay float32.
     ``process_group``: the group to shard over (default: every rank). Every rank must run
     the same units in the same order.
+
+    ``replicate(module, param) -> bool``: called once per parameter with the module that
+    registers it (the first one, for a tied parameter); where it says True the parameter
+    stays whole on every rank, is never gathered, and its gradient is all-reduced (averaged)
+    with its unit's communication, so every rank ends with the same whole gradient. The
+    course's rule, Linear and Embedding weights sharded and the rest (norms) replicated:
+    ``FSDP(model, replicate=lambda mod, p: not isinstance(mod, (nn.Linear, nn.Embedding)))``.
+    None (the default) shards every parameter.
 
     Use ``clip_grad_norm_`` instead of torch.nn.utils.clip_grad_norm_: each rank holds only
     shards, so torch's would clip every rank by a different norm. ``no_sync()`` accumulates
@@ -85,7 +96,7 @@ class FSDP(nn.Module):
     ``load_full_optim_state_dict`` save whole tensors and load them on any group size.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None):
+    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None):
         super().__init__()
         self.module, self.compute_dtype, self.process_group = module, compute_dtype, process_group
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -108,19 +119,20 @@ class FSDP(nn.Module):
                     params[id(p)] = p
                     uses.setdefault(id(p), []).append((mod, attr))
                     names.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+        whole = {k for k in params if replicate is not None and replicate(uses[k][0][0], params[k])}
         members = {u: [] for u in units + [None]}   # None: the root unit
         for key, where in uses.items():
             homes = {unit_of.get(mod) for mod, _ in where}
             members[homes.pop() if len(homes) == 1 else None].append(params[key])
-        self._units = [_Unit(self, members[u], uses, names, u) for u in units + [None] if members[u]]
+        self._units = [_Unit(self, members[u], uses, names, whole, u) for u in units + [None] if members[u]]
         self._root = next((u for u in self._units if u.module is None), None)
-        self._where = {id(s): (unit, info) for unit in self._units for s, info in zip(unit.shards, unit.infos)}
+        self._where = {id(p): (unit, info) for unit in self._units for p, info in zip(unit.params, unit.infos)}
         for unit in self._units:
             target = unit.module if unit.module is not None else module
             target.register_forward_pre_hook(self._pre_forward(unit))
             target.register_forward_hook(self._post_forward(unit))
         self._order, self._seen = [], []   # non-root units in forward order: the last forward's, this one's
-        self._sync = True
+        self._sync, self._reducing = True, None   # the unit whose gradient reduction is in flight
 
     # -- forward and backward -------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -145,7 +157,7 @@ class FSDP(nn.Module):
             ahead = self._next(unit, 1) if unit is not self._root else (self._order or [None])[0]
             if ahead is not None:
                 ahead.prefetch()
-            unit.lend(_Gather.apply(unit, *unit.shards))
+            unit.lend(_Gather.apply(unit, *unit.params))
             if self.compute_dtype is not None:
                 return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                              for a in args)
@@ -154,7 +166,7 @@ class FSDP(nn.Module):
     def _post_forward(self, unit):
         def hook(mod, args, out):
             unit.take_back()
-            if not (torch.is_grad_enabled() and any(s.requires_grad for s in unit.shards)):
+            if not (torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)):
                 unit.free()                 # no backward will come
                 return
             outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
@@ -181,6 +193,14 @@ class FSDP(nn.Module):
         if before is not None:
             before.prefetch()
 
+    def _reduce(self, unit, grads):
+        """Issue ``unit``'s gradient reduction, after the one in flight has finished (so its
+        whole-size input is freed first: one unit's gradients in flight at a time)."""
+        if self._reducing is not None:
+            self._reducing.wait_reduction()
+        unit.reduce(grads)
+        self._reducing = unit
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward inside this block accumulates whole-size gradients locally and
@@ -193,28 +213,41 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self):
-        """Wait for every unit's reduce-scatter; then each shard's .grad holds its part of
-        the gradient averaged over the group (None where no rank had one)."""
+        """Wait for the last reductions; then each shard's .grad holds its part of the
+        gradient averaged over the group, each replicated parameter's .grad the whole
+        average (None where no rank had one)."""
+        if self._reducing is not None:
+            self._reducing.wait_reduction()
+            self._reducing = None
+        pending = [u for u in self._units if u.reduced is not None]
+        flags = torch.cat([u.reduced[1] for u in pending]).tolist() if pending else []   # one sync for all
+        for unit in pending:
+            unit.assign_grads(flags[:len(unit.params)])
+            flags = flags[len(unit.params):]
         for unit in self._units:
-            unit.finish()
+            unit.drop_prefetch()        # one the last forward's order fetched but nothing used
 
     # -- ordinary training-loop helpers ----------------------------------------------------
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every gradient by the global norm over all ranks' shards (a collective);
-        returns that norm. Use it instead of torch.nn.utils.clip_grad_norm_."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        """Clip every gradient by the global norm over all ranks' shards and the replicated
+        parameters (counted once); a collective. Returns that norm. Use it instead of
+        torch.nn.utils.clip_grad_norm_."""
+        whole = {id(p) for u in self._units for p, info in zip(u.params, u.infos) if info is None}
+        params = [p for p in self.parameters() if p.grad is not None]
         device = next(self.parameters()).device
+        parts = [[p.grad for p in params if id(p) not in whole], [p.grad for p in params if id(p) in whole]]
         if norm_type == math.inf:
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device)).float()
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local
+            local = torch.stack([g.abs().max().float() for g in parts[0] + parts[1]] or [torch.zeros((), device=device)])
+            total = local.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-            dist.all_reduce(local, group=self.process_group)
-            total = local.pow(1.0 / norm_type)
+            sharded, replicated = (sum((g.float().abs().pow(norm_type).sum() for g in gs),
+                                       torch.zeros((), device=device)) for gs in parts)
+            dist.all_reduce(sharded, group=self.process_group)
+            total = (sharded + replicated).pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
+        for g in parts[0] + parts[1]:
             g.mul_(coef.to(g.dtype))
         return total
 
@@ -239,17 +272,14 @@ class FSDP(nn.Module):
     @torch.no_grad()
     def load_full_state_dict(self, state: dict):
         """Load whole tensors (a state_dict of the unwrapped module, saved at any group
-        size) into this rank's shards. Pass it on every rank."""
+        size) into this rank's shards and replicated parameters. Pass it on every rank."""
         own = self.module.state_dict(keep_vars=True)
         if set(own) != set(state):
             raise ValueError(f"keys differ: missing {sorted(set(own) - set(state))}, "
                              f"unexpected {sorted(set(state) - set(own))}")
         for key, value in state.items():
-            target = own[key]
-            if id(target) in self._where:
-                target.copy_(self._where[id(target)][1].slice(value.to(target.device, target.dtype)))
-            else:
-                target.copy_(value)
+            target, info = own[key], self._where.get(id(own[key]), (None, None))[1]
+            target.copy_(value if info is None else info.slice(value.to(target.device, target.dtype)))
 
     @torch.no_grad()
     def full_optim_state_dict(self, optimizer) -> dict:
@@ -284,8 +314,8 @@ class FSDP(nn.Module):
                 entry = full["state"].get(names[id(p)], {})
                 if entry:
                     info = self._where[id(p)][1]
-                    local["state"][index] = {k: info.slice(v.to(p.device)) if torch.is_tensor(v) and v.dim() else v
-                                             for k, v in entry.items()}
+                    local["state"][index] = {k: (v.to(p.device) if info is None else info.slice(v.to(p.device)))
+                                             if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
                 ids.append(index)
                 index += 1
             local["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
@@ -338,10 +368,10 @@ class _ShardInfo:
 
 
 class _Unit:
-    """One unit: its parameters' shards (views of one flat buffer on this rank), and the
-    whole tensors it lends its modules while they run."""
+    """One unit: its parameters (shards, views of one flat buffer on this rank; replicated
+    ones whole), and the whole tensors it lends its modules while they run."""
 
-    def __init__(self, fsdp, params, uses, names, module):
+    def __init__(self, fsdp, params, uses, names, whole, module):
         self.fsdp, self.module, self.group = fsdp, module, fsdp.process_group
         ws, rank = fsdp.world_size, fsdp.rank
         dtypes = {p.dtype for p in params}
@@ -351,26 +381,30 @@ class _Unit:
         self.compute_dtype = fsdp.compute_dtype or self.dtype
         self.names = [names[id(p)] for p in params]
         self.uses = [uses[id(p)] for p in params]
-        self.infos, offset = [], 0
+        self.infos, offset = [], 0   # a _ShardInfo per sharded parameter, None per replicated one
         for p in params:
-            self.infos.append(_ShardInfo(p.shape, offset, ws, rank))
-            offset += self.infos[-1].numel
-        self.size = offset                                 # U: this rank's flat buffer
+            self.infos.append(None if id(p) in whole else _ShardInfo(p.shape, offset, ws, rank))
+            offset += self.infos[-1].numel if self.infos[-1] else 0
+        self.size = offset                                 # U: this rank's flat buffer of shards
+        self.whole_numel = sum(p.numel() for p, info in zip(params, self.infos) if info is None)
         self.flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
-        self.shards = []
+        self.params = []             # what the optimizer sees: shards, and replicated parameters as they are
         with torch.no_grad():
             for p, info in zip(params, self.infos):
+                if info is None:
+                    self.params.append(p)
+                    continue
                 view = self.flat[info.offset:info.offset + info.numel].view(info.shard_shape)
                 view.copy_(info.slice(p.detach()))
                 shard = nn.Parameter(view, requires_grad=p.requires_grad)
                 for mod, attr in uses[id(p)]:
                     mod._parameters[attr] = shard
-                self.shards.append(shard)
+                self.params.append(shard)
         self.gathered, self.work, self.whole = None, None, None
-        self.regathered, self.pending, self.reducing = False, None, None
+        self.regathered, self.pending, self.works, self.reduced = False, None, [], None
 
     def prefetch(self):
-        if self.gathered is None:
+        if self.gathered is None and self.size:
             self.gathered = torch.empty(self.fsdp.world_size * self.size, dtype=self.compute_dtype, device=self.device)
             self.work = _all_gather(self.gathered, self.flat.to(self.compute_dtype), self.group, async_op=True)
 
@@ -378,19 +412,31 @@ class _Unit:
         """Make sure the gathered buffer is here; with ``refill``, copy it back into the
         whole tensors autograd saved (their storage was freed after forward)."""
         self.prefetch()
-        self.work.wait()
-        if refill:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None         # the work holds its tensors until dropped
+        if refill and self.size:
             g = self.gathered.view(self.fsdp.world_size, self.size)
             for t, info in zip(self.whole, self.infos):
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-                info.copy_out(g, t.data)   # .data: refilling saved storage is not an in-place change
+                if info is not None:
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+                    info.copy_out(g, t.data)   # .data: refilling saved storage is not an in-place change
             self.gathered = None
 
-    def whole_tensors(self):
-        """New whole tensors from the gathered buffer (inside the gather's forward)."""
-        g = self.gathered.view(self.fsdp.world_size, self.size)
+    def drop_prefetch(self):
+        if self.work is not None:
+            self.work.wait()
+        self.gathered, self.work = None, None
+
+    def whole_tensors(self, params):
+        """The tensors the modules compute with (inside the gather's forward): new whole ones
+        from the gathered buffer, and the replicated parameters (cast to the compute dtype)."""
+        g = self.gathered.view(self.fsdp.world_size, self.size) if self.size else None
         out = []
-        for info in self.infos:
+        for p, info in zip(params, self.infos):
+            if info is None:
+                out.append(p.to(self.compute_dtype) if p.dtype != self.compute_dtype else p.view_as(p))
+                continue
             t = torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
             info.copy_out(g, t)
             out.append(t)
@@ -410,15 +456,16 @@ class _Unit:
                 mod.__dict__.pop(attr, None)
 
     def free_storage(self):
-        for t in self.whole:
-            t.untyped_storage().resize_(0)   # the tensor autograd saved stays; its memory goes
+        for t, info in zip(self.whole, self.infos):
+            if info is not None:
+                t.untyped_storage().resize_(0)   # the tensor autograd saved stays; its memory goes
 
     def free(self):
         self.whole = None
 
     def after_backward(self, grads):
-        """The unit's backward is done: free the whole tensors, then reduce-scatter the
-        gradients (asynchronously), or keep adding them up inside no_sync."""
+        """The unit's backward is done: free the whole tensors, then reduce the gradients
+        (asynchronously), or keep adding them up inside no_sync."""
         self.free_storage()
         self.whole = None
         grads = [g if g is None else g.to(self.compute_dtype) for g in grads]
@@ -428,37 +475,61 @@ class _Unit:
         if not self.fsdp._sync:
             self.pending = grads
             return
-        ws, n = self.fsdp.world_size, len(self.infos)
-        send = torch.empty(ws, self.size + n, dtype=self.compute_dtype, device=self.device)
-        for g, info in zip(grads, self.infos):
-            if g is None:
-                send[:, info.offset:info.offset + info.numel].zero_()
-            else:
-                info.copy_in(g, send)
-        send[:, self.size:] = torch.tensor([float(g is not None) for g in grads], dtype=send.dtype, device=send.device)
-        send.div_(ws)                                   # average by dividing before the sum
-        out = torch.empty(self.size + n, dtype=self.compute_dtype, device=self.device)
-        self.reducing = (_reduce_scatter(out, send.view(-1), self.group, async_op=True), out)
+        self.fsdp._reduce(self, grads)
 
-    def finish(self):
-        if self.reducing is None:
-            return
-        work, out = self.reducing
-        work.wait()
-        self.reducing = None
-        out = out.to(self.dtype)
-        had = out[self.size:].tolist()
-        for shard, info, n in zip(self.shards, self.infos, had):
-            if not shard.requires_grad or n == 0:
-                continue   # no rank had a gradient: it stays None, as in single-process training
-            g = out[info.offset:info.offset + info.numel].view(info.shard_shape)
-            if shard.grad is None:
-                shard.grad = g
+    def reduce(self, grads):
+        """Average the gradients over the group, dividing before the sum: the shards' by one
+        reduce-scatter, the replicated ones (whole on every rank) by one all-reduce, each
+        with a flag per parameter that says whether this rank had a gradient."""
+        ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.compute_dtype, "device": self.device}
+        had = torch.tensor([float(g is not None) for g in grads], **kw)
+        out = whole = None
+        if self.size:                  # this rank's shards, then the flags
+            out, send = torch.empty(self.size + n, **kw), torch.empty(ws, self.size + n, **kw)
+            for g, info in zip(grads, self.infos):
+                if info is not None and g is None:
+                    send[:, info.offset:info.offset + info.numel].zero_()
+                elif info is not None:
+                    info.copy_in(g, send)
+            send[:, self.size:] = had
+            self.works.append(_reduce_scatter(out, send.div_(ws).view(-1), self.group, async_op=True))
+        if self.whole_numel:           # the replicated gradients (and the flags, if no shard carries them)
+            whole = torch.cat([(g if g is not None else torch.zeros_like(p, dtype=self.compute_dtype)).reshape(-1)
+                               for g, p, info in zip(grads, self.params, self.infos) if info is None]
+                              + ([] if self.size else [had]))
+            self.works.append(dist.all_reduce(whole.div_(ws), group=self.group, async_op=True))
+        self.reduced = (out, out[self.size:] if self.size else whole[self.whole_numel:], whole)
+
+    def wait_reduction(self):
+        """Wait for this unit's collectives (on a GPU: the current stream waits for them)
+        and drop them, so their whole-size input can go."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def assign_grads(self, had):
+        """After wait_reduction: this rank's gradients, from the reduced buffers; ``had``:
+        the summed flags (0: no rank had a gradient, which then stays None)."""
+        out, _, whole = self.reduced
+        self.reduced, offset = None, 0
+        for p, info, n in zip(self.params, self.infos, had):
+            if info is None:
+                g, offset = whole[offset:offset + p.numel()].view_as(p), offset + p.numel()
             else:
-                shard.grad.add_(g)
+                g = out[info.offset:info.offset + info.numel].view(info.shard_shape)
+            if not p.requires_grad or n == 0:
+                continue
+            g = g.to(self.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
     def gather_one(self, info, shard):
-        """The whole tensor (this parameter's shape) from every rank's shard-shaped tensor."""
+        """The whole tensor (this parameter's shape) from every rank's shard-shaped tensor
+        (a replicated parameter's, ``info`` None, is whole already)."""
+        if info is None:
+            return shard.detach().clone()
         buf = torch.empty(self.fsdp.world_size * info.numel, dtype=shard.dtype, device=shard.device)
         _all_gather(buf, shard.reshape(-1).contiguous(), self.group)
         g = buf.view(self.fsdp.world_size, info.numel)
@@ -467,19 +538,20 @@ class _Unit:
         return whole
 
     def gather_whole(self) -> dict:
-        return {name: self.gather_one(info, shard.detach()) for name, info, shard in zip(self.names, self.infos, self.shards)}
+        return {name: self.gather_one(info, p.detach()) for name, info, p in zip(self.names, self.infos, self.params)}
 
 
 class _Gather(torch.autograd.Function):
-    """A unit's shards -> its whole parameters (from the all-gather already done); backward:
-    hand the whole gradients to the unit, which reduce-scatters them into the shards."""
+    """A unit's parameters -> the tensors its modules compute with (shards from the
+    all-gather already done; replicated parameters as they are). Backward: hand their
+    gradients to the unit, which reduces them."""
 
     @staticmethod
-    def forward(ctx, unit, *shards):
+    def forward(ctx, unit, *params):
         ctx.unit = unit
         ctx.set_materialize_grads(False)   # an unused parameter's gradient must stay None, not zeros
-        whole = unit.whole_tensors()
-        ctx.mark_non_differentiable(*[t for t, s in zip(whole, shards) if not s.requires_grad])
+        whole = unit.whole_tensors(params)
+        ctx.mark_non_differentiable(*[t for t, p in zip(whole, params) if not p.requires_grad])
         return tuple(whole)
 
     @staticmethod
@@ -534,7 +606,10 @@ def _reference_step(master, x, y, compute_dtype, micro_batches=1, max_norm=None,
 # unused (a layer used every other step, one never: their gradients stay None), accum
 # (micro-batches, all but the last inside no_sync), clip (max norm), groups (optimizer groups
 # by p.dim(): shards keep it), units ("layers": one unit per linear layer of the toy;
-# default: each block of a ModuleList, plus the root)
+# default: each block of a ModuleList, plus the root), replicate (a rule of REPLICATE: those
+# parameters stay whole, their gradients all-reduced)
+REPLICATE = {"course": lambda mod, p: not isinstance(mod, (nn.Linear, nn.Embedding)),   # norms whole
+             "1-D": lambda mod, p: p.dim() < 2}                                        # biases, norms whole
 CASES = {
     "toy fp32": {"model": "toy"},
     "toy fp32, a unit per layer": {"model": "toy", "units": "layers"},
@@ -546,6 +621,13 @@ CASES = {
     "TransformerEncoderLayer model fp32 (AdamW)": {"model": "encoder", "adamw": True},
     "toy float16": {"model": "toy", "dtype": torch.float16},
     "toy float16 tied": {"model": "toy", "dtype": torch.float16, "tied": True},
+    "LM fp32, norms replicated (the course's rule; AdamW, clipped at 1.0)":
+        {"model": "lm", "adamw": True, "clip": 1.0, "replicate": "course"},
+    "TransformerEncoderLayer model fp32, the course's rule (AdamW)":
+        {"model": "encoder", "adamw": True, "replicate": "course"},
+    "toy fp32 tied, unused, 1-D parameters replicated, accumulation (no_sync)":
+        {"model": "toy", "tied": True, "unused": True, "accum": 2, "units": "layers", "replicate": "1-D"},
+    "toy float16, 1-D parameters replicated": {"model": "toy", "dtype": torch.float16, "replicate": "1-D"},
 }
 
 
@@ -581,9 +663,10 @@ def verify_case(ctx, args, case, group=None, steps=5):
     ref, batches = build_case(case, args, size, steps, ctx.device)
     copy_ = copy.deepcopy(ref)
     units = [copy_.fc1, copy_.fc2, copy_.fc3, copy_.head] if case.get("units") == "layers" else None
-    model = FSDP(copy_, compute_dtype=dtype, process_group=group, units=units)
+    model = FSDP(copy_, compute_dtype=dtype, process_group=group, units=units,
+                 replicate=REPLICATE.get(case.get("replicate")))
     opt, ref_opt = make_optimizer(case, model.parameters()), make_optimizer(case, ref.parameters())
-    shapes_ok = True
+    shapes_ok, replicated = True, []
     for step, (x, y) in enumerate(batches):
         extra = {"use_extra": step % 2 == 0} if case.get("unused") else {}
         ref_opt.zero_grad()
@@ -593,8 +676,15 @@ def verify_case(ctx, args, case, group=None, steps=5):
                    micro, case.get("clip"), **extra)
         shapes_ok &= all(p.grad is None or (p.grad.shape == p.shape and p.grad.dtype == p.dtype)
                          for p in model.parameters())
+        replicated.append({n: p.grad.cpu() for n, p in model.module.named_parameters()   # whole: the same on every rank
+                           if model._where[id(p)][1] is None and p.grad is not None})
+    everyone = [None] * size
+    dist.all_gather_object(everyone, replicated, group=group)
+    same = all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+               for r in everyone for a, b in zip(r, everyone[0]))
     return compare_whole(ctx, model.gather_full_params(), ref, LOW_PRECISION_TOL if dtype else {}, group,
-                         shapes_ok=shapes_ok)
+                         shapes_ok=shapes_ok, replicated_equal=same,
+                         replicated=sum(len(step) for step in replicated))
 
 
 def compare_whole(ctx, whole, ref, tol, group, **extra):
@@ -609,8 +699,9 @@ def compare_whole(ctx, whole, ref, tol, group, **extra):
     local = {"ok": ok and set(whole) == {n for n, _ in ref.named_parameters()}, "max_diff": diff, **extra}
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, local, group=group)
-    return {"ok": all(r["ok"] and r.get("shapes_ok", True) for r in everyone),
-            "max_diff": max(r["max_diff"] for r in everyone), **{k: all(r[k] for r in everyone) for k in extra}}
+    flags = {k: all(r[k] for r in everyone) for k, v in extra.items() if isinstance(v, bool)}
+    return {**extra, **flags, "ok": all(r["ok"] for r in everyone) and all(flags.values()),
+            "max_diff": max(r["max_diff"] for r in everyone)}
 
 
 def verify(ctx, args, cases=None, group=None):
@@ -630,14 +721,14 @@ def verify(ctx, args, cases=None, group=None):
 # ----------------------------------------------------------------------------------------
 # Checkpoints: save at one world size, resume at another
 # ----------------------------------------------------------------------------------------
-def resume_run(ctx, args, path, start, stop, save_at, batch):
+def resume_run(ctx, args, path, start, stop, save_at, batch, replicate=None):
     """The LM of the verification, FSDP + AdamW (clipped at 1.0), trained from ``start`` to
     ``stop`` on the same global batches whatever the world size; loads ``path`` when
     start > 0, saves it (whole tensors, from the first rank) after step ``save_at``.
-    Returns the whole parameters at the end."""
+    Returns the whole parameters at the end. ``replicate``: a rule of REPLICATE."""
     case = {"model": "lm", "adamw": True}
     ref, batches = build_case(case, args, batch // 4, stop, ctx.device)   # batch sequences
-    model = FSDP(ref)
+    model = FSDP(ref, replicate=REPLICATE.get(replicate))
     opt = make_optimizer(case, model.parameters())
     if start:
         saved = torch.load(path, weights_only=False)
@@ -653,6 +744,11 @@ def resume_run(ctx, args, path, start, stop, save_at, batch):
                 torch.save(state, path)
             dist.barrier()
     return {k: v.cpu() for k, v in model.gather_full_params().items()}
+
+
+def resume_run_course_rule(ctx, args, path, start, stop, save_at, batch):
+    """resume_run with the norms replicated (the course's rule), the rest sharded."""
+    return resume_run(ctx, args, path, start, stop, save_at, batch, replicate="course")
 
 
 # ----------------------------------------------------------------------------------------
@@ -687,20 +783,82 @@ def build(ctx, args, wrap, optimizer):
     return model, optimizer(params) if optimizer else torch.optim.AdamW(params, lr=1e-4)
 
 
-def memory_worker(ctx, args, index):
-    """Memory per rank after two full training steps (state exists), for method ``index``."""
+class StepPeak:
+    """The peak of live tensor bytes during one step, measured the same way for every method.
+    On a GPU: max_memory_allocated over the step. On the CPU, where the allocator keeps no
+    such count: the running total of every allocation and free that torch.profiler records
+    (profile_memory) from the moment the block is entered, which must come before the model
+    is built so that every free meets its allocation. The profiler's own buffers swell the
+    process, so a CPU job that reads its peak RSS passes ``profile=False`` (peak: None).
+
+        with StepPeak(device) as mem:
+            model, opt = build(); train_step(...)   # earlier steps make the optimizer state
+            with mem.step():
+                train_step(...)
+        mem.peak                                     # bytes
+    """
+
+    def __init__(self, device, profile=True):
+        self.device, self.profile, self.peak, self.prof = device, profile, None, None
+
+    def __enter__(self):
+        if self.device.type == "cpu" and self.profile:
+            from torch.profiler import ProfilerActivity, profile
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.device.type == "cpu":
+            with torch.profiler.record_function("measured step"):
+                yield
+            return
+        common.sync(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        common.sync(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device)
+
+    def __exit__(self, *exc):
+        if self.prof is None:
+            return
+        self.prof.__exit__(*exc)
+        events = self.prof.profiler.kineto_results.events()
+        mark = next(e for e in events if e.name() == "measured step")
+        changes = sorted((e.start_ns(), e.nbytes()) for e in events
+                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        before = sum(n for t, n in changes if t < mark.start_ns())    # live when the step starts
+        during = [n for t, n in changes if mark.start_ns() <= t <= mark.end_ns()]
+        self.peak = before + max(itertools.accumulate(during, initial=0))
+
+
+def step_memory(ctx, make, batch, live=True, steps=3) -> dict:
+    """Memory per rank (MiB) of ``make()``'s (model, optimizer): the state kept after the
+    last of ``steps`` training steps (parameters, gradients, optimizer state: tensor bytes,
+    each storage once), the peak of live tensor bytes during that step (StepPeak; on the CPU
+    only with ``live``), and the process's peak RSS (which also holds what the allocator
+    keeps, and the runtime; on the CPU only without ``live``)."""
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
-    name, (wrap, optimizer) = list(methods(args, ctx).items())[index]
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    model, opt = build(ctx, args, wrap, optimizer)
-    for i in range(2):
-        batch = common.lm_batch(args.batch_size, args.context_length, i, args.seed, ctx.device)
-        train_step(model, opt, tuple(common.shard(t, ctx.rank, ctx.world_size) for t in batch),
-                   common.StepClock(ctx.device))
-    row = sharded.memory_snapshot(ctx, "after optimizer step", model, opt)
-    row.pop("point")
+    with StepPeak(ctx.device, profile=live) as mem:
+        model, opt = make()
+        for i in range(steps):
+            with mem.step() if i == steps - 1 else contextlib.nullcontext():
+                train_step(model, opt, batch, common.StepClock(ctx.device))
+    snap = sharded.memory_snapshot(ctx, "after a step", model, opt)
+    row = {k: snap[k] for k in ("params_MB", "grads_MB", "opt_state_MB")}
     row["state_MB"] = row["params_MB"] + row["grads_MB"] + row["opt_state_MB"]
+    profiled = ctx.device.type == "cpu" and live
+    return {**row, "step_peak_MB": None if mem.peak is None else mem.peak / 2**20,
+            "peak_rss_MB": None if profiled else sharded._rss_peak_mb()}
+
+
+def memory_worker(ctx, args, index, live):
+    """step_memory of method ``index`` on the LM, every rank's row."""
+    name, (wrap, optimizer) = list(methods(args, ctx).items())[index]
+    batch = tuple(common.shard(t, ctx.rank, ctx.world_size) for t in
+                  common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    row = step_memory(ctx, lambda: build(ctx, args, wrap, optimizer), batch, live)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, row)
     return [{"method": name, "rank": r, **row} for r, row in enumerate(everyone)]
@@ -725,7 +883,8 @@ def benchmark(ctx, args):
 
 HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_torch", "vs_torch_min", "vs_torch_max", "comm_ms",
            "optim_ms", "collectives", "comm_MB"]
-MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "state_MB", "other_MB", "peak_MB"]
+MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "state_MB", "step_peak_MB",
+               "vs_fsdp2", "peak_rss_MB", "rss_vs_fsdp2"]
 NAME, TITLE = "07_fsdp", "FSDP against DDP, DDP + sharded optimizer and torch's FSDP2: time per iteration"
 
 
@@ -736,20 +895,39 @@ def main(argv=None):
     args = common.parse(p, argv)
     if not args.no_verify:
         common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
-        common.check_resume(resume_run, args, f"{NAME}: a full checkpoint on another world size")
+        common.check_resume(resume_run_course_rule, args, f"{NAME}: a full checkpoint on another world size "
+                                                          f"(norms replicated, the rest sharded)")
     if args.no_bench:
         return
     rows = common.launch(benchmark, args)
     common.report_table(args, NAME, TITLE, rows, HEADERS)
-    # one job per method: fresh processes, so each peak belongs to that method alone
-    mem = [row for i in range(4) for row in common.launch(memory_worker, args, i)]
+    # one job per method: fresh processes, so each peak belongs to that method alone; on the CPU
+    # a second one reads the live tensors (the profiler's own memory would swell the first's RSS)
+    mem = []
+    for i in range(4):
+        rows = common.launch(memory_worker, args, i, args.device == "cuda")
+        if args.device == "cpu":
+            for row, live in zip(rows, common.launch(memory_worker, args, i, True)):
+                row["step_peak_MB"] = live["step_peak_MB"]
+        mem += rows
     if common.is_reporter():
-        table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
-                                    title="FSDP against DDP and torch's FSDP2: memory per rank after a step (MiB)")
-        print(f"\nMemory per rank after a training step (MiB; state = parameters + gradients + optimizer state; "
-              f"peak = {'max_memory_allocated' if args.device == 'cuda' else 'peak RSS'})\n{table}\n"
-              f"wrote {args.out}/07_fsdp_memory.json and .md")
+        report_memory(args, mem)
 
+
+def report_memory(args, mem):
+    """The memory table, each method's peaks beside torch FSDP2's on the same rank."""
+    fsdp2 = {r["rank"]: r for r in mem if r["method"].startswith("torch FSDP2")}
+    for r in mem:
+        r["vs_fsdp2"] = r["step_peak_MB"] / fsdp2[r["rank"]]["step_peak_MB"]
+        r["rss_vs_fsdp2"] = r["peak_rss_MB"] / fsdp2[r["rank"]]["peak_rss_MB"]
+    how = ("max_memory_allocated during a step" if args.device == "cuda" else
+           "peak of live tensor bytes during a step, from every allocation and free torch.profiler recorded")
+    note = (f"state = parameters + gradients + optimizer state after a step; step_peak = {how}; peak_rss = "
+            f"the process's peak resident memory (allocator cache and runtime included); vs_fsdp2: over torch "
+            f"FSDP2's on the same rank. One job per method.")
+    table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
+                                title="FSDP against DDP and torch's FSDP2: memory per rank (MiB)", note=note)
+    print(f"\nMemory per rank (MiB; {note})\n{table}\nwrote {args.out}/07_fsdp_memory.json and .md")
 
 if __name__ == "__main__":
     common.run_main(main)

@@ -16,6 +16,9 @@ def test_fsdp_matches_single_process(world_size, case):
     r = verification("07_fsdp", world_size)[case]
     assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
     assert r["shapes_ok"], "a gradient does not have its (shard) parameter's shape and dtype"
+    assert r["replicated_equal"], "a replicated parameter's gradient differs between ranks"
+    if "replicate" in fsdp.CASES[case]:
+        assert r["replicated"] > 0   # the check above compared some
     if "fp32" in case:
         assert r["max_diff"] < 1e-5
 
@@ -112,20 +115,66 @@ def test_master_shards_stay_fp32_with_low_precision_compute(one_rank):
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
 
 
-@pytest.mark.parametrize("first, then", [(2, 4), (4, 2)])
-def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then):
+@pytest.mark.parametrize("first, then, run", [(2, 4, "resume_run"), (4, 2, "resume_run"),
+                                              (2, 4, "resume_run_course_rule"), (4, 2, "resume_run_course_rule")])
+def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then, run):
+    run = getattr(fsdp, run)   # every parameter sharded, or the norms replicated
     path = str(tmp_path / "checkpoint.pt")
-    whole = common.launch(fsdp.resume_run, verify_args(first), path, 0, 6, 3, 16)
+    whole = common.launch(run, verify_args(first), path, 0, 6, 3, 16)
     saved = torch.load(path, weights_only=False)
     assert set(saved["model"]) == set(common.TransformerLM(32, 64, 2, 4, context_length=16).state_dict())
-    resumed = common.launch(fsdp.resume_run, verify_args(then), path, 3, 6, None, 16)
+    resumed = common.launch(run, verify_args(then), path, 3, 6, None, 16)
     for k in whole:
         torch.testing.assert_close(resumed[k], whole[k])
     # the control: without the optimizer's state (AdamW starts its moments again) it ends elsewhere
     saved["optim"]["state"] = {}
     torch.save(saved, path)
-    fresh = common.launch(fsdp.resume_run, verify_args(then), path, 3, 6, None, 16)
+    fresh = common.launch(run, verify_args(then), path, 3, 6, None, 16)
     assert max((fresh[k] - whole[k]).abs().max().item() for k in whole) > 1e-4
+
+
+def test_at_most_one_unit_reduces_at_a_time_and_nothing_stays_gathered(one_rank):
+    torch.manual_seed(0)
+    model = fsdp.FSDP(common.TransformerLM(32, 64, 4, 4, context_length=16))
+    in_flight, real = [], fsdp._Unit.reduce
+
+    def reduce(unit, grads):
+        real(unit, grads)
+        in_flight.append(sum(1 for u in model._units if u.works))
+    fsdp._Unit.reduce = reduce
+    try:
+        x, y = common.lm_batch(2, 16, 0, 0, "cpu")
+        for _ in range(2):
+            lm_step(model, x, y)
+    finally:
+        fsdp._Unit.reduce = real
+    assert len(in_flight) == 2 * 5 and max(in_flight) == 1   # 4 blocks and the root, each step
+    assert all(u.works == [] and u.gathered is None and u.work is None and u.reduced is None for u in model._units)
+
+
+def test_replicated_parameters_stay_whole_and_are_never_gathered(one_rank):
+    torch.manual_seed(0)
+    lm = common.TransformerLM(32, 64, 2, 4, context_length=16)
+    norms = {n for n, p in lm.named_parameters() if ".ln" in n or n.startswith("ln")}
+    model = fsdp.FSDP(lm, replicate=fsdp.REPLICATE["course"])
+    whole = {n for n, p in model.module.named_parameters() if model._where[id(p)][1] is None}
+    assert whole == norms and len(norms) == 2 * 2 + 1
+    gathered = common.count_collectives()
+    x, y = common.lm_batch(2, 16, 0, 0, "cpu")
+    with gathered:
+        model(x, y)
+    sharded = sum(p.numel() * 4 for n, p in model.module.named_parameters() if n not in norms)
+    assert gathered.calls == 3 and gathered.bytes == sharded   # the root and 2 blocks; no norm travels
+
+
+def test_fsdp_peak_of_live_tensors_stays_below_ddp_and_below_whole_parameters_and_gradients():
+    import workers
+    mem = common.launch(workers.fsdp_and_ddp_step_memory, verify_args(2))
+    for rank in (0, 1):
+        ddp, full, whole_mb = mem[rank]["ddp"], mem[rank]["fsdp"], mem[rank]["whole_MB"]
+        assert full["state_MB"] < 0.55 * ddp["state_MB"]
+        assert full["step_peak_MB"] < ddp["step_peak_MB"]
+        assert full["step_peak_MB"] < 2 * whole_mb + full["state_MB"]   # whole parameters + gradients + shards
 
 
 def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
