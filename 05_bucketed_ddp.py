@@ -64,7 +64,10 @@ class DDPBucketed(nn.Module):
     in ``finish_gradient_synchronization`` with zeros for the missing parts; one flag per
     parameter rides at the end of each bucket, so a parameter that no rank gave a gradient
     keeps ``.grad is None``, as in single-process training. Inside ``no_sync()`` backward
-    only accumulates; the next synchronized backward reduces the sum.
+    only accumulates; the next synchronized backward reduces the sum. If the wrapped module
+    synchronizes gradients itself (FSDP over a shard group, making this hybrid sharding:
+    shard within a group, replicate across groups), its ``no_sync`` is entered with ours
+    and its ``finish_gradient_synchronization`` runs before ours.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
@@ -119,7 +122,8 @@ class DDPBucketed(nn.Module):
         """Backward inside this block accumulates gradients locally and communicates nothing."""
         prev, self._sync = self._sync, False
         try:
-            yield
+            with getattr(self.module, "no_sync", contextlib.nullcontext)():
+                yield
         finally:
             self._sync = prev
 
@@ -145,6 +149,8 @@ class DDPBucketed(nn.Module):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self):
+        if hasattr(self.module, "finish_gradient_synchronization"):   # e.g. FSDP inside: its gradients first
+            self.module.finish_gradient_synchronization()
         for bucket in self.buckets[self._next:]:   # never filled: launch, in order
             bucket.launch(self.world_size, partial=True)
         for bucket in self.buckets:

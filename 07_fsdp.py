@@ -25,7 +25,7 @@ side. Writes results/07_fsdp.{json,md} and results/07_fsdp_memory.{json,md}.
 """
 
 import copy
-import itertools
+import os
 
 import torch.nn.functional as F
 
@@ -167,15 +167,15 @@ class FSDP(nn.Module):
         def hook(mod, args, out):
             unit.take_back()
             if not (torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)):
-                unit.free()                 # no backward will come
+                unit.reshard()              # no backward will come
                 return
             outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
                     if torch.is_tensor(t) and t.requires_grad]
-            if unit is self._root:          # its parameters stay whole until its backward ends;
-                for t in outs:              # backward starts with the last unit: fetch it now
+            if unit is self._root:          # its parameters stay whole until its synchronized
+                for t in outs:              # backward; backward starts with the last unit: fetch it
                     t.register_hook(lambda grad: self._backward_starts())
                 return
-            unit.free_storage()             # whole parameters go now, and come back for backward
+            unit.reshard()                  # whole parameters go now, and come back for backward
             for t in outs:
                 t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         return hook
@@ -185,10 +185,9 @@ class FSDP(nn.Module):
             self._order[-1].prefetch()
 
     def _pre_backward(self, unit):
-        if unit.regathered:
-            return
-        unit.regathered = True
-        unit.unshard(refill=True)
+        """Before the unit's backward (once per output it gave): make it whole again, and
+        fetch the unit whose backward comes next."""
+        unit.unshard()
         before = self._next(unit, -1)
         if before is not None:
             before.prefetch()
@@ -400,28 +399,45 @@ class _Unit:
                 for mod, attr in uses[id(p)]:
                     mod._parameters[attr] = shard
                 self.params.append(shard)
-        self.gathered, self.work, self.whole = None, None, None
-        self.regathered, self.pending, self.works, self.reduced = False, None, [], None
+        # The whole parameters: one tensor each for the unit's life, whose storage is filled
+        # from an all-gather while the unit is whole and resized to nothing while it is not.
+        # Every forward lends aliases of them, so whatever autograd saved, in any of several
+        # micro-batches' forwards (a pipeline), sees them refilled before its backward.
+        self.full = [None if info is None else torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
+                     for info in self.infos]
+        for t in self.full:
+            if t is not None:
+                t.untyped_storage().resize_(0)
+        self.is_whole, self.gathered, self.work = self.size == 0, None, None
+        self.pending, self.works, self.reduced = None, [], None
 
     def prefetch(self):
-        if self.gathered is None and self.size:
+        if not self.is_whole and self.gathered is None:
             self.gathered = torch.empty(self.fsdp.world_size * self.size, dtype=self.compute_dtype, device=self.device)
             self.work = _all_gather(self.gathered, self.flat.to(self.compute_dtype), self.group, async_op=True)
 
-    def unshard(self, refill=False):
-        """Make sure the gathered buffer is here; with ``refill``, copy it back into the
-        whole tensors autograd saved (their storage was freed after forward)."""
+    def unshard(self):
+        """Make the whole parameters whole: wait for their all-gather (issued now, unless
+        prefetched) and copy them out of its buffer."""
+        if self.is_whole:
+            return
         self.prefetch()
-        if self.work is not None:
-            self.work.wait()
-            self.work = None         # the work holds its tensors until dropped
-        if refill and self.size:
-            g = self.gathered.view(self.fsdp.world_size, self.size)
-            for t, info in zip(self.whole, self.infos):
-                if info is not None:
-                    t.untyped_storage().resize_(t.numel() * t.element_size())
-                    info.copy_out(g, t.data)   # .data: refilling saved storage is not an in-place change
-            self.gathered = None
+        self.work.wait()
+        g = self.gathered.view(self.fsdp.world_size, self.size)
+        self.gathered, self.work = None, None   # the work holds its tensors until dropped
+        for t, info in zip(self.full, self.infos):
+            if info is not None:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+                info.copy_out(g, t.data)   # .data: refilling saved storage is not an in-place change
+        self.is_whole = True
+
+    def reshard(self):
+        """Free the whole parameters' memory (the tensors, and aliases autograd saved, stay)."""
+        if self.size and self.is_whole:
+            for t in self.full:
+                if t is not None:
+                    t.untyped_storage().resize_(0)
+            self.is_whole = False
 
     def drop_prefetch(self):
         if self.work is not None:
@@ -429,24 +445,14 @@ class _Unit:
         self.gathered, self.work = None, None
 
     def whole_tensors(self, params):
-        """The tensors the modules compute with (inside the gather's forward): new whole ones
-        from the gathered buffer, and the replicated parameters (cast to the compute dtype)."""
-        g = self.gathered.view(self.fsdp.world_size, self.size) if self.size else None
-        out = []
-        for p, info in zip(params, self.infos):
-            if info is None:
-                out.append(p.to(self.compute_dtype) if p.dtype != self.compute_dtype else p.view_as(p))
-                continue
-            t = torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
-            info.copy_out(g, t)
-            out.append(t)
-        self.gathered = None
-        return out
+        """The tensors the modules compute with (inside the gather's forward): aliases of the
+        whole parameters, and the replicated parameters (cast to the compute dtype)."""
+        return [(p.to(self.compute_dtype) if p.dtype != self.compute_dtype else p.view_as(p)) if t is None
+                else t.detach() for p, t in zip(params, self.full)]
 
     def lend(self, whole):
         """The modules see the whole tensors, under the parameters' own names."""
-        self.whole, self.regathered = list(whole), False
-        for t, uses in zip(self.whole, self.uses):
+        for t, uses in zip(whole, self.uses):
             for mod, attr in uses:
                 mod.__dict__[attr] = t
 
@@ -455,19 +461,12 @@ class _Unit:
             for mod, attr in uses:
                 mod.__dict__.pop(attr, None)
 
-    def free_storage(self):
-        for t, info in zip(self.whole, self.infos):
-            if info is not None:
-                t.untyped_storage().resize_(0)   # the tensor autograd saved stays; its memory goes
-
-    def free(self):
-        self.whole = None
-
     def after_backward(self, grads):
-        """The unit's backward is done: free the whole tensors, then reduce the gradients
-        (asynchronously), or keep adding them up inside no_sync."""
-        self.free_storage()
-        self.whole = None
+        """The unit's backward (of one forward) is done: free the whole parameters (the
+        root keeps them until its synchronized backward: several micro-batches may come),
+        then reduce the gradients (asynchronously), or keep adding them up inside no_sync."""
+        if self.fsdp._sync or self is not self.fsdp._root:
+            self.reshard()
         grads = [g if g is None else g.to(self.compute_dtype) for g in grads]
         if self.pending is not None:   # accumulated under no_sync
             grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, self.pending)]
@@ -786,10 +785,12 @@ def build(ctx, args, wrap, optimizer):
 class StepPeak:
     """The peak of live tensor bytes during one step, measured the same way for every method.
     On a GPU: max_memory_allocated over the step. On the CPU, where the allocator keeps no
-    such count: the running total of every allocation and free that torch.profiler records
-    (profile_memory) from the moment the block is entered, which must come before the model
-    is built so that every free meets its allocation. The profiler's own buffers swell the
-    process, so a CPU job that reads its peak RSS passes ``profile=False`` (peak: None).
+    such count: c10's CPU allocator is told to keep a running total of its live bytes (its
+    flag caffe2_report_cpu_memory_usage, set through ctypes, so that frees in gloo's threads
+    count too), and torch.profiler (profile_memory) records that total at every allocation
+    and free from the moment the block is entered; that must come before the model is built,
+    so that every free meets its allocation. The profiler's own buffers swell the process,
+    so a CPU job that reads its peak RSS passes ``profile=False`` (peak: None).
 
         with StepPeak(device) as mem:
             model, opt = build(); train_step(...)   # earlier steps make the optimizer state
@@ -803,7 +804,10 @@ class StepPeak:
 
     def __enter__(self):
         if self.device.type == "cpu" and self.profile:
+            import ctypes
             from torch.profiler import ProfilerActivity, profile
+            c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+            ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.__enter__()
         return self
@@ -824,13 +828,19 @@ class StepPeak:
         if self.prof is None:
             return
         self.prof.__exit__(*exc)
-        events = self.prof.profiler.kineto_results.events()
-        mark = next(e for e in events if e.name() == "measured step")
-        changes = sorted((e.start_ns(), e.nbytes()) for e in events
-                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-        before = sum(n for t, n in changes if t < mark.start_ns())    # live when the step starts
-        during = [n for t, n in changes if mark.start_ns() <= t <= mark.end_ns()]
-        self.peak = before + max(itertools.accumulate(during, initial=0))
+        from torch._C._profiler import _EventType
+        nodes, events = list(self.prof.profiler.kineto_results.experimental_event_tree()), []
+        while nodes:
+            node = nodes.pop()
+            nodes += node.children
+            events.append(node)
+        mark = next(e for e in events if e.name == "measured step")
+        allocs = sorted((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size) for e in events
+                        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu")
+        base = allocs[0][1] - allocs[0][2]   # what an earlier block in this process left alive
+        before = [total for when, total, _ in allocs if when < mark.start_time_ns][-1:]   # the step starts there
+        during = [total for when, total, _ in allocs if mark.start_time_ns <= when <= mark.end_time_ns]
+        self.peak = max(before + during) - base
 
 
 def step_memory(ctx, make, batch, live=True, steps=3) -> dict:

@@ -99,12 +99,14 @@ def test_whole_weights_are_freed_after_forward_and_after_backward(one_rank):
     block = [u for u in model._units if u.module is not None][0]
     x, y = common.lm_batch(2, 16, 0, 0, "cpu")
     loss = model(x, y)
-    assert all(t.untyped_storage().nbytes() == 0 for t in block.whole)   # freed after forward
+    assert all(t.untyped_storage().nbytes() == 0 for t in block.full)    # freed after forward
+    assert model._root.is_whole                                          # the root waits for its backward
     loss.backward()
-    assert block.whole is None and model._root.whole is None             # freed after backward
+    assert not any(u.is_whole for u in model._units)                    # freed after backward
+    assert all(t.untyped_storage().nbytes() == 0 for u in model._units for t in u.full)
     with torch.no_grad():                                                 # no graph: nothing kept
         model(x, y)
-    assert all(u.whole is None for u in model._units)
+    assert not any(u.is_whole for u in model._units)
 
 
 def test_master_shards_stay_fp32_with_low_precision_compute(one_rank):
@@ -131,6 +133,27 @@ def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then, 
     torch.save(saved, path)
     fresh = common.launch(run, verify_args(then), path, 3, 6, None, 16)
     assert max((fresh[k] - whole[k]).abs().max().item() for k in whole) > 1e-4
+
+
+def test_several_forwards_before_their_backwards_as_a_pipeline_runs_them(one_rank):
+    import copy
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 3, 4, context_length=16)
+    model = fsdp.FSDP(copy.deepcopy(ref))
+    x, y = common.lm_batch(4, 16, 0, 0, "cpu")
+    ref(x, y).backward()
+    log = EventLog()
+    with log:   # GPipe's order: both micro-batches' forwards, then both backwards, the last synchronized
+        with model.no_sync():
+            losses = [model(xm, ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2))]
+            losses[0].backward()
+        losses[1].backward()
+        model.finish_gradient_synchronization()
+    grads = {n: p.grad for n, p in model.module.named_parameters()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad)
+    # every block gathered for each forward and each backward, the root once: it stays whole
+    assert log.events.count("gather") == 3 * 2 * 2 + 1 and log.events.count("reduce_scatter") == 4
 
 
 def test_at_most_one_unit_reduces_at_a_time_and_nothing_stays_gathered(one_rank):
@@ -169,9 +192,9 @@ def test_replicated_parameters_stay_whole_and_are_never_gathered(one_rank):
 
 def test_fsdp_peak_of_live_tensors_stays_below_ddp_and_below_whole_parameters_and_gradients():
     import workers
-    mem = common.launch(workers.fsdp_and_ddp_step_memory, verify_args(2))
+    ddp_rows, fsdp_rows = (common.launch(workers.step_memory_of, verify_args(2), m) for m in ("ddp", "fsdp"))
     for rank in (0, 1):
-        ddp, full, whole_mb = mem[rank]["ddp"], mem[rank]["fsdp"], mem[rank]["whole_MB"]
+        ddp, full, whole_mb = ddp_rows[rank], fsdp_rows[rank], fsdp_rows[rank]["whole_MB"]
         assert full["state_MB"] < 0.55 * ddp["state_MB"]
         assert full["step_peak_MB"] < ddp["step_peak_MB"]
         assert full["step_peak_MB"] < 2 * whole_mb + full["state_MB"]   # whole parameters + gradients + shards

@@ -369,25 +369,22 @@ def pipeline_staged_equals_direct(ctx, args):
     return everyone
 
 
-def fsdp_and_ddp_step_memory(ctx, args):
-    """07's step_memory for DDPBucketed and FSDP (AdamW) on an LM of 4 blocks with a small
-    vocabulary (so the blocks, not the root, hold most parameters); every rank's rows."""
-    import gc
+def step_memory_of(ctx, args, method):
+    """07's step_memory for ``method`` ("ddp": DDPBucketed, "fsdp": FSDP; AdamW) on an LM of
+    4 blocks with a small vocabulary (so the blocks, not the root, hold most parameters);
+    every rank's row, and the whole parameters' MiB."""
     fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
     bucketed = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
 
-    def lm():
+    def make():
         torch.manual_seed(0)
-        return common.TransformerLM(128, 512, 4, 4, vocab_size=500, context_length=32)
+        lm = common.TransformerLM(128, 512, 4, 4, vocab_size=500, context_length=32)
+        model = bucketed.DDPBucketed(lm, 25) if method == "ddp" else fsdp.FSDP(lm)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 500, (4, 33), generator=torch.Generator().manual_seed(0))
     batch = tuple(common.shard(t, ctx.rank, ctx.world_size) for t in (tokens[:, :-1], tokens[:, 1:]))
-    out = {"whole_MB": sum(p.numel() * 4 for p in lm().parameters()) / 2**20}
-    for name, wrap in (("ddp", lambda m: bucketed.DDPBucketed(m, 25)), ("fsdp", fsdp.FSDP)):
-        def make():
-            model = wrap(lm())
-            return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out[name] = fsdp.step_memory(ctx, make, batch)
-        gc.collect()
+    whole = sum(p.numel() * 4 for p in common.TransformerLM(128, 512, 4, 4, vocab_size=500,
+                                                             context_length=32).parameters()) / 2**20
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, out)
+    dist.all_gather_object(everyone, {**fsdp.step_memory(ctx, make, batch), "whole_MB": whole})
     return everyone
