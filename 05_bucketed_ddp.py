@@ -130,6 +130,8 @@ class DDPBucketed(nn.Module):
     def _make_hook(self, i):
         @torch.no_grad()
         def hook(p):
+            if p.grad is None:          # autograd passed no gradient (FSDP inside hands its own over later)
+                return
             if not self._rebuilt:
                 self._arrived.append(i)
             bucket, j = self._slot[i]

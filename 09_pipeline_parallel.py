@@ -137,7 +137,9 @@ class Pipeline:
     is gloo and the stage is on a GPU, since gloo's send/recv take CPU tensors only; NCCL
     and CPU tensors go directly). ``timed``: record each action's start and end
     (``timeline``); ``count_activations``: count the bytes autograd saves for backward,
-    held between a micro-batch's F and B (``peak_activation_bytes``).
+    held between a micro-batch's F and B (``peak_activation_bytes``); parameters do not
+    count, nor, if ``count_activations`` is a function, a saved tensor it says False of
+    (weights a wrapper gathered, say).
     """
 
     def __init__(self, module, n_microbatches: int, loss_fn, schedule="1f1b", process_group=None,
@@ -230,11 +232,12 @@ class Pipeline:
             yield
             return
         params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        counts = self.count_activations if callable(self.count_activations) else lambda t: True
         seen = set()
 
         def pack(t):
             s = t.untyped_storage()
-            if s.data_ptr() not in params and s.data_ptr() not in seen:
+            if s.data_ptr() not in params and s.data_ptr() not in seen and counts(t):
                 seen.add(s.data_ptr())
                 held[i] = held.get(i, 0) + s.nbytes()
             return t

@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all test setup clean-results collectives 01 02 03 04 05 06 07 08 09
+.PHONY: all test setup clean-results collectives 01 02 03 04 05 06 07 08 09 10
 
-all: 01 02 03 04 05 06 07 08 09
+all: 01 02 03 04 05 06 07 08 09 10
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ clean-results:
 09: $(STAMP)
 	$(PY) 09_pipeline_parallel.py --warmup 3
 
+# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition, and the XXL plan
+10: $(STAMP)
+	$(PY) 10_nd_parallel.py --warmup 3 --steps 6
+
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu-smoke PY=python3              # first: every script at a small size, a few minutes
 #   make gpu PY=python3                    # or gpu-01 ... gpu-09, one at a time
@@ -78,10 +82,10 @@ GPU_TWO   = --backend gloo --world-size 2 $(GPU_LM) --out $(GPU_OUT)/gloo_cuda_2
 # take two XL ranks past 40 GiB each (05), and XL's 25 heads do not split over 2 ranks (08)
 GPU_TWO_LARGE = $(subst --model-size $(or $(GPU_SIZE),xl),--model-size $(or $(GPU_SIZE),large),$(GPU_TWO))
 
-.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09
+.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10
 
 # most wanted first: a session's 30 minutes of device time may not cover all of it
-gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-02 gpu-03
+gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-02 gpu-03
 
 gpu-01: $(GPU_DEPS)
 	$(GPU_RUN) 01_allreduce_bench.py --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) \
@@ -113,10 +117,15 @@ gpu-08: $(GPU_DEPS)
 gpu-09: $(GPU_DEPS)
 	$(GPU_RUN) 09_pipeline_parallel.py $(GPU_TWO) --stages 2
 
+# 8 ranks over gloo on the one GPU, the small LM: memory and MFU, not link speeds
+gpu-10: $(GPU_DEPS)
+	$(GPU_RUN) 10_nd_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
+	    --fsdp 2 --tp 2 --pp 2 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_8ranks
+
 # ---- make gpu-smoke: every numbered script at a small size (verification and a few steps
 # of its benchmark), SMOKE_JOBS jobs at once, each time-boxed; one log per job under
 # SMOKE_OUT and SUMMARY.md (script, setting, exit status, seconds). Fails if any job did.
-SMOKE      ?= 01 02 03 04 05 06 07 08 09
+SMOKE      ?= 01 02 03 04 05 06 07 08 09 10
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 SMOKE_JOBS ?= 6
 SMOKE_BOX  ?= 300
@@ -128,6 +137,8 @@ gpu-smoke: $(GPU_DEPS)
 	        --sizes-mb 0.001 1 --iters 3 --warmup 1 --time-box 20";; \
 	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2";; \
 	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2";; \
+	  10) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --dp 1"; \
+	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --pp 2";; \
 	  *)  echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
 	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)";; \
 	  esac; done | xargs -P $(SMOKE_JOBS) -L 1 sh -c 'job=$${1%.py}.$$2; script=$$1; shift 2; \

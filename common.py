@@ -124,13 +124,18 @@ def nccl_fits(backend: str, world_size: int) -> bool:
 NCCL_HINT = "use --backend gloo --device cuda (ranks then share the GPUs)"
 
 
-def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini") -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini", world=None,
+          batch_unit=None) -> argparse.Namespace:
     """Parse, fill the machine-dependent defaults and check every flag (UsageError);
-    ``cpu_size`` is the model size a CPU run gets by default (xl on a GPU)."""
+    ``cpu_size`` is the model size a CPU run gets by default (xl on a GPU). A script whose
+    flags decide its world size passes ``world(args)``; ``batch_unit(args)`` is what the
+    global batch must divide by (default: the world size; None: no default, no check)."""
     args = parser.parse_args(argv)
     n_gpus = gpu_count()
     if under_torchrun():
         args.world_size = int(os.environ["WORLD_SIZE"])
+    elif world is not None:
+        args.world_size = world(args)
     elif args.world_size is None:
         args.world_size = n_gpus if n_gpus >= 2 else 2
     if args.world_size < 1:
@@ -155,9 +160,11 @@ def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini") -> argpar
         args.model_size = "xl" if args.device == "cuda" else cpu_size
     if args.model_size not in MODEL_SIZES:
         raise UsageError(f"unknown --model-size {args.model_size!r}: choose one of {', '.join(MODEL_SIZES)}")
-    if args.batch_size is None:   # the course's global batch of 4 on GPUs, a multiple of the ranks
-        args.batch_size = -(-4 // args.world_size) * args.world_size if args.device == "cuda" else 2 * args.world_size
-    check_divisible(args.batch_size, args.world_size, "--batch-size")
+    unit = batch_unit(args) if batch_unit is not None else args.world_size
+    if args.batch_size is None and unit:   # the course's global batch of 4 on GPUs, a multiple of the ranks
+        args.batch_size = -(-4 // unit) * unit if args.device == "cuda" else 2 * unit
+    if unit:
+        check_divisible(args.batch_size, unit, "--batch-size")
     if args.context_length < 1:
         raise UsageError("--context-length must be at least 1")
     if args.data == "mnist":
@@ -377,20 +384,32 @@ _COLLECTIVE_SIZE = {"_allgather_base_": lambda a: _nbytes(a[0]), "allgather_": l
                     "all_gather_into_tensor": lambda a: _nbytes(a[0]) * a[1]}
 
 
+def _group_name(args) -> str | None:
+    """The process group a c10d op runs on (a boxed ProcessGroup), or a functional
+    collective's group name."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return dist.ProcessGroup.unbox(a).group_name
+    return next((a for a in args if isinstance(a, str)), None)
+
+
 class count_collectives(torch.utils._python_dispatch.TorchDispatchMode):
     """``with count_collectives() as c:`` counts the collectives this rank issues inside
     the block (``c.calls``) and their bytes (``c.bytes``): torch.distributed's calls, the
-    functional collectives of DTensor, and those issued in backward or by torch DDP."""
+    functional collectives of DTensor, and those issued in backward or by torch DDP.
+    ``c.log`` lists each call: (op name, its group's name, bytes)."""
 
     def __init__(self):
         super().__init__()
-        self.calls, self.bytes = 0, 0
+        self.calls, self.bytes, self.log = 0, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            nbytes = _COLLECTIVE_SIZE.get(name, lambda a: _nbytes(a[0]))(args)
             self.calls += 1
-            self.bytes += _COLLECTIVE_SIZE.get(name, lambda a: _nbytes(a[0]))(args)
+            self.bytes += nbytes
+            self.log.append((name, _group_name(args), nbytes))
         return func(*args, **(kwargs or {}))
 
 

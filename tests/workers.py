@@ -166,6 +166,8 @@ def train_with_copied_region(ctx, args, script, name):
         return train_tp_copy(ctx, args, mod)
     if script == "09_pipeline_parallel":
         return train_pipeline_copy(ctx, args, mod)
+    if script == "10_nd_parallel":
+        return train_with_copied_mesh(ctx, args, mod)
     case = {"opt": "adamw", "tied": True} if name == "FSDP" else {"opt": "adamw", "tied": True, "unused": True}
     run = common.VerifyRun(ctx, args, case)
     model = run.model
@@ -388,3 +390,74 @@ def step_memory_of(ctx, args, method):
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, {**fsdp.step_memory(ctx, make, batch), "whole_MB": whole})
     return everyone
+
+
+def nd_controls(ctx, args):
+    """10's checks must fail when the composition is wrong: the tied embedding's two copies
+    not summed (pp 4), a replicated parameter's gradient counted in the norm on every tp
+    rank (tp 2 x pp 2); and clipping must be active in the check."""
+    nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
+    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, nd.ParallelLM._counts_once
+    clipped, real_clip = [], nd.ParallelLM.clip_grad_norm_
+
+    def clip(self, max_norm):
+        norm = real_clip(self, max_norm)
+        clipped.append(norm.item() > max_norm)
+        return norm
+    nd.ParallelLM.clip_grad_norm_ = clip
+    try:
+        nd.ParallelLM.finish_gradient_synchronization = lambda self: None   # no DP, no FSDP here: only the sum
+        out["untied sum"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=4), tie=True)
+        nd.ParallelLM.finish_gradient_synchronization = real_finish
+        nd.ParallelLM._counts_once = lambda self, name: True
+        out["norm counted on every tp rank"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=2, tp=2))
+    finally:
+        nd.ParallelLM.finish_gradient_synchronization, nd.ParallelLM._counts_once = real_finish, real_counts
+        nd.ParallelLM.clip_grad_norm_ = real_clip
+    out["clipped"] = all(clipped)
+    return out
+
+
+def nd_accounting(ctx, args, shapes):
+    """10's account() on each mesh (the verification LM, the tied one at pp x tp)."""
+    nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
+    out = []
+    for shape in shapes:
+        m = nd.default_microbatches(shape)
+        tie = shape["pp"] > 1 and shape["tp"] > 1
+        out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m, tie))
+    return out
+
+
+def nd_mesh_groups(ctx, args):
+    """10's Mesh at 8 ranks (pp 2 x dp 2 x tp 2): this rank's coordinates, its groups'
+    ranks, an all-reduce of the ranks over each group, and the first-and-last-stage group."""
+    nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
+    mesh = nd.Mesh(nd.mesh_of(pp=2, dp=2, tp=2))
+    got = {"coords": mesh.coords, **{a: mesh.ranks(a) for a in ("tp", "dp", "pp")}, "sums": {}}
+    for axis in ("tp", "dp", "pp"):
+        t = torch.tensor([float(ctx.rank)])
+        dist.all_reduce(t, group=mesh.group(axis))
+        got["sums"][axis] = int(t.item())
+    ends = mesh.subgroup("pp", [0, 1])
+    got["ends"] = None if ends is None else sorted(dist.get_process_group_ranks(ends))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, got)
+    return everyone
+
+
+def train_with_copied_mesh(ctx, args, mod):
+    """10's copied Mesh on 2 ranks as dp 2 x tp 1: 02's copied NaiveDDP over its dp group
+    trains like one process (and its tp groups hold one rank each)."""
+    mesh = mod.Mesh({"dp": 2, "tp": 1})
+    assert mesh.ranks("tp") == [ctx.rank] and mesh.ranks("dp") == [0, 1] and mesh.coord("dp") == ctx.rank
+    run = common.VerifyRun(ctx, args, {"opt": "adamw", "tied": True}, mesh.group("dp"))
+    model = load_copy("02_naive_ddp", "NaiveDDP").NaiveDDP(run.model, process_group=mesh.group("dp"))
+    optimizer = run.optimizer(model.parameters())
+    for step in range(run.steps):
+        x, y = run.batch(step)
+        optimizer.zero_grad()
+        model(x, y).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    return run.compare(run.model)

@@ -1,0 +1,1105 @@
+"""N-D parallelism: data, fully sharded data, tensor and pipeline parallelism together, on
+one device mesh, built from the kit's own classes.
+
+The ranks form a mesh with four named axes, outermost first: pp (pipeline stages), dp
+(replicas), fsdp (shards) and tp (tensor slices), each of length --pp, --dp, --fsdp, --tp
+(1 by default; world size = their product). tp is innermost, so a tensor-parallel group is
+consecutive ranks: on real machines the ranks of one node, whose fast links carry the four
+activation all-reduces per block and micro-batch. fsdp comes next (its all-gathers move
+every weight twice a step), then dp (one gradient all-reduce a step), and pp outermost:
+its point-to-point activations are the lightest traffic, fit to cross nodes. Each rank
+builds the kit's LM, turns its blocks tensor-parallel over its tp group (08), keeps its
+pipeline stage's layers (09's LMStage), shards the stage over its fsdp group by blocks (07's
+FSDP), wraps that in DDPBucketed over its dp group (05; over FSDP this is hybrid
+sharding: shard within a group, replicate across groups), and runs 09's Pipeline over its
+pp group. With --tie the output head shares the token embedding's weight, as GPT-2's does;
+under pipelining the first stage holds one copy and the last stage the other, and their
+gradients are summed over the two (Megatron-LM's embedding group) so both stay equal.
+
+Run:
+    python 10_nd_parallel.py --dp 2 --tp 2 --pp 2           # verify this mesh, count its bytes, time it
+    python 10_nd_parallel.py                                # every mesh of the suite (make 10)
+    python 10_nd_parallel.py --plan --model-size xxl --devices 64   # which mesh for the XXL model
+    torchrun --standalone --nproc-per-node 8 10_nd_parallel.py --fsdp 2 --tp 2 --pp 2
+
+Prints PASS/FAIL per verification case (every parameter, gathered whole, against one
+process trained on the same global batches with AdamW clipped by the global norm), the
+bytes each axis sends per step counted beside the closed-form prediction, the memory per
+rank beside its prediction, and step time and tokens/s per rank beside torch's own
+composition (init_device_mesh + fully_shard + parallelize_module + pipelining). Writes
+results/10_nd_parallel.{json,md}, 10_accounting.{json,md}, 10_memory.{json,md},
+10_timeline.png; --plan writes results/10_plan.{json,md}.
+"""
+
+import argparse
+import contextlib
+import copy
+import os
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+
+import common
+
+# ---- begin copy: Mesh (needs only torch and the standard library) ----
+import itertools
+import math
+
+import torch.distributed as dist
+
+
+class Mesh:
+    """The ranks laid out on named axes, as torch's init_device_mesh does for its classes:
+    the first axis outermost, the last innermost (its groups are consecutive ranks). Every
+    slice along an axis gets its process group; ``group(axis)`` is this rank's, shared with
+    the ranks that differ from it on that axis only. new_group is collective, so every rank
+    builds the same Mesh at the same point of its program.
+
+        mesh = Mesh({"pp": 2, "dp": 1, "fsdp": 2, "tp": 2})    # 8 ranks, tp innermost
+        mesh.coord("pp"), mesh.size("tp")                      # this rank's place, an axis's length
+        qkv = ColumnParallelLinear.from_linear(qkv, mesh.group("tp"))
+        model = FSDP(stage, process_group=mesh.group("fsdp"))
+        mesh.rank(pp=1, dp=0, fsdp=1, tp=0)                    # the global rank at those coordinates
+        ends = mesh.subgroup("pp", [0, mesh.size("pp") - 1])   # first and last stage (collective)
+    """
+
+    def __init__(self, shape: dict):
+        self.axes, self.shape = list(shape), dict(shape)
+        if any(n < 1 for n in self.shape.values()):
+            raise ValueError(f"every axis needs a length of at least 1: {self.shape}")
+        if math.prod(self.shape.values()) != dist.get_world_size():
+            raise ValueError(f"the mesh {self.shape} holds {math.prod(self.shape.values())} ranks, "
+                             f"the world has {dist.get_world_size()}")
+        self.coords = self.coords_of(dist.get_rank())
+        self._groups = {axis: self._new_groups(self.slices(axis)) for axis in self.axes}
+
+    def coords_of(self, rank: int) -> dict:
+        out = {}
+        for axis in reversed(self.axes):
+            rank, out[axis] = divmod(rank, self.shape[axis])
+        return {axis: out[axis] for axis in self.axes}
+
+    def rank(self, **coords) -> int:
+        r = 0
+        for axis in self.axes:
+            r = r * self.shape[axis] + coords[axis]
+        return r
+
+    def slices(self, axis) -> list:
+        """Every line of ranks along ``axis`` (the other coordinates fixed), in a fixed order."""
+        others = [a for a in self.axes if a != axis]
+        return [[self.rank(**dict(zip(others, fixed)), **{axis: i}) for i in range(self.shape[axis])]
+                for fixed in itertools.product(*(range(self.shape[a]) for a in others))]
+
+    def _new_groups(self, lines):
+        mine = None
+        for members in lines:   # every rank creates every group, in the same order
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                mine = group
+        return mine
+
+    def coord(self, axis) -> int:
+        return self.coords[axis]
+
+    def size(self, axis) -> int:
+        return self.shape[axis]
+
+    def group(self, axis=None):
+        """This rank's group along ``axis``; None: every rank of the mesh."""
+        return dist.group.WORLD if axis is None else self._groups[axis]
+
+    def ranks(self, axis) -> list:
+        """The global ranks of this rank's group along ``axis``, in the group's order."""
+        return [self.rank(**{**self.coords, axis: i}) for i in range(self.shape[axis])]
+
+    def subgroup(self, axis, indices):
+        """A group of the places ``indices`` along ``axis`` in every line (collective); this
+        rank's, or None where this rank is not at one of those places."""
+        return self._new_groups([[line[i] for i in indices] for line in self.slices(axis)])
+
+    def __str__(self):
+        return " x ".join(f"{a} {n}" for a, n in self.shape.items() if n > 1) or "one rank"
+# ---- end copy: Mesh ----
+
+
+AXES = ("pp", "dp", "fsdp", "tp")   # outermost first: tp innermost (the fastest links)
+ddp_mod = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+fsdp_mod = common.load_script(common.ROOT / "07_fsdp.py")
+tp_mod = common.load_script(common.ROOT / "08_tensor_parallel.py")
+pp_mod = common.load_script(common.ROOT / "09_pipeline_parallel.py")
+
+
+class ParallelLM:
+    """The kit's LM over a Mesh, from the kit's classes, outermost first: 09's Pipeline over
+    pp, 05's DDPBucketed over dp, 07's FSDP over fsdp (a unit per block of the stage, the
+    rest the root), 08's tensor-parallel blocks over tp. ``model``: the whole LM, the same on
+    every rank (its head may share the embedding's weight); ``batch``: the global batch,
+    split over the dp x fsdp replicas and then into ``microbatches``."""
+
+    def __init__(self, mesh, model, batch, microbatches, schedule="1f1b", bucket_mb=25.0, count_activations=False,
+                 **pipeline_options):
+        self.mesh, self.m = mesh, microbatches
+        P, D, F, T = (mesh.size(a) for a in AXES)
+        self.tied = model.head.weight is model.tok.weight
+        self.replica, self.replicas = mesh.coord("dp") * F + mesh.coord("fsdp"), D * F
+        if T > 1:
+            tp_mod.tensor_parallel_lm(model, mesh.group("tp"))
+        self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P)
+        self.fsdp = fsdp_mod.FSDP(self.stage, process_group=mesh.group("fsdp"),
+                                  units=list(self.stage.blocks.values())) if F > 1 else None
+        module = self.fsdp or self.stage
+        self.module = ddp_mod.DDPBucketed(module, bucket_mb, process_group=mesh.group("dp")) if D > 1 else module
+        shape = (batch // self.replicas // microbatches, model.pos.num_embeddings, model.tok.embedding_dim)
+        self.pipe = pp_mod.Pipeline(self.module, microbatches, pp_mod.lm_loss, schedule, mesh.group("pp"),
+                                    activation_shape=shape, count_activations=count_activations and self._activation,
+                                    **pipeline_options)
+        self.params = dict(self.stage.named_parameters())   # FSDP's shards under the original names
+        # the tied embedding's two copies (first and last stage) sum their gradients
+        self.embed_group = mesh.subgroup("pp", [0, P - 1]) if self.tied and P > 1 else None
+        self.tied_copy = self.params.get("tok.weight" if self.pipe.first else "head.weight") \
+            if self.embed_group is not None else None
+        self.counted = [p for name, p in self.params.items() if self._counts_once(name)]
+
+    def _activation(self, t) -> bool:
+        """Whether a tensor autograd saves is an activation: not a weight FSDP gathered (the
+        unit's, freed after its forward; the root's, kept until its backward)."""
+        gathered = {f.untyped_storage().data_ptr() for u in (self.fsdp._units if self.fsdp else [])
+                    for f in u.full if f is not None and f.untyped_storage().nbytes()}
+        return t.untyped_storage().data_ptr() not in gathered
+
+    def _tp_kind(self, name):
+        """How tensor parallelism holds ``name``: "column" (output rows split), "row"
+        (input columns split), or None (whole on every tp rank)."""
+        owner, _, attr = name.rpartition(".")
+        owner = self.stage.get_submodule(owner)
+        if isinstance(owner, tp_mod.ColumnParallelLinear):
+            return "column"
+        return "row" if isinstance(owner, tp_mod.RowParallelLinear) and attr == "weight" else None
+
+    def _counts_once(self, name) -> bool:
+        """Whether this rank counts ``name`` in the global gradient norm, so that over the mesh
+        every element is counted once: dp replicas and tp ranks holding a parameter whole
+        leave it to coordinate 0; FSDP's shards and tp slices are all distinct; the tied
+        head on the last stage is the first stage's embedding again."""
+        if self.mesh.coord("dp") or (self._tp_kind(name) is None and self.mesh.coord("tp")):
+            return False
+        return not (self.embed_group is not None and name == "head.weight")
+
+    def part(self, batch):
+        """This rank's replica's part of the global batch (every tp and pp rank of a replica
+        takes the same part)."""
+        return tuple(common.shard(t, self.replica, self.replicas) for t in batch)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self):
+        if hasattr(self.module, "finish_gradient_synchronization"):
+            self.module.finish_gradient_synchronization()   # DDPBucketed, after the FSDP inside it
+        if self.embed_group is not None and self.tied_copy.grad is not None:
+            dist.all_reduce(self.tied_copy.grad, group=self.embed_group)   # the embedding's + the head's
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every gradient by the global L2 norm over the whole mesh, each element once."""
+        device = next(iter(self.params.values())).device
+        local = sum((p.grad.float().pow(2).sum() for p in self.counted if p.grad is not None),
+                    torch.zeros((), device=device))
+        dist.all_reduce(local, group=self.mesh.group())
+        total = local.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in self.params.values():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        self.last_norm = total.item()
+        return total
+
+    # -- whole tensors by name: verification and checkpoints ---------------------------------
+    def _tp_whole(self, name, t):
+        """A tensor shaped like this rank's tp slice of ``name`` made whole (collective over
+        tp for the split ones)."""
+        kind, group = self._tp_kind(name), self.mesh.group("tp")
+        if kind is None or self.mesh.size("tp") == 1:
+            return t
+        whole = tp_mod._gather(t, 0 if kind == "column" else 1, group)
+        rows = self.stage.get_submodule(name.rpartition(".")[0]).rows if kind == "column" else None
+        return whole if rows is None else torch.empty_like(whole).index_copy_(0, rows.to(whole.device), whole)
+
+    def _tp_slice(self, name, whole):
+        """This rank's tp slice of a whole tensor shaped like ``name``."""
+        kind, T, r = self._tp_kind(name), self.mesh.size("tp"), self.mesh.coord("tp")
+        if kind is None or T == 1:
+            return whole
+        if kind == "row":
+            n = whole.shape[1] // T
+            return whole[:, r * n:(r + 1) * n].contiguous()
+        rows = self.stage.get_submodule(name.rpartition(".")[0]).rows
+        ordered = whole if rows is None else whole[rows.to(whole.device)]
+        n = ordered.shape[0] // T
+        return ordered[r * n:(r + 1) * n].contiguous()
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict:
+        """This rank's stage's parameters whole, by name (collective over fsdp and tp)."""
+        local = self.fsdp.gather_full_params() if self.fsdp else {n: p.detach() for n, p in self.params.items()}
+        return {n: self._tp_whole(n, t) for n, t in local.items()}
+
+    @torch.no_grad()
+    def full_checkpoint(self, optimizer):
+        """Whole parameters and optimizer state by name, with the optimizer's settings, on
+        global rank 0 (None on the others); every rank must call it."""
+        params = self.full_parameters()
+        if self.fsdp:
+            state = self.fsdp.full_optim_state_dict(optimizer).get("state")   # on the fsdp group's first rank
+        else:
+            names = {id(p): n for n, p in self.params.items()}
+            state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
+        if self.mesh.coord("fsdp") == 0:   # its tp group holds the same places: gather the slices
+            state = {n: {k: self._tp_whole(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+                     for n, s in state.items()}
+        keep = all(self.mesh.coord(a) == 0 for a in ("dp", "fsdp", "tp"))   # one rank per stage
+        mine = {"model": {n: t.cpu() for n, t in params.items()},
+                "optim": {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()},
+                "settings": {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}} if keep else None
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+        if everyone is None:
+            return None
+        parts = [p for p in everyone if p is not None]
+        return {"model": {k: v for p in parts for k, v in p["model"].items()},
+                "optim": {k: v for p in parts for k, v in p["optim"].items()}, "settings": parts[0]["settings"]}
+
+    @torch.no_grad()
+    def load_full_checkpoint(self, ckpt, optimizer):
+        """Load a full_checkpoint saved on any mesh (pass it on every rank)."""
+        def saved(table, name):   # a tied head saved from one stage holds the embedding's weight
+            return table[name] if name in table or not self.tied else table["tok.weight"]
+        keys = self.stage.state_dict(keep_vars=True)
+        local = {k: self._tp_slice(k, saved(ckpt["model"], k)) for k in keys}
+        if self.fsdp:
+            self.fsdp.load_full_state_dict(local)
+        else:
+            for k, p in keys.items():
+                p.copy_(local[k])
+        names = {id(p): n for n, p in self.params.items()}
+        order = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+        state = {n: {k: self._tp_slice(n, v) if torch.is_tensor(v) and v.dim() else v
+                     for k, v in saved(ckpt["optim"], n).items()} for n in order}
+        if self.fsdp:
+            self.fsdp.load_full_optim_state_dict(optimizer, {"state": state,
+                                                             "param_groups": [{**ckpt["settings"], "params": order}]})
+        else:
+            optimizer.load_state_dict({"state": {i: state[n] for i, n in enumerate(order)},
+                                       "param_groups": [{**ckpt["settings"], "params": list(range(len(order)))}]})
+
+
+MAX_NORM = 0.4   # gradients clipped by the global norm (the verification LM's starts near 0.58: always clipped)
+
+
+def make_optimizer(model: ParallelLM):
+    # eps 1e-6, as in 08 and 09: with 1e-8 nearly-cancelling gradients turn last-bit
+    # differences (split matmuls, other sum orders) into visible ones
+    return torch.optim.AdamW(model.module.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
+def train_step(model, optimizer, batch, clock, max_norm=MAX_NORM):
+    """One step on this rank's replica's part of the global batch, timed by phase."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with clock.phase("pipeline"):   # micro-batches through the stages; tp's all-reduces inside
+        model.pipe.step(x if model.pipe.first else None, y if model.pipe.last else None)
+    with clock.phase("comm"):       # FSDP's reduce-scatters, DP's buckets, the tied copies' sum
+        model.finish_gradient_synchronization()
+    with clock.phase("optim"):
+        model.clip_grad_norm_(max_norm)   # one norm over every axis
+        optimizer.step()
+
+
+# ----------------------------------------------------------------------------------------
+# Verification: each mesh against one process on the same global batches
+# ----------------------------------------------------------------------------------------
+VERIFY_LM = (32, 64, 4, 4)   # d_model, d_ff, blocks, heads: 4 blocks for 4 stages, 4 heads for tp 2 or 4
+VERIFY_T, VERIFY_STEPS = 16, 3
+
+
+def mesh_of(**sizes) -> dict:
+    """A mesh shape with every axis, outermost first (1 where not given)."""
+    return {a: sizes.get(a, 1) for a in AXES}
+
+
+def label(shape, tie=False) -> str:
+    return " x ".join(f"{a} {n}" for a, n in shape.items() if n > 1) + (" (tied)" if tie else "")
+
+
+def default_microbatches(shape) -> int:
+    return 2 * shape["pp"] if shape["pp"] > 1 else 1
+
+
+def microbatches(args, shape) -> int:
+    return args.microbatches if args.microbatches is not None else default_microbatches(shape)
+
+
+def lm(dims, context, tie, seed, device="cpu"):
+    """The kit's LM (d_model, d_ff, blocks, heads), with the head tied to the embedding."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = common.TransformerLM(*dims, context_length=context)
+    if tie:
+        model.head.weight = model.tok.weight
+    return model
+
+
+def reference_step(model, optimizer, batch, max_norm=MAX_NORM) -> float:
+    """One process's step on the whole batch; returns the gradient norm it clipped by."""
+    optimizer.zero_grad(set_to_none=True)
+    model(*batch).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def compare(model: ParallelLM, ref, norms=()) -> dict:
+    """Every parameter of every stage, gathered whole, against the reference's by name; and
+    each step's global gradient norm against the reference's (``norms``: pairs): AdamW
+    hardly notices a gradient scaled by a wrong norm, so the norm is checked itself (within
+    1e-4: torch's clip_grad_norm_ itself is 4e-5 off the float64 norm on this LM's head)."""
+    full, theirs = model.full_parameters(), dict(ref.named_parameters(remove_duplicate=False))
+    ok = all(abs(a - b) <= 1e-4 * b for a, b in norms)
+    diff = 0.0
+    for name, t in full.items():
+        diff = max(diff, (t.double() - theirs[name].detach().double()).abs().max().item())
+        try:
+            torch.testing.assert_close(t, theirs[name].detach())
+        except AssertionError:
+            ok = False
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff, "names": sorted(full)})
+    expected = set(dict(ref.named_parameters())) | ({"head.weight"} if model.embed_group is not None else set())
+    return {"ok": all(r["ok"] for r in everyone) and {n for r in everyone for n in r["names"]} == expected,
+            "max_diff": max(r["max_diff"] for r in everyone)}
+
+
+def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None, batch=None):
+    """Train the verification LM over ``shape`` and one process on the same global batches
+    (AdamW, clipped at MAX_NORM); compare. ``checkpoint`` = (path, "save" | "resume", k):
+    save after step k, or start from the file at step k (the reference still trains from
+    step 0)."""
+    mesh, m = Mesh(shape), default_microbatches(shape)
+    batch = batch or 2 * m * shape["dp"] * shape["fsdp"]
+    ref = lm(VERIFY_LM, VERIFY_T, tie, args.seed, ctx.device)
+    model = ParallelLM(mesh, copy.deepcopy(ref), batch, m)
+    opt, ref_opt = make_optimizer(model), torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    path, action, k = checkpoint or (None, None, None)
+    norms = []
+    for step in range(steps):
+        x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, ctx.device)
+        norm = reference_step(ref, ref_opt, (x, y))
+        if action == "resume" and step < k:
+            continue
+        if action == "resume" and step == k:
+            model.load_full_checkpoint(torch.load(path, weights_only=False), opt)
+        train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
+        norms.append((model.last_norm, norm))
+        if action == "save" and step + 1 == k:
+            ckpt = model.full_checkpoint(opt)
+            if dist.get_rank() == 0:
+                torch.save(ckpt, path)
+            dist.barrier()
+            return {"ok": True, "max_diff": 0.0, "saved": path}
+    return compare(model, ref, norms)
+
+
+# The suite: every 2-axis mesh at 4 ranks, the 3-axis ones at 8, an axis of 3 at 6; the tied
+# embedding at pp 2 and pp 4; a checkpoint saved on fsdp x tp x pp, resumed on dp x pp.
+SUITE = {8: [(mesh_of(pp=2, dp=2, tp=2), False), (mesh_of(pp=2, fsdp=2, tp=2), False)],
+         4: [(mesh_of(dp=2, tp=2), False), (mesh_of(pp=2, dp=2), False), (mesh_of(pp=2, tp=2), False),
+             (mesh_of(fsdp=2, tp=2), False), (mesh_of(pp=2, fsdp=2), False), (mesh_of(dp=2, fsdp=2), False),
+             (mesh_of(pp=4), True), (mesh_of(pp=2, tp=2), True)],
+         6: [(mesh_of(dp=3, tp=2), False)]}
+RESUME = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(pp=2, dp=2), 2)   # saved on, resumed on, after step
+RESUME_STEPS, RESUME_BATCH = 4, 16
+
+
+def verify(ctx, args, cases, resume=None):
+    """Each (mesh shape, tie) of ``cases`` in these processes; ``resume`` = (path, "save" or
+    "resume") also saves RESUME's checkpoint from its first mesh or resumes it on its
+    second, whichever has this world size."""
+    out = {label(shape, tie): verify_mesh(ctx, args, shape, tie) for shape, tie in cases}
+    if resume is not None:
+        path, action = resume
+        shape = RESUME[0] if action == "save" else RESUME[1]
+        r = verify_mesh(ctx, args, shape, True, RESUME_STEPS, (path, action, RESUME[2]), RESUME_BATCH)
+        if action == "resume":
+            out[f"checkpoint of {label(RESUME[0], True)} after step {RESUME[2]}, resumed on {label(shape)}"] = r
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Accounting: bytes each axis sends and memory per rank, counted beside the formulas
+# ----------------------------------------------------------------------------------------
+# Bytes a rank sends in one call of a ring collective over n ranks, per byte of its size
+# (nccl-tests' size: all-gather the output, reduce-scatter the input); a receive sends nothing.
+SENT = {"allreduce_": lambda n: 2 * (n - 1) / n, "_allgather_base_": lambda n: (n - 1) / n,
+        "allgather_": lambda n: (n - 1) / n, "_reduce_scatter_base_": lambda n: (n - 1) / n,
+        "reduce_scatter_": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv_": lambda n: 0.0}
+
+
+def counted_bytes(model: ParallelLM, log) -> dict:
+    """Bytes this rank sent per axis, from count_collectives' log of one step."""
+    mesh, axes = model.mesh, {}
+    for a in AXES:
+        axes[mesh.group(a).group_name] = (a, mesh.size(a))
+    if model.embed_group is not None:
+        axes[model.embed_group.group_name] = ("tie", 2)
+    axes[mesh.group().group_name] = ("clip", dist.get_world_size())
+    out = {}
+    for op, group, nbytes in log:
+        axis, n = axes[group]
+        out[axis] = out.get(axis, 0.0) + nbytes * SENT[op](n)
+    return out
+
+
+def stage_layout(dims, context, shape, stage, tie):
+    """(name, whole shape, unit) of every parameter on ``stage`` (tp slices: the local
+    shape), from the model's dimensions alone (a model on the meta device)."""
+    d, f, _, _ = dims
+    T = shape["tp"]
+    local = {"qkv.weight": lambda s: (s[0] // T, s[1]), "proj.weight": lambda s: (s[0], s[1] // T),
+             "ff_in.weight": lambda s: (s[0] // T, s[1]), "ff_out.weight": lambda s: (s[0], s[1] // T)}
+    model = pp_mod.LMStage(lm(dims, context, tie, 0, "meta"), stage, shape["pp"])
+    out = []
+    for name, p in model.named_parameters():
+        kind = name.split(".", 2)[-1]
+        unit = name.split(".")[1] if name.startswith("blocks.") else None
+        out.append((name, local[kind](tuple(p.shape)) if name.startswith("blocks.") and kind in local else tuple(p.shape),
+                    unit))
+    return out
+
+
+def predicted_bytes(dims, context, shape, coords, batch, m, tie) -> dict:
+    """Bytes a rank at ``coords`` sends per step, by axis, in closed form (ring algorithms:
+    an all-reduce of S bytes over n ranks sends 2(n-1)/n S, an all-gather or reduce-scatter
+    of S (n-1)/n S). DP: an all-reduce of the rank's gradients (plus a has-gradient flag per
+    tensor). FSDP: a block unit is gathered before each micro-batch's forward and again
+    before its backward (2m), the root once (it stays whole until its last backward), and
+    each unit's gradients reduce-scattered once (flags included). TP: 4 all-reduces of the
+    activations (b t d) per block and micro-batch. PP: one activation forward and one
+    gradient back per micro-batch and stage boundary. Tie: the two copies' gradients summed.
+    Clip: one number over the whole mesh."""
+    d = dims[0]
+    P, D, F, T = (shape[a] for a in AXES)
+    s, n_ranks, b = coords["pp"], math.prod(shape.values()), batch // (D * F)
+    layout = stage_layout(dims, context, shape, s, tie)
+
+    def shard(shp):   # FSDP's shard of a parameter: its rows padded to a multiple of F
+        rows, rest = (shp[0], math.prod(shp[1:])) if shp else (1, 1)
+        return -(-rows // F) * rest if F > 1 else rows * rest
+    out = {}
+    if D > 1:
+        out["dp"] = 2 * (D - 1) / D * 4 * sum(shard(shp) + 1 for _, shp, _ in layout)
+    if F > 1:
+        units = {}
+        for _, shp, unit in layout:
+            numel, count = units.get(unit, (0, 0))
+            units[unit] = (numel + shard(shp), count + 1)
+        out["fsdp"] = sum(((2 * m if unit is not None else 1) * size + size + count) * (F - 1) * 4
+                          for unit, (size, count) in units.items())
+    blocks = len({unit for _, _, unit in layout if unit is not None})
+    if T > 1:
+        out["tp"] = blocks * 4 * b * context * d * 4 * 2 * (T - 1) / T
+    if P > 1:
+        out["pp"] = b * context * d * 4 * ((s < P - 1) + (s > 0))
+        if tie and s in (0, P - 1):
+            out["tie"] = 4 * shard(next(shp for name, shp, _ in layout if name in ("tok.weight", "head.weight")))
+    out["clip"] = 2 * (n_ranks - 1) / n_ranks * 4
+    return out
+
+
+def activation_bytes(dims, context, shape, stage, mb) -> int:
+    """Bytes autograd saves for one micro-batch of ``mb`` sequences on ``stage`` (float32):
+    per block and token 6d + (4d + 2f + h) / T + 2 numbers (RMSNorm's input, its scaled
+    input and output, twice; q, k, v, the attention output and its log-sum-exp per head,
+    split over tp; the MLP's hidden layer before and after GELU, split over tp; the norms'
+    scales); the first stage adds the token ids, the last the final norm's (3d + 1), the
+    log-softmax over the vocabulary and the targets."""
+    d, f, _, h = dims
+    P, T, n = shape["pp"], shape["tp"], mb * context
+    layout = stage_layout(dims, context, shape, stage, False)
+    blocks = len({unit for _, _, unit in layout if unit is not None})
+    total = blocks * n * 4 * (6 * d + (4 * d + 2 * f + h) // T + 2)
+    if stage == 0:
+        total += n * 8 + context * 8
+    if stage == P - 1:
+        total += n * 4 * (3 * d + 1 + common.VOCAB_SIZE) + n * 8
+    return total
+
+
+def predicted_memory(dims, context, shape, stage, batch, m, schedule="1f1b") -> dict:
+    """Bytes per rank: parameters (tp slices, FSDP shards), gradients (as many), AdamW's two
+    moments and a step count per tensor, and the activations of the micro-batches a stage
+    holds at once (GPipe: all m; 1F1B: at most p - s)."""
+    F = shape["fsdp"]
+    numel = sum((-(-shp[0] // F) * math.prod(shp[1:]) if shp else 1) for _, shp, _ in
+                stage_layout(dims, context, shape, stage, False))
+    tensors = len(stage_layout(dims, context, shape, stage, False))
+    held = m if schedule == "gpipe" else min(shape["pp"] - stage, m)
+    mb = batch // (shape["dp"] * F) // m
+    return {"params": 4 * numel, "grads": 4 * numel, "opt_state": 8 * numel + 4 * tensors,
+            "activations": held * activation_bytes(dims, context, shape, stage, mb)}
+
+
+def measured_memory(model: ParallelLM, optimizer) -> dict:
+    """Tensor bytes this rank holds after a step (each tensor's own elements), and the
+    peak of activations the pipeline counted."""
+    params = list(model.params.values())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"params": sum(p.numel() * 4 for p in params),
+            "grads": sum(p.grad.numel() * 4 for p in params if p.grad is not None),
+            "opt_state": sum(v.numel() * v.element_size() for v in state),
+            "activations": model.pipe.peak_activation_bytes}
+
+
+def account(ctx, args, shape, dims, batch, m, tie=False):
+    """One counted step of ``shape`` (after two to settle the buckets and the units' order):
+    every rank's bytes per axis and memory, each beside its prediction."""
+    mesh = Mesh(shape)
+    model = ParallelLM(mesh, lm(dims, args.context_length, tie, args.seed, ctx.device), batch, m,
+                       count_activations=True)
+    opt = make_optimizer(model)
+    for step in range(3):
+        x, y = common.lm_batch(batch, args.context_length, step, args.seed, ctx.device)
+        model.pipe.peak_activation_bytes = 0
+        with common.count_collectives() if step == 2 else contextlib.nullcontext() as counter:
+            train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
+    row = {"coords": mesh.coords, "counted": counted_bytes(model, counter.log),
+           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie),
+           "memory": measured_memory(model, opt),
+           "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, m)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, row)
+    return everyone
+
+
+# ----------------------------------------------------------------------------------------
+# Benchmark: ours beside torch's own composition, steps alternating
+# ----------------------------------------------------------------------------------------
+def torch_composition(ctx, shape, model, batch, m):
+    """The same mesh with torch's classes: init_device_mesh; parallelize_module on the same
+    four layers per block, the replicated modules' parameters Replicate DTensors (08's
+    baseline); fully_shard per block and on the stage over (dp, fsdp) (HSDP: replicate over
+    dp, shard over fsdp); PipelineStage + Schedule1F1B over pp. Returns step(batch, clock)
+    on the global batch (this rank takes its replica's part), clipping by the global norm
+    as ours does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    P, D, F, T = (shape[a] for a in AXES)
+    tmesh = init_device_mesh(ctx.device.type, tuple(shape.values()), mesh_dim_names=AXES)
+    coords = {a: tmesh.get_local_rank(a) for a in AXES}
+    if T > 1:
+        tp_mod.torch_tensor_parallel_lm(model, tmesh["tp"])
+    stage = pp_mod.LMStage(model, coords["pp"], P)
+    if D * F > 1:
+        for block in stage.blocks.values():
+            fully_shard(block, mesh=tmesh["dp", "fsdp"])
+        fully_shard(stage, mesh=tmesh["dp", "fsdp"])
+    params = list(stage.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
+    sched = Schedule1F1B(PipelineStage(stage, coords["pp"], P, ctx.device, group=tmesh["pp"].get_group()), m,
+                         loss_fn=pp_mod.lm_loss) if P > 1 else None
+    replica = coords["dp"] * F + coords["fsdp"]
+
+    def step(global_batch, clock):
+        x, y = (common.shard(t, replica, D * F).contiguous() for t in global_batch)
+        opt.zero_grad(set_to_none=True)
+        with clock.phase("pipeline"):
+            if sched is None:
+                pp_mod.lm_loss(stage(x), y).backward()
+            else:
+                sched.step(*([x] if coords["pp"] == 0 else []), **({"target": y} if coords["pp"] == P - 1 else {}))
+        with clock.phase("comm"):
+            pass                  # FSDP2 and the schedule have waited inside
+        with clock.phase("optim"):
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if P > 1:             # the stages' squares summed
+                sq = norm.pow(2)
+                dist.all_reduce(sq, group=tmesh["pp"].get_group())
+                norm = sq.sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, norm)
+            opt.step()
+    return step
+
+
+def peak_flops(device, given=None):
+    """Peak FLOP/s of one device for MFU, from --peak-tflops, or for a known GPU (float32
+    matrix math without TF32, the precision these runs use; datasheet figures)."""
+    if given:
+        return given * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in (("H100", 67.0), ("H200", 67.0), ("A100", 19.5)) if key in name), None)
+
+
+def flops_per_token(dims, context) -> float:
+    """Training FLOPs per token: 6 per weight of the matrix multiplies (blocks and head), and
+    attention's 12 L t d (as nanoGPT and PaLM count them)."""
+    d, f, n, _ = dims
+    return 6 * (n * (4 * d * d + 2 * d * f) + d * common.VOCAB_SIZE) + 12 * n * context * d
+
+
+def benchmark(ctx, args, shapes, dims, trace=None):
+    """For each mesh of ``shapes``: ours and torch's composition on the LM of ``dims``,
+    steps alternating; then one counted step of ours (account). ``trace``: the mesh whose
+    step to draw (its AxisTracer timeline). Returns (rows, accounting, timeline)."""
+    import logging
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)   # its advice on meshes
+    rows, accounting, timeline = [], [], None
+    peak = peak_flops(ctx.device, args.peak_tflops)
+    for shape in shapes:
+        m, name = microbatches(args, shape), label(shape)
+        batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
+        holder = {}
+
+        def ours():
+            model = ParallelLM(Mesh(shape), lm(dims, args.context_length, False, args.seed, ctx.device), batch, m)
+            opt = make_optimizer(model)
+            holder.update(model=model, opt=opt)
+            return lambda b, clock: train_step(model, opt, model.part(b), clock)
+
+        def theirs():
+            return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch, m)
+        timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
+        methods = {f"{name} (ours)": ours}
+        if shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type):   # 09 says why not
+            methods[f"{name} (torch)"] = theirs
+        got = common.time_methods(ctx, timing, methods, global_batch=True)
+        tokens = batch * args.context_length
+        for r in got:
+            r.update(mesh=name, world_size=dist.get_world_size(), microbatches=m, batch=batch,
+                     tokens_per_s_per_rank=tokens / (r["step_ms"] / 1e3) / dist.get_world_size())
+            if peak:
+                r["mfu"] = flops_per_token(dims, args.context_length) * tokens / (r["step_ms"] / 1e3) / \
+                    dist.get_world_size() / peak
+        if len(got) == 2:   # steps alternate: compare them pair by pair
+            ratios = [a / b for a, b in zip(got[0]["stats"]["step"]["all"], got[1]["stats"]["step"]["all"])]
+            got[0].update(vs_torch=common.summarize(ratios)["median"], vs_torch_min=min(ratios),
+                          vs_torch_max=max(ratios))
+        rows += got
+        if shape == trace:
+            timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
+        holder.clear()
+        accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
+                           "ranks": account(ctx, args, shape, dims, batch, m)})
+    return rows, accounting, timeline
+
+
+# ----------------------------------------------------------------------------------------
+# A timeline of one step: what each rank computes, and which axis it waits for
+# ----------------------------------------------------------------------------------------
+class AxisTracer:
+    """While active, every torch.distributed call this rank makes through the module's
+    functions records when it waited and on which axis (its group's): a blocking call for
+    its whole length, an asynchronous one from its wait() to the end."""
+
+    WRAPPED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+               "reduce_scatter_single", "batch_isend_irecv", "broadcast")
+
+    def __init__(self, axes_by_group, t0):
+        self.axes, self.t0, self.spans, self.saved = axes_by_group, t0, [], {}
+
+    def _axis(self, args, kwargs):
+        group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        if group is None and args and isinstance(args[0], list) and args[0]:   # batch_isend_irecv's P2POps
+            group = getattr(args[0][0], "group", None)
+        return self.axes.get((group or dist.group.WORLD).group_name, "other")
+
+    def _wrap(self, fn):
+        tracer = self
+
+        class Timed:
+            def __init__(self, work, axis):
+                self.work, self.axis = work, axis
+
+            def wait(self, *a):
+                start = time.perf_counter()
+                out = self.work.wait(*a)
+                tracer.spans.append((self.axis, start - tracer.t0, time.perf_counter() - tracer.t0))
+                return out
+
+            def __getattr__(self, name):
+                return getattr(self.work, name)
+
+        def call(*args, **kwargs):
+            axis, start = self._axis(args, kwargs), time.perf_counter()
+            out = fn(*args, **kwargs)
+            if isinstance(out, list):
+                return [Timed(w, axis) for w in out]
+            if out is None or not kwargs.get("async_op"):
+                self.spans.append((axis, start - self.t0, time.perf_counter() - self.t0))
+                return out
+            return Timed(out, axis)
+        return call
+
+    def __enter__(self):
+        for name in self.WRAPPED:
+            if hasattr(dist, name):
+                self.saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(self.saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def trace_step(ctx, args, model, opt, batch):
+    """One traced step of ``model``: every rank's computation (the pipeline's forward and
+    backward actions) and its waits by axis, on a clock shared after a barrier."""
+    axes = {model.mesh.group(a).group_name: a for a in AXES}
+    axes[model.mesh.group().group_name] = "clip"
+    if model.embed_group is not None:
+        axes[model.embed_group.group_name] = "tie"
+    model.pipe.timed, offset, run = True, [], model.pipe.step
+
+    def step(*a, **k):   # the pipeline's action times count from its own start
+        offset.append(time.perf_counter() - clock.t0)
+        return run(*a, **k)
+    model.pipe.step = step
+    x, y = common.lm_batch(batch, args.context_length, 0, args.seed, ctx.device)
+    dist.barrier()
+    clock = common.StepClock(ctx.device)
+    with AxisTracer(axes, clock.t0) as tracer:
+        train_step(model, opt, model.part((x, y)), clock)
+    lane = {"coords": model.mesh.coords, "actions": [(k, i, a + offset[0], b + offset[0])
+                                                     for k, i, a, b in model.pipe.timeline],
+            "waits": tracer.spans, "phases": clock.times}
+    model.pipe.timed = False
+    del model.pipe.step
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, lane)
+    return everyone
+
+
+AXIS_COLORS = {"tp": "#c44e52", "fsdp": "#8172b2", "dp": "#937860", "pp": "#55a868", "tie": "#da8bc3",
+               "clip": "#8c8c8c", "other": "#cccccc"}
+
+
+def draw_timeline(lanes, title, path):
+    plt = common.pyplot()
+    from matplotlib.patches import Patch
+    fig, ax = plt.subplots(figsize=(11, 0.8 + 0.5 * len(lanes)))
+    for r, lane in enumerate(lanes):
+        for kind, i, start, end in lane["actions"]:
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (r - 0.4, 0.8),
+                           facecolors="#a1c9f4" if kind == "F" else "#ffb482", edgecolors="white", linewidth=0.4)
+            ax.text((start + end) / 2 * 1e3, r - 0.22, f"{kind}{i}", ha="center", va="center", fontsize=6)
+        for axis, start, end in lane["waits"]:
+            ax.broken_barh([(start * 1e3, max(end - start, 2e-5) * 1e3)], (r + 0.02, 0.36),
+                           facecolors=AXIS_COLORS.get(axis, "#cccccc"))
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([f"rank {r} " + " ".join(f"{a}{c}" for a, c in lane["coords"].items()) for r, lane in
+                        enumerate(lanes)], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into the step: upper half forward (F) and backward (B) of each micro-batch; "
+                  "lower half, the rank waits on an axis")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color="#a1c9f4", label="forward"), Patch(color="#ffb482", label="backward")] +
+              [Patch(color=c, label=f"waits: {a}") for a, c in AXIS_COLORS.items() if a != "other"],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    common.save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------------------
+# --plan: which mesh for a model on many devices (no workers: arithmetic)
+# ----------------------------------------------------------------------------------------
+XXL = (16384, 53248, 126)   # the accounting problem's model: d_model, d_ff, blocks of two linears
+# Device figures: the course's TPU v5p (95 GB, C = 4.6e14 FLOP/s bf16, W_ici = 2 x 9e10 bytes/s,
+# the FSDP axis on 2 links, TP on 1), and an H100 SXM by its datasheet (80 GB, 989e12 FLOP/s
+# dense bf16, NVLink 450e9 bytes/s each way).
+HARDWARE = {"v5p": {"memory_gb": 95.0, "flops": 4.6e14, "link": 2 * 9e10, "m_fsdp": 2, "m_tp": 1},
+            "h100": {"memory_gb": 80.0, "flops": 989e12, "link": 450e9, "m_fsdp": 1, "m_tp": 1}}
+
+
+def plan_model(size):
+    """(d_model, d_ff, blocks, weights) of --model-size: xxl is the course's blocks of two
+    linears; the kit's LM counts the four linears of a block (embeddings and attention's
+    own math left out, as the course's accounting does)."""
+    if size == "xxl":
+        d, f, n = XXL
+        return d, f, n, n * 2 * d * f
+    d, f, n, _ = common.MODEL_SIZES[size]
+    return d, f, n, n * (4 * d * d + 2 * d * f)
+
+
+def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0) -> dict:
+    """Per device, one step of ``tokens`` tokens over the mesh, in the course's (the Scaling
+    Book's) model: bf16 weights, activations and communication; fp32 master weights,
+    gradients and AdamW state (16 bytes a weight) sharded over fsdp, tp and pp; every
+    collective moves its array once over its links at link x multiplicity; communication
+    overlaps compute. Seconds and bytes."""
+    P, D, F, T = (shape[a] for a in AXES)
+    b = tokens / (D * F)                                   # tokens one data replica (fsdp shard) sees
+    C, W = hw["flops"], hw["link"]
+    out = {"compute_s": 6 * weights / (T * P) * b / C,
+           "fsdp_s": 3 * 2 * weights / (T * P) / (W * hw["m_fsdp"]) if F > 1 else 0.0,   # gather x2, reduce-scatter
+           "tp_s": 2 * 2 * 2 * b * d * n / P / (W * hw["m_tp"]) if T > 1 else 0.0,      # 2 fwd + 2 bwd of b d bf16
+           "dp_s": 2 * 2 * weights / (F * T * P) / W if D > 1 else 0.0,                  # all-reduce of bf16 grads
+           "pp_s": 2 * 2 * b * d / W if P > 1 else 0.0,                                  # activations out, grads back
+           "state_gb": 16 * weights / (F * T * P) / 1e9,
+           "activations_gb": act_fraction * b * (n / P) * 2 * (d + f / T) / 1e9,         # inputs of both linears
+           "bubble": (P - 1) / (4 * P + P - 1)}                                          # 1F1B, 4p micro-batches
+    out["memory_gb"] = out["state_gb"] + out["activations_gb"]
+    out["step_s"] = max(out["compute_s"] / (1 - out["bubble"]), out["fsdp_s"], out["tp_s"], out["dp_s"], out["pp_s"])
+    return out
+
+
+def compute_bound_tokens(hw, d, f, n, weights, shape) -> float:
+    """The fewest tokens per step at which compute is at least every axis's communication
+    (inf if an axis's traffic grows with the batch faster than its compute: tp, when
+    d_ff / tp < alpha / M_tp)."""
+    one, two = (mesh_costs(hw, d, f, n, weights, shape, t) for t in (1.0, 2.0))
+    need = 0.0
+    for axis in ("fsdp_s", "tp_s", "dp_s", "pp_s"):
+        slope, fixed = two[axis] - one[axis], 2 * one[axis] - two[axis]
+        per_token = one["compute_s"] - slope
+        if one[axis] == 0:
+            continue
+        if per_token <= 0:
+            return math.inf
+        need = max(need, fixed / per_token)
+    return need
+
+
+def plan(args) -> dict:
+    """Every mesh of --devices with its memory, compute-bound batch and step time; the pick;
+    and the course's accounting answers (a)-(c) for the model."""
+    hw = dict(HARDWARE[args.hardware])
+    if args.device_memory:
+        hw["memory_gb"] = args.device_memory
+    d, f, n, weights = plan_model(args.model_size)
+    shapes = []
+    for pp_, tp_ in itertools.product(range(1, args.devices + 1), repeat=2):
+        if args.devices % (pp_ * tp_) or n % pp_ or f % tp_:
+            continue
+        rest = args.devices // (pp_ * tp_)
+        shapes += [mesh_of(pp=pp_, dp=rest // k, fsdp=k, tp=tp_) for k in range(1, rest + 1) if rest % k == 0]
+    bounds = {label(s): compute_bound_tokens(hw, d, f, n, weights, s) for s in shapes}
+    finite = [t for t in bounds.values() if t < math.inf]
+    meshes = []
+    for shape in shapes:   # each at its compute-bound batch; one that never is, at the largest other one
+        tokens = bounds[label(shape)]
+        cost = mesh_costs(hw, d, f, n, weights, shape, tokens if tokens < math.inf else max(finite, default=0.0))
+        meshes.append({"mesh": label(shape) or "one device", **shape, "bound_tokens": tokens,
+                       "bound_tokens_per_device": tokens / args.devices, "fits": cost["memory_gb"] <= hw["memory_gb"],
+                       **cost})
+    fitting = [r for r in meshes if r["fits"] and r["bound_tokens"] < math.inf]
+    pick = min(fitting, key=lambda r: (r["bound_tokens"], r["memory_gb"]), default=None)
+    # the course's questions, for its mesh: X = --fsdp (16), Y = --tp (4)
+    X, Y = args.fsdp or 16, args.tp or 4
+    state, act_token = 16 * weights, n * 2 * (d + f)
+    alpha = hw["flops"] / hw["link"]
+    answers = {"weights": weights, "state_gb": state / 1e9, "h100s_for_state": state / 80e9,
+               "activation_bytes_per_token": act_token,
+               "n_fsdp": {t: math.ceil((state + t * act_token / 2) / (hw["memory_gb"] * 1e9 - t * act_token / 2))
+                          for t in args.act_tokens},
+               "alpha": alpha, "X": X, "Y": Y, "fsdp_tokens_per_shard": alpha / hw["m_fsdp"],
+               "tokens_per_device": alpha / hw["m_fsdp"] / Y, "overall_tokens": alpha / hw["m_fsdp"] * X,
+               "tp_ratio": f / Y, "tp_bound": alpha / hw["m_tp"], "tp_met": f / Y >= alpha / hw["m_tp"]}
+    return {"hardware": hw, "model": {"d_model": d, "d_ff": f, "blocks": n, "weights": weights},
+            "meshes": meshes, "pick": pick, "answers": answers}
+
+
+# ----------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------
+def accounting_rows(accounting) -> tuple:
+    """Bytes per axis and memory, by mesh and pipeline stage (the ranks of a stage agree:
+    checked), each counted beside its prediction."""
+    traffic, memory = [], []
+    for job in accounting:
+        for stage in range(job["shape"]["pp"]):
+            ranks = [r for r in job["ranks"] if r["coords"]["pp"] == stage]
+            first = ranks[0]
+            for axis in sorted(set(first["counted"]) | set(first["predicted"]), key=list(AXES + ("tie", "clip")).index):
+                counted, predicted = first["counted"].get(axis, 0.0), first["predicted"].get(axis, 0.0)
+                traffic.append({"mesh": job["mesh"], "stage": stage, "axis": axis, "counted_MB": counted / 1e6,
+                                "predicted_MB": predicted / 1e6, "equal": abs(counted - predicted) <= 1e-6 * max(1, predicted),
+                                "ranks_agree": all(r["counted"].get(axis, 0.0) == counted for r in ranks)})
+            row = {"mesh": job["mesh"], "stage": stage}
+            for k, v in first["memory"].items():
+                row[f"{k}_MB"], row[f"{k}_predicted_MB"] = v / 2**20, first["memory_predicted"][k] / 2**20
+            row["activations_ratio"] = first["memory"]["activations"] / first["memory_predicted"]["activations"]
+            memory.append(row)
+    return traffic, memory
+
+
+TIME_HEADERS = ["method", "world_size", "microbatches", "batch", "step_ms", "step_min_ms", "step_max_ms", "vs_torch",
+                "vs_torch_min", "vs_torch_max", "tokens_per_s_per_rank", "mfu", "collectives", "comm_MB"]
+TRAFFIC_HEADERS = ["mesh", "stage", "axis", "counted_MB", "predicted_MB", "equal", "ranks_agree"]
+MEMORY_HEADERS = ["mesh", "stage", "params_MB", "params_predicted_MB", "grads_MB", "grads_predicted_MB", "opt_state_MB",
+                  "opt_state_predicted_MB", "activations_MB", "activations_predicted_MB", "activations_ratio"]
+NAME, TITLE = "10_nd_parallel", "N-D parallelism: ours against torch's composition, steps alternating"
+
+
+def report(args, rows, accounting, dims):
+    settings = {**common.lm_settings(args), "world_size": sorted({r["world_size"] for r in rows}),
+                "model_dims": dims, "schedule": "1f1b"}
+    table = common.save_results(args.out, NAME, rows, settings, headers=TIME_HEADERS, title=TITLE)
+    traffic, memory = accounting_rows(accounting)
+    t2 = common.save_results(args.out, "10_accounting", traffic, settings, headers=TRAFFIC_HEADERS,
+                             title="Bytes each axis sends per step and rank, counted beside the formula",
+                             note=predicted_bytes.__doc__.split("\n\n")[0].replace("\n    ", " "))
+    t3 = common.save_results(args.out, "10_memory", memory, settings, headers=MEMORY_HEADERS,
+                             title="Memory per rank after a step (MiB), counted beside the formula",
+                             note=predicted_memory.__doc__.replace("\n    ", " "))
+    print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, context {args.context_length}; step times "
+          f"in ms, median [min, max] of {args.steps} steps; vs_torch: median of paired steps [min, max])\n{table}\n\n"
+          f"Bytes each axis sends per step, per rank of each pipeline stage (MB)\n{t2}\n\n"
+          f"Memory per rank (MiB): counted, and predicted\n{t3}\n"
+          f"wrote {args.out}/{NAME}.*, 10_accounting.*, 10_memory.*", flush=True)
+
+
+def report_plan(args):
+    """--plan: every mesh of the devices, the pick, and the accounting answers (a)-(c)."""
+    if args.model_size not in common.MODEL_SIZES and args.model_size != "xxl":
+        raise common.UsageError(f"unknown --model-size {args.model_size!r}: choose xxl or one of "
+                                f"{', '.join(common.MODEL_SIZES)}")
+    if args.devices < 1:
+        raise common.UsageError(f"--devices must be at least 1, got {args.devices}")
+    common.check_out(args.out)
+    out = plan(args)
+    hw, a, pick = out["hardware"], out["answers"], out["pick"]
+    rows = sorted(out["meshes"], key=lambda r: (not r["fits"], r["bound_tokens"], r["memory_gb"]))
+    headers = ["mesh", "fits", "memory_gb", "state_gb", "activations_gb", "bound_tokens", "bound_tokens_per_device",
+               "compute_s", "fsdp_s", "tp_s", "dp_s", "pp_s", "bubble", "step_s"]
+    lines = [f"(a) {a['weights']:.4g} weights: fp32 master weights, gradients and AdamW's two moments take 16 bytes "
+             f"each, {a['state_gb']:,.1f} GB = {a['h100s_for_state']:.1f} H100s of 80 GB before any activation; "
+             f"the activations saved for backward (bf16 inputs of both linears) take "
+             f"{a['activation_bytes_per_token'] / 1e6:.2f} MB per token",
+             *[f"(b) state and half of the activations of {t} tokens sharded, the other half kept: "
+               f"{a['state_gb']:,.1f}/N + {t * a['activation_bytes_per_token'] / 2e9:,.1f}/N + "
+               f"{t * a['activation_bytes_per_token'] / 2e9:,.1f} GB <= {hw['memory_gb']:g} GB -> N_FSDP >= {n}"
+               for t, n in a["n_fsdp"].items()],
+             f"(c) alpha = C / W_ici = {a['alpha']:.1f}; FSDP (X = {a['X']}) compute-bound when B/X >= alpha/M_X = "
+             f"{a['fsdp_tokens_per_shard']:.1f} tokens per FSDP shard, so per device B/(X*Y) >= "
+             f"{a['tokens_per_device']:.1f} and overall B >= {a['overall_tokens']:,.0f} tokens; TP (Y = {a['Y']}) "
+             f"when d_ff/Y = {a['tp_ratio']:g} >= alpha/M_Y = {a['tp_bound']:.1f}: "
+             f"{'met' if a['tp_met'] else 'not met'}"]
+    if pick:
+        lines.append(f"pick: {pick['mesh']}, compute-bound from {pick['bound_tokens']:,.0f} tokens a step "
+                     f"({pick['bound_tokens_per_device']:,.1f} per device), {pick['memory_gb']:.1f} GB per device, "
+                     f"{pick['step_s']:.3f} s a step")
+    note = "\n".join(lines)
+    table = common.save_results(args.out, "10_plan", rows[:args.plan_rows], {
+        "model_size": args.model_size, **out["model"], "devices": args.devices, "hardware": args.hardware, **hw},
+        headers=headers, title=f"Meshes for {args.model_size} on {args.devices} x {args.hardware}", note=note,
+        extra={"answers": a, "pick": pick, "all_meshes": rows})
+    print(f"Meshes for {args.model_size} on {args.devices} {args.hardware} devices ({hw['memory_gb']:g} GB, "
+          f"{hw['flops']:.3g} FLOP/s, links {hw['link']:.3g} B/s; bound_tokens: the fewest tokens a step at which "
+          f"compute covers every axis's communication)\n{table}\n\n{note}\nwrote {args.out}/10_plan.json and .md")
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------
+def check_mesh(shape, dims, m, batch):
+    """Bad input for one mesh: one line (UsageError)."""
+    d, f, n, h = dims
+    vd, vf, vn, vh = VERIFY_LM
+    T, P = shape["tp"], shape["pp"]
+    for what, k in ((f"the {h} heads", h), (f"d_ff {f}", f), (f"the verification LM's {vh} heads", vh),
+                    (f"its d_ff {vf}", vf)):
+        if k % T:
+            raise common.UsageError(f"--tp {T} does not divide {what}: choose --tp (or --model-size) so that it does")
+    if P > min(n, vn):
+        raise common.UsageError(f"--pp {P} is more stages than blocks ({n} in the model, {vn} in the verification "
+                                f"LM): use --pp {min(n, vn)} or fewer")
+    if m < 1:
+        raise common.UsageError(f"--microbatches must be at least 1, got {m}")
+    replicas = shape["dp"] * shape["fsdp"]
+    if batch is not None and (batch < 1 or batch % (replicas * m)):
+        raise common.UsageError(f"--batch-size {batch} does not split into {replicas} replicas x {m} micro-batches: "
+                                f"use a multiple of {replicas * m}")
+
+
+def main(argv=None):
+    p = common.script_parser(__doc__)
+    for axis, what in (("dp", "data-parallel replicas"), ("fsdp", "FSDP shards"), ("tp", "tensor-parallel ranks"),
+                       ("pp", "pipeline stages")):
+        p.add_argument(f"--{axis}", type=int, default=None, help=f"{what} (default 1; no axis given: the suite)")
+    p.add_argument("--tie", action="store_true", help="the output head shares the token embedding's weight")
+    p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp, 1 without pipeline)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="a device's peak, for MFU (default: known GPUs)")
+    p.add_argument("--plan", action="store_true", help="list the meshes for --model-size on --devices; no workers")
+    p.add_argument("--devices", type=int, default=64, help="--plan: how many devices")
+    p.add_argument("--hardware", choices=list(HARDWARE), default="v5p", help="--plan: the device's figures")
+    p.add_argument("--device-memory", type=float, default=None, help="--plan: GB per device (default: the hardware's)")
+    p.add_argument("--act-tokens", nargs="+", type=int, default=[0, 4096],
+                   help="--plan, question (b): tokens of activations per device")
+    p.add_argument("--plan-rows", type=int, default=20, help="--plan: rows of the table (all go to the JSON)")
+    p.set_defaults(context_length=32)
+    first = p.parse_args(argv)
+    if first.plan:
+        first.model_size = first.model_size or "xxl"
+        return report_plan(first)
+    single = any(getattr(first, a) is not None for a in AXES)
+    shape = mesh_of(**{a: getattr(first, a) if getattr(first, a) is not None else 1 for a in AXES})
+    if any(k < 1 for k in shape.values()):
+        raise common.UsageError(f"every axis must be at least 1: {', '.join(f'--{a} {k}' for a, k in shape.items())}")
+    args = common.parse(p, argv, cpu_size="micro", world=lambda a: math.prod(shape.values()) if single else max(SUITE),
+                        batch_unit=lambda a: None)
+    dims = common.MODEL_SIZES[args.model_size]
+    if common.under_torchrun() and not single:
+        raise common.UsageError("under torchrun give the mesh (--dp, --fsdp, --tp, --pp): the suite needs several "
+                                "world sizes")
+    if single and math.prod(shape.values()) != args.world_size:
+        raise common.UsageError(f"the mesh {label(shape)} holds {math.prod(shape.values())} ranks but the world has "
+                                f"{args.world_size}")
+    shapes = [shape] if single else [s for cases in SUITE.values() for s, _ in cases]
+    for s in shapes:
+        check_mesh(s, dims, microbatches(args, s), args.batch_size)
+
+    if not args.no_verify:
+        if single:
+            jobs = [(args.world_size, [(shape, args.tie)], None)]
+        else:
+            folder = tempfile.mkdtemp(prefix="nd_checkpoint_")
+            path = os.path.join(folder, "checkpoint.pt")
+            jobs = [(8, SUITE[8], (path, "save")), (4, SUITE[4], (path, "resume")), (6, SUITE[6], None)]
+        try:
+            for world, cases, resume in jobs:
+                common.check_verification(common.launch(verify, args, cases, resume, world_size=world),
+                                          f"{NAME} at {world} ranks")
+        finally:
+            if not single:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    os.rmdir(folder)
+    if args.no_bench:
+        return
+    trace = mesh_of(pp=2, dp=2, tp=2) if not single else (shape if sum(k > 1 for k in shape.values()) >= 2 else None)
+    bench = [(args.world_size, [shape])] if single else [
+        (4, [s for s, tie in SUITE[4] if not tie]), (8, [s for s, _ in SUITE[8]])]
+    rows, accounting = [], []
+    for world, group in bench:   # one job per world size; the tables are rewritten after each
+        got, acc, lanes = common.launch(benchmark, args, group, dims, trace, world_size=world)
+        rows, accounting = rows + got, accounting + acc
+        if common.is_reporter():
+            report(args, rows, accounting, dims)
+            if lanes:
+                path = f"{args.out}/10_timeline.png"
+                draw_timeline(lanes, f"One step of {label(trace)} ({args.model_size} LM, {args.backend}/{args.device})",
+                              path)
+                print(f"wrote {path}")
+    if not single and common.is_reporter():
+        print()
+        report_plan(p.parse_args(["--plan", "--model-size", "xxl", "--out", args.out]))
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,125 @@
+import json
+import os
+
+import pytest
+import torch
+
+import common
+from conftest import load, refused, run_script, verify_args
+
+nd = load("10_nd_parallel")
+_cache = {}
+
+
+def suite(world_size):
+    """The verification suite's job at this world size (the 8-rank job saves the checkpoint
+    the 4-rank job resumes: it runs first)."""
+    if world_size not in _cache:
+        import tempfile
+        if "folder" not in _cache:
+            _cache["folder"] = tempfile.mkdtemp(prefix="nd_test_")
+        path = os.path.join(_cache["folder"], "checkpoint.pt")
+        if world_size == 4:
+            suite(8)
+        resume = {8: (path, "save"), 4: (path, "resume")}.get(world_size)
+        _cache[world_size] = common.launch(nd.verify, verify_args(world_size), nd.SUITE[world_size], resume,
+                                           world_size=world_size)
+    return _cache[world_size]
+
+
+CASES = [(w, nd.label(shape, tie)) for w, cases in nd.SUITE.items() for shape, tie in cases]
+
+
+@pytest.mark.parametrize("world_size, case", CASES)
+def test_every_mesh_trains_like_one_process(world_size, case):
+    r = suite(world_size)[case]
+    assert r["ok"], f"{case}: max diff {r['max_diff']}"
+
+
+def test_a_checkpoint_saved_on_one_mesh_resumes_on_another():
+    [(case, r)] = [(k, v) for k, v in suite(4).items() if k.startswith("checkpoint")]
+    assert "pp 2 x fsdp 2 x tp 2 (tied)" in case and "resumed on pp 2 x dp 2" in case
+    assert r["ok"], f"{case}: max diff {r['max_diff']}"
+
+
+def test_the_checks_fail_without_the_tied_copies_sum_or_with_a_norm_counted_twice():
+    import workers
+    r = common.launch(workers.nd_controls, verify_args(4))
+    assert not r["untied sum"]["ok"] and r["untied sum"]["max_diff"] > 1e-5
+    assert not r["norm counted on every tp rank"]["ok"]
+    assert r["clipped"]   # the global norm exceeds the limit: clipping is exercised
+
+
+ACCOUNTED = [nd.mesh_of(dp=2, tp=2), nd.mesh_of(pp=2, fsdp=2), nd.mesh_of(dp=2, fsdp=2), nd.mesh_of(pp=2, tp=2)]
+
+
+def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
+    import workers
+    jobs = common.launch(workers.nd_accounting, verify_args(4, context_length=16), ACCOUNTED)
+    axes_seen = set()
+    for job in jobs:
+        for r in job:
+            for axis in set(r["counted"]) | set(r["predicted"]):
+                counted, predicted = r["counted"].get(axis, 0.0), r["predicted"].get(axis, 0.0)
+                assert counted == pytest.approx(predicted, rel=1e-9, abs=1e-9), (r["coords"], axis)
+                axes_seen |= {axis} if counted else set()
+            for k in ("params", "grads", "opt_state"):
+                assert r["memory"][k] == r["memory_predicted"][k], (r["coords"], k)
+            assert r["memory"]["activations"] == pytest.approx(r["memory_predicted"]["activations"], rel=0.02)
+    assert axes_seen == {"dp", "fsdp", "tp", "pp", "tie", "clip"}
+
+
+def test_mesh_lays_tp_innermost_and_groups_follow_the_coordinates():
+    import workers
+    for rank, got in enumerate(common.launch(workers.nd_mesh_groups, verify_args(8))):
+        coords = got["coords"]
+        assert rank == ((coords["pp"] * 2 + coords["dp"]) * 1 + coords["fsdp"]) * 2 + coords["tp"]
+        assert got["tp"] == [rank - rank % 2, rank - rank % 2 + 1]        # consecutive ranks
+        assert got["pp"] == [rank % 4, rank % 4 + 4]
+        assert got["sums"] == {"tp": sum(got["tp"]), "dp": sum(got["dp"]), "pp": sum(got["pp"])}
+        assert got["ends"] == (got["pp"] if coords["pp"] in (0, 1) else None)
+
+
+def test_the_planner_answers_the_accounting_questions(tmp_path):
+    args = nd.main.__globals__["common"]   # noqa: F841  (the module is loaded)
+    out = nd.report_plan(type("A", (), {"model_size": "xxl", "devices": 64, "hardware": "v5p", "device_memory": None,
+                                        "act_tokens": [0, 4096], "fsdp": 16, "tp": 4, "out": str(tmp_path),
+                                        "plan_rows": 10})())
+    a = out["answers"]
+    assert a["state_gb"] == pytest.approx(3517.6, abs=0.1) and a["h100s_for_state"] == pytest.approx(44.0, abs=0.05)
+    assert a["activation_bytes_per_token"] == pytest.approx(17.55e6, rel=1e-3)
+    assert a["n_fsdp"] == {0: 38, 4096: 61}
+    assert a["alpha"] == pytest.approx(2555.6, abs=0.1) and a["tokens_per_device"] == pytest.approx(319.4, abs=0.1)
+    assert a["overall_tokens"] == pytest.approx(20444, abs=1) and a["tp_met"]
+    pick = out["pick"]
+    assert pick["fits"] and pick["bound_tokens"] < float("inf")
+    assert all(r["bound_tokens"] >= pick["bound_tokens"] for r in out["meshes"] if r["fits"])
+    fsdp16_tp4 = next(r for r in out["meshes"] if r["mesh"] == "fsdp 16 x tp 4")
+    assert fsdp16_tp4["bound_tokens"] == pytest.approx(a["overall_tokens"], rel=1e-6)   # the table agrees with (c)
+    assert (tmp_path / "10_plan.md").read_text().count("(b)") == 2
+
+
+def test_script_verifies_times_against_torch_counts_and_draws(tmp_path):
+    p = run_script("10_nd_parallel.py", "--dp", "2", "--pp", "2", "--model-size", "nano", "--steps", "1",
+                   "--warmup", "0", "--context-length", "16", "--out", str(tmp_path), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "verify 10_nd_parallel at 4 ranks: PASS" in p.stdout
+    rows = {r["method"]: r for r in json.loads((tmp_path / "10_nd_parallel.json").read_text())["rows"]}
+    assert set(rows) == {"pp 2 x dp 2 (ours)", "pp 2 x dp 2 (torch)"}
+    ours = rows["pp 2 x dp 2 (ours)"]
+    assert ours["vs_torch_min"] <= ours["vs_torch"] <= ours["vs_torch_max"] and ours["tokens_per_s_per_rank"] > 0
+    traffic = json.loads((tmp_path / "10_accounting.json").read_text())["rows"]
+    assert {r["axis"] for r in traffic} == {"pp", "dp", "clip"} and all(r["equal"] and r["ranks_agree"] for r in traffic)
+    assert (tmp_path / "10_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dp", "0"], "every axis must be at least 1"),
+    (["--tp", "3"], "--tp 3 does not divide the 4 heads"),
+    (["--pp", "5"], "--pp 5 is more stages than blocks"),
+    (["--dp", "2", "--batch-size", "3"], "does not split into 2 replicas x 1 micro-batches"),
+    (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1"),
+    (["--plan", "--model-size", "huge"], "unknown --model-size 'huge'"),
+])
+def test_bad_input_exits_2_with_one_line(argv, words):
+    assert words in refused("10_nd_parallel.py", *argv)
