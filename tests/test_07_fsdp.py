@@ -117,22 +117,23 @@ def test_master_shards_stay_fp32_with_low_precision_compute(one_rank):
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
 
 
-@pytest.mark.parametrize("first, then, run", [(2, 4, "resume_run"), (4, 2, "resume_run"),
-                                              (2, 4, "resume_run_course_rule"), (4, 2, "resume_run_course_rule")])
-def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then, run):
-    run = getattr(fsdp, run)   # every parameter sharded, or the norms replicated
-    path = str(tmp_path / "checkpoint.pt")
-    whole = common.launch(run, verify_args(first), path, 0, 6, 3, 16)
-    saved = torch.load(path, weights_only=False)
-    assert set(saved["model"]) == set(common.TransformerLM(32, 64, 2, 4, context_length=16).state_dict())
-    resumed = common.launch(run, verify_args(then), path, 3, 6, None, 16)
-    for k in whole:
-        torch.testing.assert_close(resumed[k], whole[k])
-    # the control: without the optimizer's state (AdamW starts its moments again) it ends elsewhere
-    saved["optim"]["state"] = {}
-    torch.save(saved, path)
-    fresh = common.launch(run, verify_args(then), path, 3, 6, None, 16)
-    assert max((fresh[k] - whole[k]).abs().max().item() for k in whole) > 1e-4
+@pytest.mark.parametrize("first, then", [(2, 4), (4, 2)])
+def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then):
+    import workers   # every parameter sharded, and the norms replicated: one job per world size for both
+    runs = {"resume_run": str(tmp_path / "sharded.pt"), "resume_run_course_rule": str(tmp_path / "course.pt")}
+    whole = common.launch(workers.fsdp_resume_runs, verify_args(first), [(run, path, 0, 6, 3) for run, path in runs.items()])
+    jobs = []
+    for run, path in runs.items():
+        saved = torch.load(path, weights_only=False)
+        assert set(saved["model"]) == set(common.TransformerLM(32, 64, 2, 4, context_length=16).state_dict())
+        saved["optim"]["state"] = {}   # the control: AdamW starts its moments again
+        torch.save(saved, path + ".fresh")
+        jobs += [(run, path, 3, 6, None), (run, path + ".fresh", 3, 6, None)]
+    resumed = common.launch(workers.fsdp_resume_runs, verify_args(then), jobs)
+    for i, run in enumerate(runs):
+        for k in whole[i]:
+            torch.testing.assert_close(resumed[2 * i][k], whole[i][k])
+        assert max((resumed[2 * i + 1][k] - whole[i][k]).abs().max().item() for k in whole[i]) > 1e-4, run
 
 
 def test_several_forwards_before_their_backwards_as_a_pipeline_runs_them(one_rank):

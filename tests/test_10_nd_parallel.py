@@ -113,13 +113,18 @@ def test_script_verifies_times_against_torch_counts_and_draws(tmp_path):
     assert (tmp_path / "10_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bad_input_exits_2_with_one_line():
+    assert "--tp 3 does not divide the 4 heads" in refused("10_nd_parallel.py", "--tp", "3")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--dp", "0"], "every axis must be at least 1"),
-    (["--tp", "3"], "--tp 3 does not divide the 4 heads"),
     (["--pp", "5"], "--pp 5 is more stages than blocks"),
     (["--dp", "2", "--batch-size", "3"], "does not split into 2 replicas x 1 micro-batches"),
     (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1"),
     (["--plan", "--model-size", "huge"], "unknown --model-size 'huge'"),
 ])
-def test_bad_input_exits_2_with_one_line(argv, words):
-    assert words in refused("10_nd_parallel.py", *argv)
+def test_bad_input_is_refused_before_any_worker_starts(argv, words, monkeypatch):
+    monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("a job started"))
+    with pytest.raises(common.UsageError, match=words):
+        nd.main(argv)

@@ -461,3 +461,10 @@ def train_with_copied_mesh(ctx, args, mod):
         model.finish_gradient_synchronization()
         optimizer.step()
     return run.compare(run.model)
+
+
+def fsdp_resume_runs(ctx, args, runs):
+    """07's resume runs one after another in these processes: each (function name, path,
+    start, stop, save_at) on batches of 16 sequences; their final weights."""
+    fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
+    return [getattr(fsdp, run)(ctx, args, path, start, stop, save_at, 16) for run, path, start, stop, save_at in runs]
