@@ -843,9 +843,10 @@ class StepPeak:
         self.peak = max(before + during) - base
 
 
-def step_memory(ctx, make, batch, live=True, steps=3) -> dict:
+def step_memory(ctx, make, batch, live=True, steps=2) -> dict:
     """Memory per rank (MiB) of ``make()``'s (model, optimizer): the state kept after the
-    last of ``steps`` training steps (parameters, gradients, optimizer state: tensor bytes,
+    last of ``steps`` training steps (the first makes the optimizer state, DDPBucketed's
+    buckets and FSDP's unit order) (parameters, gradients, optimizer state: tensor bytes,
     each storage once), the peak of live tensor bytes during that step (StepPeak; on the CPU
     only with ``live``), and the process's peak RSS (which also holds what the allocator
     keeps, and the runtime; on the CPU only without ``live``)."""

@@ -119,9 +119,6 @@ class Mesh:
         """A group of the places ``indices`` along ``axis`` in every line (collective); this
         rank's, or None where this rank is not at one of those places."""
         return self._new_groups([[line[i] for i in indices] for line in self.slices(axis)])
-
-    def __str__(self):
-        return " x ".join(f"{a} {n}" for a, n in self.shape.items() if n > 1) or "one rank"
 # ---- end copy: Mesh ----
 
 
@@ -141,7 +138,7 @@ class ParallelLM:
 
     def __init__(self, mesh, model, batch, microbatches, schedule="1f1b", bucket_mb=25.0, count_activations=False,
                  **pipeline_options):
-        self.mesh, self.m = mesh, microbatches
+        self.mesh = mesh
         P, D, F, T = (mesh.size(a) for a in AXES)
         self.tied = model.head.weight is model.tok.weight
         self.replica, self.replicas = mesh.coord("dp") * F + mesh.coord("fsdp"), D * F
@@ -1007,18 +1004,17 @@ def report_plan(args):
 # ----------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------
-def check_mesh(shape, dims, m, batch):
-    """Bad input for one mesh: one line (UsageError)."""
-    d, f, n, h = dims
-    vd, vf, vn, vh = VERIFY_LM
+def check_mesh(shape, dims, m, batch, timed=True):
+    """Bad input for one mesh, verified (and ``timed``: run on the LM of ``dims``): one line
+    (UsageError). A pipeline's stages need not divide the blocks (09 balances them)."""
     T, P = shape["tp"], shape["pp"]
-    for what, k in ((f"the {h} heads", h), (f"d_ff {f}", f), (f"the verification LM's {vh} heads", vh),
-                    (f"its d_ff {vf}", vf)):
-        if k % T:
-            raise common.UsageError(f"--tp {T} does not divide {what}: choose --tp (or --model-size) so that it does")
-    if P > min(n, vn):
-        raise common.UsageError(f"--pp {P} is more stages than blocks ({n} in the model, {vn} in the verification "
-                                f"LM): use --pp {min(n, vn)} or fewer")
+    models = [("the verification LM's", VERIFY_LM)] + ([("the model's", dims)] if timed else [])
+    for whose, (_, f, n, h) in models:
+        if h % T or f % T:
+            raise common.UsageError(f"--tp {T} does not divide {whose} {h} heads and d_ff {f}: choose --tp (or "
+                                    f"--model-size) so that it does")
+        if P > n:
+            raise common.UsageError(f"--pp {P} is more stages than {whose} {n} blocks: use --pp {n} or fewer")
     if m < 1:
         raise common.UsageError(f"--microbatches must be at least 1, got {m}")
     replicas = shape["dp"] * shape["fsdp"]
@@ -1060,9 +1056,9 @@ def main(argv=None):
     if single and math.prod(shape.values()) != args.world_size:
         raise common.UsageError(f"the mesh {label(shape)} holds {math.prod(shape.values())} ranks but the world has "
                                 f"{args.world_size}")
-    shapes = [shape] if single else [s for cases in SUITE.values() for s, _ in cases]
-    for s in shapes:
-        check_mesh(s, dims, microbatches(args, s), args.batch_size)
+    timed = [shape] if single else [s for w in (4, 8) for s, tie in SUITE[w] if not tie]
+    for s in [shape] if single else [s for cases in SUITE.values() for s, _ in cases]:
+        check_mesh(s, dims, microbatches(args, s), args.batch_size, s in timed)
 
     if not args.no_verify:
         if single:
@@ -1083,8 +1079,8 @@ def main(argv=None):
     if args.no_bench:
         return
     trace = mesh_of(pp=2, dp=2, tp=2) if not single else (shape if sum(k > 1 for k in shape.values()) >= 2 else None)
-    bench = [(args.world_size, [shape])] if single else [
-        (4, [s for s, tie in SUITE[4] if not tie]), (8, [s for s, _ in SUITE[8]])]
+    bench = [(args.world_size, [shape])] if single else [(w, [s for s in timed if math.prod(s.values()) == w])
+                                                          for w in (4, 8)]
     rows, accounting = [], []
     for world, group in bench:   # one job per world size; the tables are rewritten after each
         got, acc, lanes = common.launch(benchmark, args, group, dims, trace, world_size=world)

@@ -114,12 +114,13 @@ def test_script_verifies_times_against_torch_counts_and_draws(tmp_path):
 
 
 def test_bad_input_exits_2_with_one_line():
-    assert "--tp 3 does not divide the 4 heads" in refused("10_nd_parallel.py", "--tp", "3")
+    assert "--tp 3 does not divide the verification LM's 4 heads" in refused("10_nd_parallel.py", "--tp", "3")
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--dp", "0"], "every axis must be at least 1"),
-    (["--pp", "5"], "--pp 5 is more stages than blocks"),
+    (["--pp", "5"], "--pp 5 is more stages than the verification LM's 4 blocks"),
+    (["--pp", "3", "--model-size", "micro"], "--pp 3 is more stages than the model's 2 blocks"),
     (["--dp", "2", "--batch-size", "3"], "does not split into 2 replicas x 1 micro-batches"),
     (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1"),
     (["--plan", "--model-size", "huge"], "unknown --model-size 'huge'"),
