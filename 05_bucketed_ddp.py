@@ -341,12 +341,9 @@ def benchmark(ctx, args, model, cap, fit=False):
         f"DDPBucketed {cap:g} MB": lm_method(ctx, args, lambda m: DDPBucketed(m, cap), n_buckets, model),
         f"torch DDP {cap:g} MB": lm_method(ctx, args, lambda m: torch_ddp(m, cap, ctx.device), model=model),
         "plain (no wrapper)": lm_method(ctx, args, no_wrapper, model=model)})
-    steps = [r["stats"]["step"]["all"] for r in rows]
-    for r, mine in zip(rows, steps):   # vs_plain: each wrapper's cost over plain training
-        paired = {"torch": [a / b for a, b in zip(mine, steps[1])], "plain": [a / b for a, b in zip(mine, steps[2])]}
-        r.update(model=model, bucket_mb=cap, n_buckets=None,
-                 vs_torch_ddp=common.summarize(paired["torch"])["median"], vs_torch_ddp_min=min(paired["torch"]),
-                 vs_torch_ddp_max=max(paired["torch"]), vs_plain=common.summarize(paired["plain"])["median"])
+    for r in rows:   # vs_plain: each wrapper's cost over plain training
+        r.update(model=model, bucket_mb=cap, n_buckets=None, **common.vs_paired(r, rows[1], "vs_torch_ddp"),
+                 vs_plain=common.vs_paired(r, rows[2], "vs_plain")["vs_plain"])
     rows[0]["n_buckets"] = n_buckets[0]
     rows[1].update(comm_ms=None, comm_share=None)   # torch DDP waits inside backward: nothing left after it
     rows[1].update(vs_torch_ddp_min=None, vs_torch_ddp_max=None)

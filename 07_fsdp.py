@@ -846,9 +846,9 @@ class StepPeak:
 
 def step_memory(ctx, make, batch, live=True, steps=2) -> dict:
     """Memory per rank (MiB) of ``make()``'s (model, optimizer): the state kept after the
-    last of ``steps`` training steps (the first makes the optimizer state, DDPBucketed's
-    buckets and FSDP's unit order) (parameters, gradients, optimizer state: tensor bytes,
-    each storage once), the peak of live tensor bytes during that step (StepPeak; on the CPU
+    last of ``steps`` training steps (parameters, gradients, optimizer state: tensor bytes,
+    each storage once; the first step makes the optimizer state, DDPBucketed's buckets and
+    FSDP's unit order), the peak of live tensor bytes during that step (StepPeak; on the CPU
     only with ``live``), and the process's peak RSS (which also holds what the allocator
     keeps, and the runtime; on the CPU only without ``live``)."""
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
@@ -884,12 +884,9 @@ def benchmark(ctx, args):
             return lambda batch, clock: train_step(model, opt, batch, clock)
         return make
     rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args, ctx).items()})
-    steps = {r["method"]: r["stats"]["step"]["all"] for r in rows}
-    ours, theirs = list(steps)[2], list(steps)[3]   # steps alternate: compare them pair by pair
-    ratios = [a / b for a, b in zip(steps[ours], steps[theirs])]
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
-    rows[2].update(vs_torch=common.summarize(ratios)["median"], vs_torch_min=min(ratios), vs_torch_max=max(ratios))
+    rows[2].update(common.vs_paired(rows[2], rows[3]))   # FSDP over FSDP2, their steps alternating
     return rows
 
 

@@ -456,11 +456,10 @@ def benchmark(ctx, args, tps):
     for r in rows:
         r.update(extra[r["method"]])
         r.pop("comm_share")
-    steps = {r["method"]: r["stats"]["step"]["all"] for r in rows}
-    if f"TP {W} (ours)" in steps:   # steps alternate, so compare them pair by pair
-        ratios = [a / b for a, b in zip(steps[f"TP {W} (ours)"], steps[f"TP {W} (torch parallelize_module)"])]
-        rows[[r["method"] for r in rows].index(f"TP {W} (ours)")].update(
-            vs_torch=common.summarize(ratios)["median"], vs_torch_min=min(ratios), vs_torch_max=max(ratios))
+    by_name = {r["method"]: r for r in rows}
+    if f"TP {W} (ours)" in by_name:   # steps alternate, so compare them pair by pair
+        by_name[f"TP {W} (ours)"].update(common.vs_paired(by_name[f"TP {W} (ours)"],
+                                                          by_name[f"TP {W} (torch parallelize_module)"]))
     return rows
 
 

@@ -410,8 +410,7 @@ def benchmark(ctx, args, microbatches):
                      act_MB_per_stage=[b / 1e6 for b in memory[(m, schedule)]],
                      peak_act_MB=max(memory[(m, schedule)]) / 1e6)
             if t:
-                ratios = [a / b for a, b in zip(r["stats"]["step"]["all"], t["stats"]["step"]["all"])]
-                r.update(vs_torch=common.summarize(ratios)["median"], vs_torch_min=min(ratios), vs_torch_max=max(ratios))
+                r.update(common.vs_paired(r, t))
     return rows
 
 

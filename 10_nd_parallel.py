@@ -687,9 +687,7 @@ def benchmark(ctx, args, shapes, dims, trace=None):
                 r["mfu"] = flops_per_token(dims, args.context_length) * tokens / (r["step_ms"] / 1e3) / \
                     dist.get_world_size() / peak
         if len(got) == 2:   # steps alternate: compare them pair by pair
-            ratios = [a / b for a, b in zip(got[0]["stats"]["step"]["all"], got[1]["stats"]["step"]["all"])]
-            got[0].update(vs_torch=common.summarize(ratios)["median"], vs_torch_min=min(ratios),
-                          vs_torch_max=max(ratios))
+            got[0].update(common.vs_paired(got[0], got[1]))
         rows += got
         if shape == trace:
             timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)

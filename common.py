@@ -417,6 +417,13 @@ def summarize(xs) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": list(xs)}
 
 
+def vs_paired(ours: dict, theirs: dict, key="vs_torch") -> dict:
+    """Two rows of time_methods whose steps alternated, compared pair by pair: the median
+    of our step over theirs, and the smallest and largest ratio ({key, key_min, key_max})."""
+    ratios = [a / b for a, b in zip(ours["stats"]["step"]["all"], theirs["stats"]["step"]["all"])]
+    return {key: statistics.median(ratios), f"{key}_min": min(ratios), f"{key}_max": max(ratios)}
+
+
 def fit_line(xs, ys, weights=None) -> tuple[float, float]:
     """Weighted least squares of y = a + c x: returns (a, c), unclamped (c = 0 when every
     x is the same)."""
