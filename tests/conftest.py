@@ -1,4 +1,6 @@
 import argparse
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -31,10 +33,34 @@ def run_script(*argv, timeout=240, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def run_inline(script: str, *argv, launch=None):
+    """Run a numbered script's command line in this process, main() under run_main as
+    ``python SCRIPT ARGV`` runs it: returns a CompletedProcess (exit status, stdout,
+    stderr). No interpreter starts and imports torch again, and the workers fork from the
+    server this test process already runs. ``launch`` replaces common.launch."""
+    mod = load(Path(script).stem)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved, sys.argv = sys.argv, [script, *argv]
+    real, common.launch = common.launch, launch or common.launch
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                common.run_main(lambda: mod.main(list(argv)))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv, common.launch = saved, real
+    return subprocess.CompletedProcess([script, *argv], code, out.getvalue(), err.getvalue())
+
+
+def _no_job(*args, **kwargs):
+    raise AssertionError("a job started")
+
+
 def refused(script: str, *argv) -> str:
-    """Run a script with bad input: it must exit 2 with one line on stderr and run nothing
-    (no output). Returns that line."""
-    p = run_script(script, *argv, timeout=60)
+    """Run a script's command line with bad input: it must exit 2 with one line on stderr
+    and run nothing (no job, no output). Returns that line."""
+    p = run_inline(script, *argv, launch=_no_job)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and p.stdout == "", p.stderr + p.stdout

@@ -5,7 +5,7 @@ import time
 import pytest
 
 import common
-from conftest import check_equivalence, ROOT, refused, run_script, spawned_workers, verify_args, write_fake_mnist
+from conftest import check_equivalence, ROOT, refused, run_inline, run_script, spawned_workers, verify_args, write_fake_mnist
 
 CASES = list(common.VERIFY_CASES)
 
@@ -26,7 +26,7 @@ def test_mnist_path_on_a_tiny_dataset_in_mnist_format(tmp_path):
     write_fake_mnist(tmp_path)
     x, y = common.load_mnist(str(tmp_path), download=False)
     assert x.shape == (64, 784) and 0 <= x.min() and x.max() <= 1 and y.max() < 10
-    p = run_script("02_naive_ddp.py", "--world-size", "2", "--data", "mnist", "--data-root", str(tmp_path),
+    p = run_inline("02_naive_ddp.py", "--world-size", "2", "--data", "mnist", "--data-root", str(tmp_path),
                    "--no-bench", "--verify-steps", "2")
     assert p.returncode == 0, p.stderr
     assert "verify 02_naive_ddp at 2 rank(s): PASS" in p.stdout
@@ -101,7 +101,7 @@ def test_runs_under_torchrun(tmp_path):
 
 
 def test_benchmark_row_accounts_for_communication(tmp_path):
-    p = run_script("02_naive_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "3",
+    p = run_inline("02_naive_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "3",
                    "--warmup", "1", "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     row = json.loads((tmp_path / "02_naive_ddp.json").read_text())["rows"][0]

@@ -3,7 +3,7 @@ import json
 import pytest
 
 import common
-from conftest import check_equivalence, run_script
+from conftest import check_equivalence, run_inline
 
 CASES = list(common.VERIFY_CASES)
 
@@ -15,7 +15,7 @@ def test_flat_ddp_matches_single_process(world_size, case):
 
 
 def test_benchmark_compares_naive_and_flat_in_one_run(tmp_path):
-    p = run_script("03_flat_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
+    p = run_inline("03_flat_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
                    "--warmup", "1", "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = {r["method"]: r for r in json.loads((tmp_path / "03_flat_ddp.json").read_text())["rows"]}

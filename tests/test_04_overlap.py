@@ -4,7 +4,7 @@ import json
 import pytest
 
 import common
-from conftest import check_equivalence, load, run_script
+from conftest import check_equivalence, load, run_inline
 
 CASES = list(common.VERIFY_CASES)
 
@@ -51,7 +51,7 @@ def test_same_collectives_in_the_same_order_when_only_one_rank_uses_a_layer():
 
 
 def test_script_writes_table_and_both_timelines(tmp_path):
-    p = run_script("04_overlap_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
+    p = run_inline("04_overlap_ddp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
                    "--warmup", "1", "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "04_overlap_ddp.json").read_text())["rows"]

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import common
-from conftest import load, run_script, verification
+from conftest import load, run_inline, run_script, verification
 from test_04_overlap import event_logs, launches_during_backward
 
 bucketed = load("05_bucketed_ddp")
@@ -66,7 +66,7 @@ def test_gradients_are_views_into_bucket_storage(one_rank, set_to_none):
 def test_bad_bucket_size(one_rank):
     with pytest.raises(ValueError, match="positive"):
         bucketed.DDPBucketed(common.ToyModel(), 0)
-    p = run_script("05_bucketed_ddp.py", "--bucket-mb", "10", "-1", timeout=60)
+    p = run_inline("05_bucketed_ddp.py", "--bucket-mb", "10", "-1")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--bucket-mb" in p.stderr
 
 
@@ -92,7 +92,7 @@ def test_launch_order_is_identical_on_all_ranks_even_when_one_rank_lacks_a_gradi
 
 
 def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
-    p = run_script("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "0.1", "10",
+    p = run_inline("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "0.1", "10",
                    "--steps", "2", "--warmup", "1", "--verify-steps", "2", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "PASS" in p.stdout and "predicted best bucket" in p.stdout
@@ -115,7 +115,7 @@ def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
 
 
 def test_no_baselines_times_the_sweep_only(tmp_path):
-    p = run_script("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--models", "lm",
+    p = run_inline("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--models", "lm",
                    "--bucket-mb", "10",
                    "--steps", "1", "--warmup", "0", "--no-verify", "--no-baselines", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
@@ -166,7 +166,7 @@ def test_a_failing_later_job_keeps_the_rows_measured_before_it(tmp_path, monkeyp
 
 
 def test_time_box_stops_starting_bucket_sizes_and_saves_what_ran(tmp_path):
-    p = run_script("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--models", "lm",
+    p = run_inline("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--models", "lm",
                    "--bucket-mb", "10", "1",
                    "--steps", "1", "--warmup", "0", "--no-verify", "--time-box", "0.001", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load, run_script, verification
+from conftest import load, run_inline, verification
 
 sharded = load("06_sharded_optimizer")
 CASES = list(sharded.CASES)
@@ -62,7 +62,7 @@ def test_state_dict_belongs_to_one_rank(one_rank):
 
 
 def test_script_writes_memory_and_timing(tmp_path):
-    p = run_script("06_sharded_optimizer.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
+    p = run_inline("06_sharded_optimizer.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
                    "--warmup", "1", "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "06_sharded_optimizer.json").read_text())["rows"]

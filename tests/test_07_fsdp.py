@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import common
-from conftest import load, run_script, verification, verify_args
+from conftest import load, run_inline, verification, verify_args
 
 fsdp = load("07_fsdp")
 CASES = list(fsdp.CASES)
@@ -202,7 +202,7 @@ def test_fsdp_peak_of_live_tensors_stays_below_ddp_and_below_whole_parameters_an
 
 
 def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
-    p = run_script("07_fsdp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2", "--warmup", "1",
+    p = run_inline("07_fsdp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2", "--warmup", "1",
                    "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "07_fsdp.json").read_text())["rows"]
