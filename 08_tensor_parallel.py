@@ -26,7 +26,6 @@ Writes results/08_tensor_parallel.{json,md}.
 """
 
 import copy
-import os
 
 import common
 
@@ -386,7 +385,6 @@ def collective_ms(ctx, step, batch) -> float:
     """Milliseconds the collectives ran during one profiled step (gloo's work on CPU, NCCL's
     kernels on a GPU): blocking ones (tensor parallel) wait that long; overlapped ones
     (DDP's buckets) partly hide behind backward."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
     cuda = ctx.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
@@ -494,9 +492,10 @@ def main(argv=None):
     for t in args.tp or []:
         if t < 2 or not any(w % t == 0 for w in sizes):
             raise common.UsageError(f"--tp {t} must be at least 2 and divide a world size ({sizes})")
-    for t in {t for ts in plan.values() for t in ts}:
-        for what, n in ((f"the {heads} heads of {args.model_size}", heads), (f"its d_ff {f}", f),
-                        (f"the {vheads} heads of the verification LM ({VERIFY_LM})", vheads)):
+    checked = ([] if args.no_bench else [(f"the {heads} heads of {args.model_size}", heads), (f"its d_ff {f}", f)]) + \
+        ([] if args.no_verify else [(f"the {vheads} heads of the verification LM ({VERIFY_LM})", vheads)])
+    for t in {t for ts in plan.values() for t in ts}:   # what this command runs, nothing else
+        for what, n in checked:
             if n % t:
                 raise common.UsageError(f"tensor-parallel degree {t} does not divide {what}: "
                                         f"choose --tp (or --model-size) so that it does")

@@ -496,14 +496,17 @@ def main(argv=None):
         bad = [s for s in stages if args.world_size % s]
         if bad:
             raise common.UsageError(f"--stages {bad[0]} does not divide the world size {args.world_size}")
-    for s in stages:
-        if s < 2 or s > n_layers or s > VERIFY_DIMS[2]:
-            raise common.UsageError(f"--stages {s}: a pipeline needs 2 to {min(n_layers, VERIFY_DIMS[2])} stages "
-                                    f"({args.model_size} has {n_layers} blocks, the verification LM "
-                                    f"{VERIFY_DIMS[2]})")
+    blocks = ([] if args.no_bench else [(n_layers, f"{args.model_size} has {n_layers} blocks")]) + \
+        ([] if args.no_verify else [(VERIFY_DIMS[2], f"the verification LM {VERIFY_DIMS[2]}")])
+    top = min([n for n, _ in blocks], default=None)
+    for s in stages:   # what this command runs, nothing else
+        if s < 2 or (top is not None and s > top):
+            raise common.UsageError(f"--stages {s}: a pipeline needs 2 to {top} stages "
+                                    f"({', '.join(why for _, why in blocks)})" if top is not None else
+                                    f"--stages {s}: a pipeline needs 2 or more stages")
     common.check_divisible(args.batch_size, args.replicas, "--batch-size")
     for m in args.microbatches:
-        if m < 1 or (args.batch_size // args.replicas) % m:
+        if m < 1 or (not args.no_bench and (args.batch_size // args.replicas) % m):
             raise common.UsageError(f"--batch-size {args.batch_size} does not split into {args.replicas} x {m} "
                                     f"micro-batches: use micro-batch counts that divide the batch per replica")
     worlds = {s: (args.world_size // s if common.under_torchrun() else args.replicas) * s for s in stages}

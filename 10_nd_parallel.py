@@ -970,6 +970,10 @@ def report_plan(args):
                                 f"{', '.join(common.MODEL_SIZES)}")
     if args.devices < 1:
         raise common.UsageError(f"--devices must be at least 1, got {args.devices}")
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise common.UsageError(f"--device-memory must be a positive number of GB, got {args.device_memory:g}")
+    if any(t < 0 for t in args.act_tokens) or args.plan_rows < 1:
+        raise common.UsageError("--act-tokens must not be negative and --plan-rows must be at least 1")
     common.check_out(args.out)
     out = plan(args)
     hw, a, pick = out["hardware"], out["answers"], out["pick"]
@@ -1007,11 +1011,12 @@ def report_plan(args):
 # ----------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------
-def check_mesh(shape, dims, m, batch, timed=True):
-    """Bad input for one mesh, verified (and ``timed``: run on the LM of ``dims``): one line
-    (UsageError). A pipeline's stages need not divide the blocks (09 balances them)."""
+def check_mesh(shape, dims, m, batch, verified=True, timed=True):
+    """Bad input for one mesh, as the command runs it: ``verified`` (on the verification
+    LM) and ``timed`` (on the LM of ``dims``): one line (UsageError). A pipeline's stages
+    need not divide the blocks (09 balances them)."""
     T, P = shape["tp"], shape["pp"]
-    models = [("the verification LM's", VERIFY_LM)] + ([("the model's", dims)] if timed else [])
+    models = ([("the verification LM's", VERIFY_LM)] if verified else []) + ([("the model's", dims)] if timed else [])
     for whose, (_, f, n, h) in models:
         if h % T or f % T:
             raise common.UsageError(f"--tp {T} does not divide {whose} {h} heads and d_ff {f}: choose --tp (or "
@@ -1021,7 +1026,7 @@ def check_mesh(shape, dims, m, batch, timed=True):
     if m < 1:
         raise common.UsageError(f"--microbatches must be at least 1, got {m}")
     replicas = shape["dp"] * shape["fsdp"]
-    if batch is not None and (batch < 1 or batch % (replicas * m)):
+    if timed and batch is not None and (batch < 1 or batch % (replicas * m)):
         raise common.UsageError(f"--batch-size {batch} does not split into {replicas} replicas x {m} micro-batches: "
                                 f"use a multiple of {replicas * m}")
 
@@ -1050,6 +1055,15 @@ def main(argv=None):
     shape = mesh_of(**{a: getattr(first, a) if getattr(first, a) is not None else 1 for a in AXES})
     if any(k < 1 for k in shape.values()):
         raise common.UsageError(f"every axis must be at least 1: {', '.join(f'--{a} {k}' for a, k in shape.items())}")
+    if first.world_size is not None and not common.under_torchrun():
+        if not single:
+            raise common.UsageError(f"--world-size {first.world_size} without a mesh: the suite runs meshes of 4, 6 "
+                                    f"and 8 ranks; give a mesh (--dp, --fsdp, --tp, --pp) instead")
+        if first.world_size != math.prod(shape.values()):
+            raise common.UsageError(f"--world-size {first.world_size} but the mesh {label(shape)} holds "
+                                    f"{math.prod(shape.values())} ranks: leave --world-size out or match it")
+    if first.peak_tflops is not None and not first.peak_tflops > 0:
+        raise common.UsageError(f"--peak-tflops must be positive, got {first.peak_tflops}")
     args = common.parse(p, argv, cpu_size="micro", world=lambda a: math.prod(shape.values()) if single else max(SUITE),
                         batch_unit=lambda a: None)
     dims = common.MODEL_SIZES[args.model_size]
@@ -1061,7 +1075,8 @@ def main(argv=None):
                                 f"{args.world_size}")
     timed = [shape] if single else [s for w in (4, 8) for s, tie in SUITE[w] if not tie]
     for s in [shape] if single else [s for cases in SUITE.values() for s, _ in cases]:
-        check_mesh(s, dims, microbatches(args, s), args.batch_size, s in timed)
+        check_mesh(s, dims, microbatches(args, s), args.batch_size, not args.no_verify,
+                   not args.no_bench and s in timed)
 
     if not args.no_verify:
         if single:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import common
-from conftest import load, refused, run_script, verify_args
+from conftest import load, refused, run_inline, verify_args
 
 tp = load("08_tensor_parallel")
 _cache = {}
@@ -57,7 +57,7 @@ def test_heads_by_rank_gives_each_rank_whole_heads_of_q_k_and_v():
 
 
 def test_script_counts_the_bytes_the_formula_predicts(tmp_path):
-    p = run_script("08_tensor_parallel.py", "--world-sizes", "2", "--model-size", "nano", "--steps", "1",
+    p = run_inline("08_tensor_parallel.py", "--world-sizes", "2", "--model-size", "nano", "--steps", "1",
                    "--warmup", "0", "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = {r["method"]: r for r in json.loads((tmp_path / "08_tensor_parallel.json").read_text())["rows"]}
@@ -89,3 +89,12 @@ def test_torch_baseline_steps_with_foreach_optimizers_like_on_a_gpu():
     import workers   # foreach=True, CUDA's default: a list mixing DTensors and plain tensors fails
     r = common.launch(workers.torch_tp_with_foreach, verify_args(2))
     assert r["names_match"] and r["max_diff"] < 1e-5, r
+
+
+def test_a_refusal_concerns_only_what_the_command_runs():
+    # nano's 2 heads do not split over 4 ranks: a verification-only run (micro LM) is fine
+    assert "heads of nano" in refused("08_tensor_parallel.py", "--world-sizes", "4", "--model-size", "nano",
+                                      "--tp", "4")
+    p = run_inline("08_tensor_parallel.py", "--world-sizes", "4", "--model-size", "nano", "--tp", "4", "--no-bench",
+                   launch=lambda *a, **k: {"case": {"ok": True, "max_diff": 0.0}})
+    assert p.returncode == 0, p.stderr

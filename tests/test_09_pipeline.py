@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, load, refused, run_script, spawned_workers, verify_args
+from conftest import ROOT, load, refused, run_inline, run_script, spawned_workers, verify_args
 
 pp = load("09_pipeline_parallel")
 _cache = {}
@@ -87,7 +87,7 @@ def test_a_failing_stage_ends_the_job_while_its_neighbour_waits_in_recv(tmp_path
 
 
 def test_script_writes_table_timelines_and_memory(tmp_path):
-    p = run_script("09_pipeline_parallel.py", "--stages", "2", "--microbatches", "1", "2", "--model-size", "nano",
+    p = run_inline("09_pipeline_parallel.py", "--stages", "2", "--microbatches", "1", "2", "--model-size", "nano",
                    "--steps", "1", "--warmup", "0", "--no-verify", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = {r["method"]: r for r in json.loads((tmp_path / "09_pipeline_parallel.json").read_text())["rows"]}
@@ -123,3 +123,11 @@ def test_under_torchrun_a_depth_that_does_not_divide_the_world_is_refused():
 def test_staging_through_host_memory_gives_the_same_gradients():
     import workers   # forced on the CPU: on a GPU, gloo's send/recv need it
     assert common.launch(workers.pipeline_staged_equals_direct, verify_args(2)) == [True, True]
+
+
+def test_a_refusal_concerns_only_what_the_command_runs():
+    # nano has 2 blocks, the verification LM 4: 4 stages verify, but cannot be timed on nano
+    assert "nano has 2 blocks" in refused("09_pipeline_parallel.py", "--stages", "4", "--model-size", "nano")
+    p = run_inline("09_pipeline_parallel.py", "--stages", "4", "--model-size", "nano", "--no-bench",
+                   launch=lambda *a, **k: {"case": {"ok": True, "max_diff": 0.0}})
+    assert p.returncode == 0, p.stderr

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import common
-from conftest import load, refused, run_script, verify_args
+from conftest import load, refused, run_inline, verify_args
 
 nd = load("10_nd_parallel")
 _cache = {}
@@ -100,8 +100,8 @@ def test_the_planner_answers_the_accounting_questions(tmp_path):
 
 
 def test_script_verifies_times_against_torch_counts_and_draws(tmp_path):
-    p = run_script("10_nd_parallel.py", "--dp", "2", "--pp", "2", "--model-size", "nano", "--steps", "1",
-                   "--warmup", "0", "--context-length", "16", "--out", str(tmp_path), timeout=300)
+    p = run_inline("10_nd_parallel.py", "--dp", "2", "--pp", "2", "--model-size", "nano", "--steps", "1",
+                   "--warmup", "0", "--context-length", "16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "verify 10_nd_parallel at 4 ranks: PASS" in p.stdout
     rows = {r["method"]: r for r in json.loads((tmp_path / "10_nd_parallel.json").read_text())["rows"]}
@@ -129,3 +129,30 @@ def test_bad_input_is_refused_before_any_worker_starts(argv, words, monkeypatch)
     monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("a job started"))
     with pytest.raises(common.UsageError, match=words):
         nd.main(argv)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dp", "2", "--tp", "2", "--world-size", "3"], "--world-size 3 but the mesh dp 2 x tp 2 holds 4 ranks"),
+    (["--world-size", "4"], "--world-size 4 without a mesh"),
+    (["--plan", "--device-memory", "-5"], "--device-memory must be a positive number of GB, got -5"),
+    (["--plan", "--act-tokens", "-1"], "--act-tokens must not be negative"),
+    (["--dp", "2", "--peak-tflops", "0"], "--peak-tflops must be positive"),
+])
+def test_settings_it_would_ignore_or_misread_are_refused(argv, words):
+    assert words in refused("10_nd_parallel.py", *argv)
+
+
+def test_a_refusal_concerns_only_what_the_command_runs():
+    """The benchmark's model (micro: 2 blocks) does not limit a verification-only run, which
+    uses the 4-block verification LM; the reverse for a benchmark-only run."""
+    jobs = []
+
+    def launch(worker, args, *job, **kw):
+        jobs.append((worker.__name__, kw.get("world_size")))
+        return {"case": {"ok": True, "max_diff": 0.0}}
+    p = run_inline("10_nd_parallel.py", "--dp", "2", "--pp", "3", "--no-bench", launch=launch)
+    assert p.returncode == 0, p.stderr
+    assert jobs == [("verify", 6)]
+    assert "--pp 3 is more stages than the model's 2 blocks" in refused("10_nd_parallel.py", "--dp", "2", "--pp", "3")
+    tp8 = refused("10_nd_parallel.py", "--tp", "8", "--model-size", "mini", "--no-verify")
+    assert "the model's 4 heads" in tp8   # the verification LM is not named: it does not run
