@@ -14,8 +14,6 @@ Writes results/04_overlap_ddp.{json,md}, results/04_timeline_naive.png and
 results/04_timeline_overlap.png.
 """
 
-import os
-
 import common
 
 # ---- begin copy: DDPIndividualParameters (needs only torch and the standard library) ----
@@ -180,7 +178,6 @@ COMM_PREFIXES = ("gloo:", "nccl:", "c10d::allreduce", "record_param_comms")
 def trace(ctx, args):
     """Profile one training step of naive and of overlapped DDP on this rank:
     {name: [(lane, name, start_ms, end_ms)]}."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler_start/stop chatter on stderr
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     batch = tuple(common.shard(t, ctx.rank, ctx.world_size) for t in

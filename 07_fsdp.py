@@ -808,7 +808,6 @@ class StepPeak:
             from torch.profiler import ProfilerActivity, profile
             c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
             ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # no "gpuGetDeviceCount failed" on a CPU
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.__enter__()
         return self

@@ -1,14 +1,23 @@
-# make all   runs every numbered script with this machine's defaults (writes results/)
+# make all   runs every numbered script with this machine's defaults (writes results/): before
+#            each, [k/N] and how long it took last time; after all, a summary table
+#            (results/SUMMARY.md), and the README's and docs/' tables and headlines refreshed.
+#            A script that fails does not stop the others; make all then exits 1 naming it.
 # make test  runs the test suite
-# Both set up .venv from requirements.txt first when it is missing or out of date.
+# make docs  refreshes the tables and headlines of README.md and docs/ from results/
+# Each sets up .venv from requirements.txt first when it is missing or out of date.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SCRIPTS := 01 02 03 04 05 06 07 08 09 10
 
-.PHONY: all test setup clean-results collectives 01 02 03 04 05 06 07 08 09 10
+.PHONY: all test setup docs clean-results collectives $(SCRIPTS)
 
-all: 01 02 03 04 05 06 07 08 09 10
+all: $(STAMP)
+	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
+
+docs:
+	@$(PYTHON) tools/report.py inject
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)

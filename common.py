@@ -39,6 +39,10 @@ import torch.nn.functional as F
 import torch.utils._python_dispatch
 
 ROOT = Path(__file__).resolve().parent
+# Only the kit's own lines in the output: torch.profiler's kineto logs its start and stop
+# ("USDT: ... profiler_start") and, on a CPU, its GPU probe, unless told not to before it
+# starts (inherited by the fork server and every worker)
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 # Workers fork from a server that has imported torch once, instead of each importing it again
 mp.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional"])
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -284,14 +288,15 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
                           timeout=timedelta(seconds=timeout))
     fd, result_path = tempfile.mkstemp(prefix="ddp_result_", suffix=".pkl")
     os.close(fd)
+    alive = Heartbeat(f"{worker.__name__} on {world_size} rank{'s' * (world_size > 1)}")
     try:
         procs = mp.start_processes(
             _spawn_entry, nprocs=world_size, join=False, start_method="forkserver",
             args=(str(script), worker.__name__, args, job, world_size, store.port, backend, device,
                   timeout, result_path, os.getpid()))
         try:
-            while not procs.join(grace_period=2):
-                pass
+            while not procs.join(timeout=1.0, grace_period=2):
+                alive.tick()
         except mp.ProcessRaisedException as e:
             raise LaunchError(_first_failure(result_path, world_size, e.error_index)) from None
         except mp.ProcessExitedException as e:
@@ -309,10 +314,34 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         with open(result_path, "rb") as f:
             return pickle.load(f) if os.path.getsize(result_path) else None
     finally:
+        alive.done()
         for f in [result_path] + [f"{result_path}.rank{r}.err" for r in range(world_size)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
         del store
+
+
+class Heartbeat:
+    """Shows that a long job is alive: on a terminal, its elapsed time on one line that
+    updates in place (and is wiped at the end); elsewhere (a log, make all), a line every
+    ``every`` seconds once the job has run that long."""
+
+    def __init__(self, what: str, every: float = 30.0):
+        self.what, self.every, self.start = what, every, time.time()
+        self.tty, self.shown = sys.stdout.isatty(), 0.0
+
+    def tick(self):
+        elapsed = time.time() - self.start
+        if self.tty and elapsed >= 3:
+            print(f"\r  ... {self.what}: {elapsed:.0f} s", end="", flush=True)
+            self.shown = elapsed
+        elif not self.tty and elapsed >= self.shown + self.every:
+            self.shown += self.every
+            print(f"  ... {self.what}: still running after {elapsed:.0f} s", flush=True)
+
+    def done(self):
+        if self.tty and self.shown:
+            print("\r\033[K", end="", flush=True)
 
 
 def _first_failure(result_path, world_size, fallback_rank):

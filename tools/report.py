@@ -151,7 +151,7 @@ def verified(script: str, results: Path = RESULTS) -> str:
 def headline(script: str, results: Path = RESULTS) -> str:
     try:
         text = HEADLINES[script](results)
-    except (TypeError, KeyError, StopIteration, ValueError):   # no result file, or one without these rows
+    except (TypeError, KeyError, StopIteration, ValueError, AttributeError):   # no result file, or not these rows
         text = "no results yet"
     return f"verified: {verified(script, results)}; {text}"
 
@@ -164,12 +164,12 @@ HEADLINE = re.compile(r"(<!-- headline:(?P<name>\w+) -->)(?P<body>.*?)(<!-- end 
 
 
 def table_text(name: str, results: Path = RESULTS) -> str:
-    """What a table marker holds: the machine line and the table of results/NAME.md."""
-    md = (results / f"{name}.md").read_text()
-    body = md.split("\n", 1)[1].strip("\n")           # without its "# title" line
-    machine, rest = body.split("\n", 1)
-    settings = "\n".join(line for line in rest.split("\n") if not line.startswith("Settings: "))
-    return f"{machine.rstrip('.')}. `results/{name}.md`\n{settings.rstrip()}\n"
+    """What a table marker holds: the machine line and the table of results/NAME.md (its
+    settings and notes stay in the file)."""
+    lines = (results / f"{name}.md").read_text().split("\n")
+    machine = next(line for line in lines if line.startswith("Machine: "))
+    table = [line for line in lines if line.startswith("|")]
+    return f"{machine.rstrip('.')}. `results/{name}.md`\n\n" + "\n".join(table) + "\n"
 
 
 def injected(text: str, results: Path = RESULTS) -> str:
@@ -223,11 +223,13 @@ def run_target(target: str, make: str) -> tuple:
     return rc, time.time() - start, verdict
 
 
-def run_all(targets: list, make: str = "make") -> int:
-    last = load("SUMMARY") or {}
+def run_all(targets: list, make: str = "make", results: Path = RESULTS, docs=DOCS) -> int:
+    """Run each target, then write results/SUMMARY.{json,md} and refresh ``docs``; 1 if a
+    target failed (the others still ran)."""
+    last = load("SUMMARY", results) or {}
     here = socket.gethostname()
     before = last.get("scripts", {}) if last.get("host") == here else {}
-    summary = {"host": here, "machine": machine_label(), "date": time.strftime("%Y-%m-%d"), "scripts": {}}
+    summary = {"host": here, "machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "scripts": {}}
     t0 = time.time()
     for k, target in enumerate(targets, 1):
         name = script_name(target)
@@ -238,11 +240,11 @@ def run_all(targets: list, make: str = "make") -> int:
         summary["scripts"][target] = {"name": name, "exit": rc, "seconds": round(seconds, 1), "verified": verdict}
     summary["seconds"] = round(time.time() - t0, 1)
     failed = [s["name"] for s in summary["scripts"].values() if s["exit"]]
-    write(RESULTS / "SUMMARY.json", json.dumps(summary, indent=1) + "\n")
-    table = summary_table(summary)
-    write(RESULTS / "SUMMARY.md", f"# make all on {summary['machine']}, {summary['date']}\n\n{table}\n")
-    print(f"\n{table}\nwrote results/SUMMARY.md")
-    changed = inject()
+    write(results / "SUMMARY.json", json.dumps(summary, indent=1) + "\n")
+    table = summary_table(summary, results)
+    write(results / "SUMMARY.md", f"# make all\n\nMachine: {summary['machine']}, {summary['date']}.\n\n{table}\n")
+    print(f"\n{table}\nwrote {results}/SUMMARY.md")
+    changed = inject(docs, results)
     if changed:
         print(f"refreshed the tables and headlines of {', '.join(changed)}")
     if failed:
@@ -251,18 +253,20 @@ def run_all(targets: list, make: str = "make") -> int:
     return 0
 
 
-def summary_table(summary: dict) -> str:
+def summary_table(summary: dict, results: Path = RESULTS) -> str:
     lines = ["| script | verification | headline | exit status | wall time |", "|---|---|---|---|---|"]
     for target, s in summary["scripts"].items():
         try:
-            text = HEADLINES[target](RESULTS) if not s["exit"] else "failed: see its output above"
+            text = HEADLINES[target](results) if not s["exit"] else "failed: see its output above"
         except (TypeError, KeyError, StopIteration, ValueError, AttributeError):
             text = "no results"
-        lines.append(f"| {s['name']} | {s['verified']} | {text} | {s['exit']} | "
-                     f"{int(s['seconds'] // 60)} min {s['seconds'] % 60:.0f} s |")
-    total = summary["seconds"]
-    lines.append(f"| all | | | | {int(total // 60)} min {total % 60:.0f} s |")
+        lines.append(f"| {s['name']} | {s['verified']} | {text} | {s['exit']} | {minutes(s['seconds'])} |")
+    lines.append(f"| all | | | | {minutes(summary['seconds'])} |")
     return "\n".join(lines)
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
 
 def machine_label() -> str:
