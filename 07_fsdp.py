@@ -807,7 +807,8 @@ class StepPeak:
             import ctypes
             from torch.profiler import ProfilerActivity, profile
             c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-            ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+            self.flag = ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage")
+            self.flag.value = True
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.__enter__()
         return self
@@ -828,6 +829,7 @@ class StepPeak:
         if self.prof is None:
             return
         self.prof.__exit__(*exc)
+        self.flag.value = False   # blocks from before the block are freed later (the group's): not counted, no warning
         from torch._C._profiler import _EventType
         nodes, events = list(self.prof.profiler.kineto_results.experimental_event_tree()), []
         while nodes:

@@ -12,6 +12,24 @@ two in backward. Embeddings, norms and the output head stay whole on every rank.
 lecture's version splits every layer by columns and all-gathers its output (here with its
 backward): every rank then computes attention whole, and each layer costs a collective.
 
+In your own training loop (the copy region has all of it):
+    for block in gpt.transformer.h:                     # same weights on every tp rank
+        parallelize(block.mlp, {"c_fc": "column", "c_proj": "row"}, tp_group)
+    opt = gpt.configure_optimizers(...)                 # parameter groups as usual
+    loss.backward()                                     # every tp rank on the same batch
+    clip_grad_norm_(gpt, max_norm, tp_group)            # not torch's: a rank holds a part
+    opt.step()
+    ckpt = {"model": full_state_dict(gpt), "optim": full_optim_state_dict(gpt, opt)}
+    load_full_state_dict(gpt, ckpt["model"]); load_full_optim_state_dict(gpt, opt, ckpt["optim"])
+Checkpoints hold whole tensors by name: they load at any tensor-parallel degree. Dropout:
+parallelize gives every rank of the group the first rank's default generator, so dropout
+outside the split layers (after a row layer's all-reduce, on the residual stream) draws the
+same mask on every rank; the ranks must then run the same code, as they do. A dropout
+between a column and a row layer (on a rank's heads or slice of d_ff) is marked "dropout"
+in the plan and draws a mask of its own per rank. Evaluation: every rank of a tp group
+must run it (each forward all-reduces over the group); under torch.no_grad() a rank that
+skipped it makes the others fail after RowParallelLinear.eval_timeout seconds, saying so.
+
 Run:
     python 08_tensor_parallel.py                           # world sizes 2 and 4: verify, then time
     python 08_tensor_parallel.py --world-sizes 4 --tp 2    # TP 2 x DP 2 beside DP 4
@@ -30,7 +48,9 @@ import copy
 import common
 
 # ---- begin copy: tensor-parallel layers (need only torch and the standard library) ----
+import contextlib
 import math
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -91,6 +111,21 @@ def _gather(t, dim, group):
     return torch.cat(parts, dim=dim)
 
 
+def _reduce_or_explain(y, group, seconds):
+    """All-reduce ``y`` in place, waiting at most ``seconds``: outside autograd (evaluation
+    under torch.no_grad()) a rank of the group that skipped this forward would otherwise
+    leave the others waiting without a word."""
+    work = dist.all_reduce(y, group=group, async_op=True)
+    try:
+        work.wait(timedelta(seconds=seconds))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"a tensor-parallel all-reduce over {dist.get_world_size(group)} ranks did not complete in {seconds:g} s: "
+            f"every rank of a tensor-parallel group must run the same forwards, evaluation too (run it on every "
+            f"rank of the group, then print or save on one)") from e
+    return y
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (the output features) split over ``process_group``:
     rank r holds rows [r*n, (r+1)*n), n = out_features / group size, and their bias.
@@ -123,12 +158,9 @@ class ColumnParallelLinear(nn.Module):
         """This rank's slice of ``linear`` (which must be the same on every rank)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, process_group,
                     gather_output, rows, linear.weight.device, linear.weight.dtype)
-        n, r = layer.weight.shape[0], dist.get_rank(process_group)
-        order = rows if rows is not None else slice(None)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[order][r * n:(r + 1) * n])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[order][r * n:(r + 1) * n])
+            for name, p in layer.named_parameters(recurse=False):
+                p.copy_(layer.local(getattr(linear, name), name))
         return layer
 
     def forward(self, x):
@@ -136,23 +168,34 @@ class ColumnParallelLinear(nn.Module):
         return _GatherFromParallel.apply(y, self.process_group) if self.gather_output else y
 
     @torch.no_grad()
+    def whole(self, t, name="weight"):
+        """A tensor shaped like this rank's ``name`` (the weight or the bias, or their
+        gradient or optimizer state) made whole, in the original feature order (collective)."""
+        full = _gather(t, 0, self.process_group)
+        if self.rows is None:
+            return full
+        return torch.empty_like(full).index_copy_(0, self.rows.to(full.device), full)
+
+    def local(self, whole, name="weight"):
+        """This rank's slice of a whole tensor shaped like ``name``."""
+        ordered = whole if self.rows is None else whole[self.rows.to(whole.device)]
+        n, r = ordered.shape[0] // dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        return ordered[r * n:(r + 1) * n].detach().clone()
+
     def full_parameters(self) -> dict:
         """The whole weight (and bias) in the original feature order (a collective)."""
-        full = {"weight": _gather(self.weight, 0, self.process_group)}
-        if self.bias is not None:
-            full["bias"] = _gather(self.bias, 0, self.process_group)
-        if self.rows is not None:
-            for k, t in full.items():
-                full[k] = torch.empty_like(t).index_copy_(0, self.rows.to(t.device), t)
-        return full
+        return {name: self.whole(p, name) for name, p in self.named_parameters(recurse=False)}
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (the input features) split over ``process_group``:
     rank r holds columns [r*n, (r+1)*n), n = in_features / group size. The input is this
     rank's slice of the features (a ColumnParallelLinear's output); the partial outputs are
-    all-reduced in forward (g), and the bias, whole on every rank, is added after.
+    all-reduced in forward (g), and the bias, whole on every rank, is added after. Under
+    torch.no_grad() the all-reduce waits at most ``eval_timeout`` seconds, then says why.
     """
+
+    eval_timeout = 300.0
 
     def __init__(self, in_features, out_features, bias=True, process_group=None, device=None, dtype=None):
         super().__init__()
@@ -169,34 +212,103 @@ class RowParallelLinear(nn.Module):
         """This rank's slice of ``linear`` (which must be the same on every rank)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, process_group,
                     linear.weight.device, linear.weight.dtype)
-        n, r = layer.weight.shape[1], dist.get_rank(process_group)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, r * n:(r + 1) * n])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+            for name, p in layer.named_parameters(recurse=False):
+                p.copy_(layer.local(getattr(linear, name), name))
         return layer
 
     def forward(self, x):
-        y = _ReduceFromParallel.apply(F.linear(x, self.weight), self.process_group)
+        y = F.linear(x, self.weight)
+        if torch.is_grad_enabled():
+            y = _ReduceFromParallel.apply(y, self.process_group)
+        else:
+            y = _reduce_or_explain(y, self.process_group, self.eval_timeout)
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()
+    def whole(self, t, name="weight"):
+        """A tensor shaped like this rank's ``name`` made whole (the bias is whole already)."""
+        return _gather(t, 1, self.process_group) if name == "weight" else t.detach().clone()
+
+    def local(self, whole, name="weight"):
+        if name != "weight":
+            return whole.detach().clone()
+        n, r = whole.shape[1] // dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        return whole[:, r * n:(r + 1) * n].detach().clone()
+
     def full_parameters(self) -> dict:
-        full = {"weight": _gather(self.weight, 1, self.process_group)}
-        if self.bias is not None:
-            full["bias"] = self.bias.detach().clone()
-        return full
+        return {name: self.whole(p, name) for name, p in self.named_parameters(recurse=False)}
 
 
-def parallelize(module: nn.Module, plan: dict, process_group=None) -> nn.Module:
-    """Replace the nn.Linear submodules named in ``plan`` ({name: "column" or "row"}) by
-    this rank's slices, in place. A "column" layer's output slice is the input slice of the
-    "row" layer that follows it; what lies between must work feature by feature."""
+class ParallelDropout(nn.Module):
+    """A dropout between a column- and a row-parallel layer (on this rank's slice of the
+    features or heads): each rank draws its own mask, from a generator state of its own (a
+    seed apart per rank), so the ranks' slices get independent masks while the default
+    generator, which the dropouts of the replicated regions draw from, is left untouched
+    and stays in step over the group. Megatron-LM's model-parallel RNG in short."""
+
+    def __init__(self, p: float, process_group=None, seed=None):
+        super().__init__()
+        self.p, self.process_group, self._states = p, process_group, {}
+        self.seed = (torch.initial_seed() if seed is None else seed) + 2718 + dist.get_rank(process_group)
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self._own_generator(x.device):
+            return F.dropout(x, self.p, True)
+
+    @contextlib.contextmanager
+    def _own_generator(self, device):
+        cuda = device.type == "cuda"
+        get = (lambda: torch.cuda.get_rng_state(device)) if cuda else torch.get_rng_state
+        put = (lambda s: torch.cuda.set_rng_state(s, device)) if cuda else torch.set_rng_state
+        if device not in self._states:
+            self._states[device] = torch.Generator(device=device).manual_seed(self.seed).get_state()
+        default = get()
+        put(self._states[device])
+        try:
+            yield
+        finally:
+            self._states[device] = get()
+            put(default)
+
+
+def sync_rng(process_group=None):
+    """Give every rank of the group the group's first rank's default generator (CPU, and
+    the current GPU's): dropout in the replicated regions then draws the same mask on every
+    rank, as long as the ranks run the same code (collective)."""
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None]
+    dist.broadcast_object_list(states, src=dist.get_global_rank(process_group or dist.group.WORLD, 0),
+                               group=process_group)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
+
+
+def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) -> nn.Module:
+    """Replace the submodules named in ``plan`` by their tensor-parallel form, in place:
+    an nn.Linear by this rank's slice ("column" or "row"), an nn.Dropout between a column
+    and a row layer by a ParallelDropout ("dropout"). A "column" layer's output slice is the
+    input slice of the "row" layer that follows it; what lies between must work feature by
+    feature. ``sync``: sync_rng over the group first, so dropout everywhere else draws the
+    same masks on every rank (leave it on unless the ranks' generators are in step already).
+
+        for block in gpt.transformer.h:
+            parallelize(block.mlp, {"c_fc": "column", "c_proj": "row"}, tp_group)
+    """
+    if sync:
+        sync_rng(process_group)
     for name, kind in plan.items():
         parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name)
-        layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
-        setattr(parent, attr, layer.from_linear(getattr(parent, attr), process_group))
+        parent, old = module.get_submodule(parent_name), module.get_submodule(name)
+        if kind == "dropout":
+            new = ParallelDropout(old.p, process_group)
+        elif kind in ("column", "row"):
+            new = (ColumnParallelLinear if kind == "column" else RowParallelLinear).from_linear(old, process_group)
+        else:
+            raise ValueError(f"{name}: unknown kind {kind!r} (column, row or dropout)")
+        setattr(parent, attr, new)
     return module
 
 
@@ -218,19 +330,96 @@ def tensor_parallel_lm(model: nn.Module, process_group=None) -> nn.Module:
             raise ValueError(f"{tp} ranks must divide the {block.n_heads} heads and d_ff {block.ff_in.out_features}")
         block.qkv = ColumnParallelLinear.from_linear(block.qkv, process_group,
                                                      rows=heads_by_rank(block.n_heads, block.head_dim, tp))
-        parallelize(block, {"proj": "row", "ff_in": "column", "ff_out": "row"}, process_group)
+        parallelize(block, {"proj": "row", "ff_in": "column", "ff_out": "row"}, process_group, sync=False)
+    sync_rng(process_group)
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict:
-    """Every parameter whole, by its original name (a collective over each layer's group)."""
+# ---- in a training loop: clip by the global norm, checkpoints of whole tensors ---------
+def split_owner(module: nn.Module, name: str):
+    """The tensor-parallel layer that holds the parameter ``name`` split, or None when it is
+    whole on every rank (anything else, and a row-parallel layer's bias)."""
+    owner, _, attr = name.rpartition(".")
+    layer = module.get_submodule(owner)
+    split = isinstance(layer, ColumnParallelLinear) or (isinstance(layer, RowParallelLinear) and attr == "weight")
+    return (layer, attr) if split else None
+
+
+@torch.no_grad()
+def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None, norm_type=2.0) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the norm of the whole
+    model's gradient, each element counted once over the tensor-parallel ``process_group``
+    (the split weights' slices summed over the group, everything whole on every rank once),
+    so that every rank clips by the same factor. Returns the total norm (collective: every
+    rank of the group calls it)."""
+    params = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
+    device = params[0][1].grad.device if params else torch.device("cpu")
+    split = [p.grad for n, p in params if split_owner(module, n)]
+    whole = [p.grad for n, p in params if not split_owner(module, n)]
+    if math.isinf(norm_type):
+        part = torch.stack([g.abs().max().float() for g in split] or [torch.zeros((), device=device)]).max()
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=process_group)
+        total = torch.stack([part] + [g.abs().max().float() for g in whole]).max()
+    else:
+        part = sum((g.float().norm(norm_type) ** norm_type for g in split), torch.zeros((), device=device))
+        dist.all_reduce(part, group=process_group)
+        total = (part + sum((g.float().norm(norm_type) ** norm_type for g in whole),
+                            torch.zeros((), device=device))) ** (1.0 / norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for _, p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """Every tensor of ``module.state_dict()`` whole, by its original name: the split
+    weights gathered over their group (a collective: every rank of the group calls it)."""
     out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-            out.update({f"{name}.{k}": v for k, v in mod.full_parameters().items()})
-    for name, p in model.named_parameters():
-        out.setdefault(name, p.detach())
+    for name, t in module.state_dict(keep_vars=True).items():
+        owner = split_owner(module, name)
+        out[name] = owner[0].whole(t, owner[1]) if owner else t.detach()
     return out
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state: dict):
+    """Load whole tensors by name (a full_state_dict saved at any tensor-parallel degree):
+    each rank keeps its slice of the split ones."""
+    for name, t in module.state_dict(keep_vars=True).items():
+        owner = split_owner(module, name)
+        t.copy_(owner[0].local(state[name], owner[1]) if owner else state[name])
+
+
+def full_optim_state_dict(module: nn.Module, optimizer) -> dict:
+    """The optimizer's state with whole tensors, keyed by parameter name, and its groups
+    (their settings and parameter names): loadable at any tensor-parallel degree
+    (collective)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    state = {}
+    for p in (p for g in optimizer.param_groups for p in g["params"] if p in optimizer.state):   # the same order on every rank
+        owner = split_owner(module, names[id(p)])
+        state[names[id(p)]] = {k: owner[0].whole(v, owner[1]) if owner and torch.is_tensor(v) and v.shape == p.shape
+                               else v for k, v in optimizer.state[p].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optim_state_dict(module: nn.Module, optimizer, full: dict):
+    """Load a full_optim_state_dict into ``optimizer``, whose groups hold the same
+    parameters in the same order: each rank keeps its slices of the split states."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, n in enumerate(order):
+        if n in full["state"]:
+            owner = split_owner(module, n)
+            state[i] = {k: owner[0].local(v, owner[1]) if owner and torch.is_tensor(v) and v.dim() else v
+                        for k, v in full["state"][n].items()}
+    ids, groups = iter(range(len(order))), []
+    for saved, g in zip(full["param_groups"], optimizer.param_groups):
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": [next(ids) for _ in g["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 # ---- end copy: tensor-parallel layers ----
 
 

@@ -13,6 +13,18 @@ step per global batch. With p = 2 and m = 1 this is plain model parallelism: the
 two halves on two devices, the first half's output copied to the second, backward flowing
 back.
 
+In your own training loop (the copy region has all of it):
+    stage = MyStage(model, rank, n_stages)             # its layers under the model's own names
+    pipe = Pipeline(stage, 8, loss_fn, "1f1b", pp_group, activation_shape=(mb, t, d))
+    opt.zero_grad(); pipe.step(x if pipe.first else None, y if pipe.last else None)
+    clip_grad_norm_(stage.parameters(), max_norm, pp_group)   # not torch's: a stage holds a part
+    opt.step()
+    model_sd, optim_sd = full_state_dict(stage, pp_group), full_optim_state_dict(stage, opt, pp_group)
+    load_full_state_dict(stage, model_sd); load_full_optim_state_dict(stage, opt, optim_sd)
+The full state dicts come whole on the pipeline's first rank (save them there) and load at
+any number of stages. With data-parallel replicas of each stage, clip after their
+gradients are averaged, over the pipeline's group.
+
 Run:
     python 09_pipeline_parallel.py                            # p = 2 and 4, m = 1..8, both schedules
     python 09_pipeline_parallel.py --stages 2 --replicas 2    # 2 stages x 2 data-parallel replicas
@@ -248,6 +260,83 @@ class Pipeline:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ---- in a training loop: clip by the global norm, checkpoints of the whole model ---------
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, process_group=None, norm_type=2.0) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a pipeline stage: the norm of the whole model's
+    gradient, this stage's parameters' part summed over the pipeline ``process_group`` (the
+    stages hold disjoint parameters), so that every stage clips by the same factor. With
+    data-parallel replicas of each stage, call it after their gradients are averaged (they
+    are equal then) with the pipeline's group. Returns the total norm (collective: every
+    stage calls it)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(process_group) == "nccl" else torch.device("cpu")
+    if norm_type == float("inf"):
+        total = torch.stack([g.abs().max().float() for g in grads] or [torch.zeros((), device=device)]).max()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
+    else:
+        total = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=device))
+        dist.all_reduce(total, group=process_group)
+        total = total ** (1.0 / norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _gather_to_first(obj, process_group):
+    """Every stage's ``obj`` on the group's first rank (a list), None on the others."""
+    first = dist.get_global_rank(process_group or dist.group.WORLD, 0)
+    everyone = [None] * dist.get_world_size(process_group) if dist.get_rank() == first else None
+    dist.gather_object(obj, everyone, dst=first, group=process_group)
+    return everyone
+
+
+def full_state_dict(module: nn.Module, process_group=None):
+    """The whole model's tensors by name, merged from every stage's ``module.state_dict()``
+    (each stage keeps its layers under the model's own names), in host memory on the
+    group's first rank; None on the others (collective)."""
+    parts = _gather_to_first({k: v.detach().cpu() for k, v in module.state_dict().items()}, process_group)
+    return None if parts is None else {k: v for part in parts for k, v in part.items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state: dict):
+    """Load this stage's tensors from a full_state_dict saved at any number of stages."""
+    for name, t in module.state_dict(keep_vars=True).items():
+        t.copy_(state[name])
+
+
+def full_optim_state_dict(module: nn.Module, optimizer, process_group=None):
+    """Every stage's optimizer state keyed by parameter name, and the settings of its
+    groups, merged on the group's first rank (None on the others; collective). Load it with
+    load_full_optim_state_dict at any number of stages."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    mine = {"state": {names[id(p)]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for p, s in optimizer.state.items()},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]}
+    parts = _gather_to_first(mine, process_group)
+    if parts is None:
+        return None
+    groups = [{**g, "params": [n for part in parts for n in part["param_groups"][i]["params"]]}
+              for i, g in enumerate(parts[0]["param_groups"])]
+    return {"state": {n: s for part in parts for n, s in part["state"].items()}, "param_groups": groups}
+
+
+def load_full_optim_state_dict(module: nn.Module, optimizer, full: dict):
+    """Load this stage's part of a full_optim_state_dict into ``optimizer`` (its groups
+    built as when it was saved: the same settings, this stage's parameters)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    ids = iter(range(len(order)))
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": [next(ids) for _ in g["params"]]}
+              for saved, g in zip(full["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({"state": {i: full["state"][n] for i, n in enumerate(order) if n in full["state"]},
+                               "param_groups": groups})
 # ---- end copy: pipeline parallelism ----
 
 

@@ -168,21 +168,12 @@ class ParallelLM:
                     for f in u.full if f is not None and f.untyped_storage().nbytes()}
         return t.untyped_storage().data_ptr() not in gathered
 
-    def _tp_kind(self, name):
-        """How tensor parallelism holds ``name``: "column" (output rows split), "row"
-        (input columns split), or None (whole on every tp rank)."""
-        owner, _, attr = name.rpartition(".")
-        owner = self.stage.get_submodule(owner)
-        if isinstance(owner, tp_mod.ColumnParallelLinear):
-            return "column"
-        return "row" if isinstance(owner, tp_mod.RowParallelLinear) and attr == "weight" else None
-
     def _counts_once(self, name) -> bool:
         """Whether this rank counts ``name`` in the global gradient norm, so that over the mesh
         every element is counted once: dp replicas and tp ranks holding a parameter whole
         leave it to coordinate 0; FSDP's shards and tp slices are all distinct; the tied
         head on the last stage is the first stage's embedding again."""
-        if self.mesh.coord("dp") or (self._tp_kind(name) is None and self.mesh.coord("tp")):
+        if self.mesh.coord("dp") or (tp_mod.split_owner(self.stage, name) is None and self.mesh.coord("tp")):
             return False
         return not (self.embed_group is not None and name == "head.weight")
 
@@ -216,26 +207,14 @@ class ParallelLM:
     # -- whole tensors by name: verification and checkpoints ---------------------------------
     def _tp_whole(self, name, t):
         """A tensor shaped like this rank's tp slice of ``name`` made whole (collective over
-        tp for the split ones)."""
-        kind, group = self._tp_kind(name), self.mesh.group("tp")
-        if kind is None or self.mesh.size("tp") == 1:
-            return t
-        whole = tp_mod._gather(t, 0 if kind == "column" else 1, group)
-        rows = self.stage.get_submodule(name.rpartition(".")[0]).rows if kind == "column" else None
-        return whole if rows is None else torch.empty_like(whole).index_copy_(0, rows.to(whole.device), whole)
+        tp for the split ones: 08's layers know how they split)."""
+        owner = tp_mod.split_owner(self.stage, name)
+        return owner[0].whole(t, owner[1]) if owner else t
 
     def _tp_slice(self, name, whole):
         """This rank's tp slice of a whole tensor shaped like ``name``."""
-        kind, T, r = self._tp_kind(name), self.mesh.size("tp"), self.mesh.coord("tp")
-        if kind is None or T == 1:
-            return whole
-        if kind == "row":
-            n = whole.shape[1] // T
-            return whole[:, r * n:(r + 1) * n].contiguous()
-        rows = self.stage.get_submodule(name.rpartition(".")[0]).rows
-        ordered = whole if rows is None else whole[rows.to(whole.device)]
-        n = ordered.shape[0] // T
-        return ordered[r * n:(r + 1) * n].contiguous()
+        owner = tp_mod.split_owner(self.stage, name)
+        return owner[0].local(whole, owner[1]) if owner else whole
 
     @torch.no_grad()
     def full_parameters(self) -> dict:
