@@ -131,22 +131,25 @@ class FSDP(nn.Module):
             target = unit.module if unit.module is not None else module
             target.register_forward_pre_hook(self._pre_forward(unit))
             target.register_forward_hook(self._post_forward(unit))
-        self._order, self._seen = [], []   # non-root units in forward order: the last forward's, this one's
+        # non-root units in forward order, per kind of forward (its keyword arguments: a
+        # pipeline stage of several chunks runs ``module(x, chunk=j)``, each its own units)
+        self._orders, self._seen, self._kind = {}, [], None
         self._sync, self._reducing = True, None   # the unit whose gradient reduction is in flight
 
     # -- forward and backward -------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._seen = []
+        self._seen, self._kind = [], repr(sorted(kwargs.items()))
         out = self.module(*args, **kwargs)
-        self._order = self._seen
+        self._orders[self._kind] = self._seen
         return out
 
     def _next(self, unit, step):
-        """The unit after (step=1) or before (step=-1) ``unit`` in the last forward's order."""
-        if unit in self._order:
-            i = self._order.index(unit) + step
-            if 0 <= i < len(self._order):
-                return self._order[i]
+        """The unit after (step=1) or before (step=-1) ``unit`` in the order of the last
+        forward that ran it."""
+        for order in self._orders.values():
+            if unit in order:
+                i = order.index(unit) + step
+                return order[i] if 0 <= i < len(order) else None
         return None
 
     def _pre_forward(self, unit):
@@ -154,7 +157,7 @@ class FSDP(nn.Module):
             if unit is not self._root:
                 self._seen.append(unit)
             unit.unshard()
-            ahead = self._next(unit, 1) if unit is not self._root else (self._order or [None])[0]
+            ahead = self._next(unit, 1) if unit is not self._root else (self._orders.get(self._kind) or [None])[0]
             if ahead is not None:
                 ahead.prefetch()
             unit.lend(_Gather.apply(unit, *unit.params))
@@ -173,16 +176,16 @@ class FSDP(nn.Module):
                     if torch.is_tensor(t) and t.requires_grad]
             if unit is self._root:          # its parameters stay whole until its synchronized
                 for t in outs:              # backward; backward starts with the last unit: fetch it
-                    t.register_hook(lambda grad: self._backward_starts())
+                    t.register_hook(lambda grad, kind=self._kind: self._backward_starts(kind))
                 return
             unit.reshard()                  # whole parameters go now, and come back for backward
             for t in outs:
                 t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         return hook
 
-    def _backward_starts(self):
-        if self._order:
-            self._order[-1].prefetch()
+    def _backward_starts(self, kind):
+        if self._orders.get(kind):
+            self._orders[kind][-1].prefetch()
 
     def _pre_backward(self, unit):
         """Before the unit's backward (once per output it gave): make it whole again, and

@@ -1,6 +1,6 @@
 """Pipeline parallelism: consecutive layers on consecutive ranks, activations sent forward
-and their gradients backward, micro-batches to shrink the idle time, with the GPipe and
-1F1B schedules.
+and their gradients backward, micro-batches to shrink the idle time, with the GPipe, 1F1B,
+interleaved 1F1B and zero-bubble (ZB-H1) schedules.
 
 A stage computes its layers for one micro-batch (F), sends the activations to the next
 stage, and later gets their gradient back to run its backward (B). GPipe runs every
@@ -8,10 +8,14 @@ micro-batch's forward, then every backward: each stage holds the activations of 
 micro-batches at once. 1F1B starts backward as soon as the last stage can: after a few
 warm-up forwards each stage alternates one forward and one backward, so stage s holds at
 most p - s micro-batches. Both leave the same idle time, the bubble (p-1)/(m+p-1) of a step
-for p stages of equal cost. Gradients accumulate over the micro-batches; one optimizer
-step per global batch. With p = 2 and m = 1 this is plain model parallelism: the model in
-two halves on two devices, the first half's output copied to the second, backward flowing
-back.
+for p stages of equal cost. Interleaved 1F1B cuts the model into p·v chunks and gives stage
+s chunks s, s + p, ...: a micro-batch passes each stage v times, the bubble shrinks to
+(p-1)/(v m+p-1) for v times the point-to-point traffic. ZB-H1 splits each backward into B
+(the input's gradient, sent upstream at once) and W (the weights' gradient, from the input
+and output gradient each linear kept) and runs the W's in what was the bubble: (p-1)/(3m+
+p-1) when F, B and W take as long, a third of 1F1B's, holding no more than 1F1B's stage 0.
+Gradients accumulate over the micro-batches; one optimizer step per global batch. With
+p = 2 and m = 1 this is plain model parallelism: the model in two halves on two devices.
 
 In your own training loop (the copy region has all of it):
     stage = MyStage(model, rank, n_stages)             # its layers under the model's own names
@@ -23,19 +27,23 @@ In your own training loop (the copy region has all of it):
     load_full_state_dict(stage, model_sd); load_full_optim_state_dict(stage, opt, optim_sd)
 The full state dicts come whole on the pipeline's first rank (save them there) and load at
 any number of stages. With data-parallel replicas of each stage, clip after their
-gradients are averaged, over the pipeline's group.
+gradients are averaged, over the pipeline's group. A head tied to the embedding lives on
+the first and last stage: sum_tied_gradients adds the two copies' gradients (tied_group).
 
 Run:
-    python 09_pipeline_parallel.py                            # p = 2 and 4, m = 1..8, both schedules
+    python 09_pipeline_parallel.py                            # p = 2 and 4, m = 1..8, every schedule
+    python 09_pipeline_parallel.py --stages 4 --schedule interleaved --chunks 2 --microbatches 4 8
     python 09_pipeline_parallel.py --stages 2 --replicas 2    # 2 stages x 2 data-parallel replicas
     torchrun --standalone --nproc-per-node 4 09_pipeline_parallel.py --stages 4
 
-Prints PASS/FAIL per verification case (every stage's weights against one process), then a
-table: step time for each schedule and number of micro-batches beside
-torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same stages, the measured
-bubble beside (p-1)/(m+p-1), and peak activation memory per stage. Writes
-results/09_pipeline_parallel.{json,md}, results/09_timeline_gpipe.png and
-results/09_timeline_1f1b.png.
+Prints PASS/FAIL per verification case (every stage's weights against one process, the
+head tied to the embedding, clipped by the global norm), then a table: step time for each
+schedule and number of micro-batches beside torch.distributed.pipelining on the same
+stages (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and ScheduleInterleaved-
+ZeroBubble with one stage per rank for zb1), the measured bubble beside the schedule's on
+paper, peak activation memory and point-to-point bytes per stage beside their formulas.
+Writes results/09_pipeline_parallel.{json,md} and a timeline per schedule,
+results/09_timeline_{gpipe,1f1b,interleaved,zb1}.png.
 """
 
 import copy
@@ -75,56 +83,163 @@ class LMStage(nn.Module):
     """Stage ``stage`` of ``n_stages`` of the kit's TransformerLM: the embeddings (first
     stage), its share of the blocks, the final norm and output head (last stage), split so
     the stages cost about the same (a block costs 24 d^2 + 4 t d FLOPs a token, the head
-    2 d V). It holds the model's own modules under their own names.
+    2 d V). It holds the model's own modules under their own names. With ``chunks`` v > 1
+    (interleaved schedules) the model is cut into p·v chunks and this stage holds chunks
+    stage, stage + p, ..., one forward each: ``stage(x, chunk=j)`` runs its j-th.
 
         stage = LMStage(model, rank, world_size)
         pipe = Pipeline(stage, n_microbatches=8, loss_fn=lm_loss, activation_shape=(mb, t, d))
     """
 
-    def __init__(self, model, stage: int, n_stages: int):
+    def __init__(self, model, stage: int, n_stages: int, chunks: int = 1):
         super().__init__()
         d, t, v = model.tok.embedding_dim, model.pos.num_embeddings, model.head.out_features
-        n = len(model.blocks)
-        if not 1 <= n_stages <= n:
-            raise ValueError(f"{n_stages} stages for {n} blocks: at most one stage per block")
+        n, total = len(model.blocks), n_stages * chunks
+        if not 1 <= total <= n:
+            raise ValueError(f"{n_stages} stages x {chunks} chunks for {n} blocks: at most one chunk per block")
         costs = [24 * d * d + 4 * t * d] * n + [2 * d * v]   # the blocks, then the head
-        cuts = balanced_split(costs, n_stages)
-        lo, hi = cuts[stage], min(cuts[stage + 1], n)
+        cuts = balanced_split(costs, total)
+        self.ranges = [(cuts[k], min(cuts[k + 1], n)) for k in range(stage, total, n_stages)]
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.tok, self.pos = (model.tok, model.pos) if self.first else (None, None)
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for lo, hi in self.ranges for i in range(lo, hi)})
         self.ln_f, self.head = (model.ln_f, model.head) if self.last else (None, None)
 
-    def forward(self, x):
-        if self.first:   # token ids -> embeddings
+    def forward(self, x, chunk=0):
+        if self.first and chunk == 0:   # token ids -> embeddings
             x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
+        for i in range(*self.ranges[chunk]):
+            x = self.blocks[str(i)](x)
+        return self.head(self.ln_f(x)) if self.last and chunk == len(self.ranges) - 1 else x
 
 
 def lm_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def gpipe_order(n_microbatches: int, stage: int, n_stages: int) -> list:
+# A schedule is each rank's order of actions (kind, chunk, micro-batch): F forward, B
+# backward (with W: its input-gradient half), W the weight-gradient half.
+def _one_chunk(name, chunks):
+    if chunks != 1:
+        raise ValueError(f"the {name} schedule runs one chunk per stage, not {chunks}: use interleaved")
+
+
+def gpipe_order(n_microbatches: int, stage: int, n_stages: int, chunks: int = 1) -> list:
     """Every forward, then every backward."""
+    _one_chunk("gpipe", chunks)
     m = n_microbatches
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
 
 
-def one_f_one_b_order(n_microbatches: int, stage: int, n_stages: int) -> list:
+def one_f_one_b_order(n_microbatches: int, stage: int, n_stages: int, chunks: int = 1) -> list:
     """Warm-up forwards (p - s - 1 of them), then one forward one backward, then the
     remaining backwards: stage s never holds more than p - s micro-batches."""
+    _one_chunk("1f1b", chunks)
     m = n_microbatches
     warm = min(n_stages - stage - 1, m)
-    order = [("F", i) for i in range(warm)]
+    order = [("F", 0, i) for i in range(warm)]
     for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warm, m)]
+        order += [("F", 0, warm + i), ("B", 0, i)]
+    return order + [("B", 0, i) for i in range(m - warm, m)]
 
 
-SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+def interleaved_order(n_microbatches: int, stage: int, n_stages: int, chunks: int = 2) -> list:
+    """Interleaved 1F1B (Narayanan et al. 2021): the stage's v chunks take the micro-batches
+    in groups of p (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ..., then the
+    next group); forwards run ahead by 2 (p - s - 1) + (v - 1) p chunk-steps, then one
+    forward one backward, backwards in the reverse chunk order. The bubble shrinks v times,
+    to (p - 1) / (v m + p - 1), for v times the point-to-point traffic. Requires m to be a
+    multiple of p (as Megatron-LM's)."""
+    p, v, m = n_stages, chunks, n_microbatches
+    if m % p:
+        raise ValueError(f"interleaved needs micro-batches in groups of the {p} stages: {m} is not a multiple of {p}")
+    total = m * v
+    micro = lambda k: (k // (p * v)) * p + k % p   # noqa: E731  (the k-th chunk-step's micro-batch)
+    fwd = lambda k: ("F", (k // p) % v, micro(k))   # noqa: E731
+    bwd = lambda k: ("B", v - 1 - (k // p) % v, micro(k))   # noqa: E731
+    warm = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    order = [fwd(k) for k in range(warm)]
+    for k in range(total - warm):
+        order += [fwd(warm + k), bwd(k)]
+    return order + [bwd(k) for k in range(total - warm, total)]
+
+
+def zb1_order(n_microbatches: int, stage: int, n_stages: int, chunks: int = 1) -> list:
+    """ZB-H1 (Qi et al. 2023): 1F1B's order with each backward split into B (the input's
+    gradient, sent upstream at once) and W (the weights' gradient). Stage s runs W of
+    micro-batch i - s right after B of micro-batch i, the rest at the end: the W's fill the
+    bubble, and stage s holds at most p micro-batches (forwarded and not yet W'd), 1F1B's
+    peak on stage 0. With B and W as long as F each, the bubble is (p - 1) / (3 m + p - 1)
+    for m >= p, a third of 1F1B's."""
+    _one_chunk("zb1", chunks)
+    order, done = [], 0
+    for kind, c, i in one_f_one_b_order(n_microbatches, stage, n_stages):
+        order.append((kind, c, i))
+        if kind == "B" and i >= stage:
+            order.append(("W", c, i - stage))
+            done += 1
+    return order + [("W", 0, i) for i in range(done, n_microbatches)]
+
+
+SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "interleaved": interleaved_order, "zb1": zb1_order}
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """A linear layer whose backward computes only the input's gradient and leaves the
+    weight's to W: it keeps (weight, bias, input, output gradient) in ``stash``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stash):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.stash = weight, bias, stash   # the parameters themselves, for W
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        ctx.stash.append((ctx.weight, ctx.bias, x, grad))
+        return (grad.matmul(ctx.weight) if ctx.needs_input_grad[0] else None), None, None, None
+
+
+class _DeferWeightGradients(torch.overrides.TorchFunctionMode):
+    """While active, every nn.functional.linear on a weight that is a leaf (a parameter)
+    goes through _DeferredLinear: nn.Linear and the tensor-parallel layers alike."""
+
+    def __init__(self, stash):
+        super().__init__()
+        self.stash = stash
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.requires_grad and weight.is_leaf:
+                return _DeferredLinear.apply(x, weight, bias, self.stash)
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def _weight_gradients(stash, through_autograd=False):
+    """W: each deferred linear's weight gradient, grad_out^T @ input (and the bias's, the
+    sum of grad_out), added to its .grad; ``through_autograd``: handed to autograd instead,
+    so that gradient hooks (a DDP wrapper's) fire as in a plain backward."""
+    grads = {}
+    for weight, bias, x, g in stash:
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        for p, gp in ((weight, (g2, x2)), (bias, g2)):
+            if p is None:
+                continue
+            if not through_autograd and p.grad is not None:
+                p.grad.addmm_(gp[0].t(), gp[1]) if p is weight else p.grad.add_(gp.sum(0))
+                continue
+            gp = gp[0].t().matmul(gp[1]) if p is weight else gp.sum(0)
+            if through_autograd:
+                grads[p] = grads[p] + gp if p in grads else gp
+            else:
+                p.grad = gp
+    if grads:
+        torch.autograd.backward(list(grads), list(grads.values()))
 
 
 class Pipeline:
@@ -142,32 +257,59 @@ class Pipeline:
         loss = pipe.step(x if pipe.first else None, y if pipe.last else None)   # loss on the last stage
         opt.step()
 
-    ``activation_shape``: what one micro-batch's activations look like between stages. If
-    ``module`` has ``no_sync`` (a DDP wrapper over the stage's data-parallel group), every
-    backward but the last runs inside it; call its finish_gradient_synchronization after.
-    ``host_staging``: send and receive through host memory (None: when the group's backend
-    is gloo and the stage is on a GPU, since gloo's send/recv take CPU tensors only; NCCL
-    and CPU tensors go directly). ``timed``: record each action's start and end
-    (``timeline``); ``count_activations``: count the bytes autograd saves for backward,
-    held between a micro-batch's F and B (``peak_activation_bytes``); parameters do not
-    count, nor, if ``count_activations`` is a function, a saved tensor it says False of
-    (weights a wrapper gathered, say).
+    Schedules (SCHEDULES): "gpipe", "1f1b", "interleaved" (``chunks`` v >= 2 chunks per
+    stage, ``module(x, chunk=j)`` runs the j-th; m a multiple of p), and "zb1" (ZB-H1: each
+    linear's weight gradient is left out of backward and computed later, in W, from the
+    input and output gradient it kept). ``activation_shape``: what one micro-batch's
+    activations look like between stages. If ``module`` has ``no_sync`` (a DDP wrapper over
+    the stage's data-parallel group), every gradient-making action but each chunk's last runs
+    inside it; call its finish_gradient_synchronization after. ``host_staging``: send and receive
+    through host memory (None: when the group's backend is gloo and the stage is on a GPU,
+    since gloo's send/recv take CPU tensors only; NCCL and CPU tensors go directly).
+    ``timed``: record each action's (kind, chunk, micro-batch, start, end) (``timeline``);
+    ``count_activations``: count the bytes autograd saves for backward, held between a
+    micro-batch's F and B (and with zb1, the inputs and gradients W keeps, until W)
+    (``peak_activation_bytes``); parameters do not count, nor, if ``count_activations`` is
+    a function, a saved tensor it says False of (weights a wrapper gathered, say).
     """
 
     def __init__(self, module, n_microbatches: int, loss_fn, schedule="1f1b", process_group=None,
                  activation_shape=None, activation_dtype=torch.float32, timed=False, count_activations=False,
-                 host_staging=None):
-        self.module, self.m, self.loss_fn = module, n_microbatches, loss_fn
+                 host_staging=None, chunks=1):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        self.module, self.m, self.loss_fn, self.chunks = module, n_microbatches, loss_fn, chunks
         self.group, self.host_staging = process_group, host_staging
         self.stage, self.n_stages = dist.get_rank(process_group), dist.get_world_size(process_group)
-        peer = lambda s: dist.get_global_rank(process_group or dist.group.WORLD, s)  # noqa: E731
+        peer = lambda s: dist.get_global_rank(process_group or dist.group.WORLD, s % self.n_stages)  # noqa: E731
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
-        self.prev = None if self.first else peer(self.stage - 1)
-        self.next = None if self.last else peer(self.stage + 1)
-        self.order = SCHEDULES[schedule](n_microbatches, self.stage, self.n_stages)
+        self.prev, self.next = peer(self.stage - 1), peer(self.stage + 1)
+        self.order = SCHEDULES[schedule](n_microbatches, self.stage, self.n_stages, chunks)
+        self.deferred = any(kind == "W" for kind, _, _ in self.order)
         self.shape, self.dtype = activation_shape, activation_dtype
         self.timed, self.count_activations = timed, count_activations
         self.timeline, self.peak_activation_bytes = [], 0
+        self.receive_ahead = 2   # gloo: actions whose receives are posted before they run
+
+    def _virtual(self, chunk):
+        """The place of this rank's ``chunk`` among all the chunks of the model."""
+        return self.stage + chunk * self.n_stages
+
+    def _tag(self, kind, virtual, i):
+        """The tag of what flows into chunk ``virtual`` for micro-batch i: F its activation,
+        B the gradient of its output."""
+        return 2 * (i * self.n_stages * self.chunks + virtual) + (kind == "B")
+
+    def _receive(self, k, wire, last_virtual):
+        """The receive action k needs (its input from the previous chunk, or its output's
+        gradient from the next), or None."""
+        kind, c, i = self.order[k]
+        v = self._virtual(c)
+        if kind == "F" and v > 0:
+            return dist.P2POp(dist.irecv, self._buffer(wire), self.prev, self.group, tag=self._tag("F", v, i))
+        if kind == "B" and v < last_virtual:
+            return dist.P2POp(dist.irecv, self._buffer(wire), self.next, self.group, tag=self._tag("B", v, i))
+        return None
 
     def _buffer(self, device):
         return torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -177,69 +319,95 @@ class Pipeline:
         return t.to("cpu", copy=True) if self._staged else t
 
     def step(self, inputs=None, targets=None):
-        m, device = self.m, next(self.module.parameters()).device
+        m, device, last_virtual = self.m, next(self.module.parameters()).device, self.n_stages * self.chunks - 1
         self._staged = self.host_staging if self.host_staging is not None else \
             device.type != "cpu" and dist.get_backend(self.group) == "gloo"
         wire = torch.device("cpu") if self._staged else device   # where received tensors land
         xs = inputs.chunk(m) if self.first else [None] * m
         ys = targets.chunk(m) if self.last else [None] * m
-        saved_in, saved_out, held, losses, sends, sent = {}, {}, {}, [], [], []
+        saved_in, saved_out, held, stashes, losses, sends, sent, posted = {}, {}, {}, {}, [], [], [], {}
         live, self.timeline, t0 = 0, [], time.perf_counter()
-        for k, (kind, i) in enumerate(self.order):
-            recvs = []                       # what this action needs from a neighbour
-            if kind == "F" and not self.first:
-                saved_in[i] = self._buffer(wire)
-                recvs.append(dist.P2POp(dist.irecv, saved_in[i], self.prev, self.group, tag=2 * i))
-            if kind == "B" and not self.last:
-                grad = self._buffer(wire)
-                recvs.append(dist.P2POp(dist.irecv, grad, self.next, self.group, tag=2 * i + 1))
-            if sends or recvs:   # wait for what this action receives; sends finish in the background
-                works = dist.batch_isend_irecv(sends + recvs)
-                done_later = works[:len(sends)] if len(works) == len(sends) + len(recvs) else []
-                for work in works[len(done_later):]:
-                    work.wait()
-                sent += done_later
-                if kind == "F" and not self.first:
-                    saved_in[i] = saved_in[i].to(device)
-                if kind == "B" and not self.last:
-                    grad = grad.to(device)
+        # each chunk's last gradient-making action runs synchronized (a DDP or FSDP wrapper
+        # reduces then what its parameters, all of one chunk, accumulated); the others in no_sync
+        synced = {max(k for k, (kind, c, _) in enumerate(self.order) if kind in "BW" and c == j)
+                  for j in range(self.chunks)}
+        # gloo: receives are posted ahead (the next actions' data arrives while this one
+        # computes); NCCL runs its point-to-point kernels in order on one stream, so there
+        # each action's receive goes only with the previous action's send
+        ahead = self.receive_ahead if dist.get_backend(self.group) == "gloo" else 0
+        for k, (kind, c, i) in enumerate(self.order):
+            v, key = self._virtual(c), (c, i)
+            recvs = []                       # what this action and the next few need from a neighbour
+            for j in range(k, min(k + ahead + 1, len(self.order))):
+                op = self._receive(j, wire, last_virtual) if j not in posted else None
+                if op is not None:
+                    posted[j] = [op.tensor, None]
+                    recvs.append((j, op))
+            if sends or recvs:   # sends finish in the background
+                works = dist.batch_isend_irecv(sends + [op for _, op in recvs])
+                if len(works) == len(sends) + len(recvs):
+                    sent += works[:len(sends)]
+                    for (j, _), work in zip(recvs, works[len(sends):]):
+                        posted[j][1] = work
+                else:                        # one work for the whole batch (NCCL): done with it here
+                    for work in works:
+                        work.wait()
             sends = []
+            if k in posted:                  # wait for what this action receives
+                data, work = posted.pop(k)
+                if work is not None:
+                    work.wait()
+                if kind == "F":
+                    saved_in[key] = data.to(device)
+                else:
+                    grad = data.to(device)
             if self.timed:
                 _sync(device)
                 start = time.perf_counter() - t0
+            sync = contextlib.nullcontext() if k in synced or not hasattr(self.module, "no_sync") \
+                else self.module.no_sync()
             if kind == "F":
-                x = xs[i] if self.first else saved_in[i].requires_grad_()
-                with self._counting(held, i):
-                    out = self.module(x)
-                    out = self.loss_fn(out, ys[i]) / m if self.last else out   # the batch's mean
-                saved_in[i], saved_out[i] = x, out
-                live += held.get(i, 0)
-                self.peak_activation_bytes = max(self.peak_activation_bytes, live)
-                if self.last:
+                x = xs[i] if v == 0 else saved_in[key].requires_grad_()
+                stashes[key] = []
+                defer = _DeferWeightGradients(stashes[key]) if self.deferred else contextlib.nullcontext()
+                with self._counting(held, key), defer:
+                    out = self.module(x, chunk=c) if self.chunks > 1 else self.module(x)
+                    out = self.loss_fn(out, ys[i]) / m if v == last_virtual else out   # the batch's mean
+                saved_in[key], saved_out[key] = x, out
+                live += held.get(key, 0)
+                if v == last_virtual:
                     losses.append(out.detach())
                 else:
-                    sends = [dist.P2POp(dist.isend, self._wire(out.detach()), self.next, self.group, tag=2 * i)]
-            else:
-                last_backward = k == len(self.order) - 1
-                sync = contextlib.nullcontext() if last_backward or not hasattr(self.module, "no_sync") \
-                    else self.module.no_sync()
+                    sends = [dist.P2POp(dist.isend, self._wire(out.detach()), self.next, self.group,
+                                        tag=self._tag("F", v + 1, i))]
+            elif kind == "B":
                 with sync:
-                    torch.autograd.backward(saved_out.pop(i), None if self.last else grad)
-                x = saved_in.pop(i)
-                live -= held.pop(i, 0)
-                if not self.first:
-                    sends = [dist.P2POp(dist.isend, self._wire(x.grad), self.prev, self.group, tag=2 * i + 1)]
+                    torch.autograd.backward(saved_out.pop(key), None if v == last_virtual else grad)
+                x = saved_in.pop(key)
+                live -= held.pop(key, 0)
+                if self.deferred and self.count_activations:   # what W keeps until it runs
+                    held[key] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                     for entry in stashes[key] for t in entry[2:]}.values())
+                    live += held[key]
+                if v > 0:
+                    sends = [dist.P2POp(dist.isend, self._wire(x.grad), self.prev, self.group,
+                                        tag=self._tag("B", v - 1, i))]
+            else:
+                with sync:
+                    _weight_gradients(stashes.pop(key), hasattr(self.module, "no_sync"))
+                live -= held.pop(key, 0)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, live)
             if self.timed:
                 _sync(device)
-                self.timeline.append((kind, i, start, time.perf_counter() - t0))
+                self.timeline.append((kind, c, i, start, time.perf_counter() - t0))
         for work in sent + (dist.batch_isend_irecv(sends) if sends else []):
             work.wait()
         return torch.stack(losses).sum() if self.last else None
 
     @contextlib.contextmanager
-    def _counting(self, held, i):
-        """Count the bytes autograd saves for backward during micro-batch i's forward (each
-        storage once, parameters excluded)."""
+    def _counting(self, held, key):
+        """Count the bytes autograd saves for backward during one forward (each storage
+        once, parameters excluded)."""
         if not self.count_activations:
             yield
             return
@@ -251,7 +419,7 @@ class Pipeline:
             s = t.untyped_storage()
             if s.data_ptr() not in params and s.data_ptr() not in seen and counts(t):
                 seen.add(s.data_ptr())
-                held[i] = held.get(i, 0) + s.nbytes()
+                held[key] = held.get(key, 0) + s.nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
@@ -263,22 +431,49 @@ def _sync(device):
 
 
 # ---- in a training loop: clip by the global norm, checkpoints of the whole model ---------
+def tied_group(pipelines: list):
+    """The group of this rank's pipeline's first and last stages, where a tied embedding
+    and output head live (Megatron-LM's embedding group); None on the other stages.
+    ``pipelines``: every pipeline's global ranks in stage order (every rank creates every
+    group, in the same order: new_group is collective)."""
+    mine = None
+    for ranks in pipelines:
+        group = dist.new_group(sorted({ranks[0], ranks[-1]}))
+        if dist.get_rank() in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, process_group=None, norm_type=2.0) -> torch.Tensor:
+def sum_tied_gradients(parameters, group):
+    """A tied weight's two copies (the first stage's embedding, the last stage's head) add
+    their gradients, so both step alike, as the one tensor of one process does. Call it
+    after backward (after a DDP wrapper's finish_gradient_synchronization)."""
+    for p in parameters:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, process_group=None, norm_type=2.0, shared=()) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for a pipeline stage: the norm of the whole model's
     gradient, this stage's parameters' part summed over the pipeline ``process_group`` (the
-    stages hold disjoint parameters), so that every stage clips by the same factor. With
-    data-parallel replicas of each stage, call it after their gradients are averaged (they
-    are equal then) with the pipeline's group. Returns the total norm (collective: every
-    stage calls it)."""
+    stages hold disjoint parameters; ``shared``: those another stage holds too, such as the
+    last stage's tied head, clipped here but counted there), so that every stage clips by
+    the same factor. With data-parallel replicas of each stage, call it after their
+    gradients are averaged (they are equal then) with the pipeline's group. Returns the
+    total norm (collective: every stage calls it)."""
+    parameters = list(parameters)
+    skip = {id(p) for p in shared}
+    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
     grads = [p.grad for p in parameters if p.grad is not None]
     device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend(process_group) == "nccl" else torch.device("cpu")
     if norm_type == float("inf"):
-        total = torch.stack([g.abs().max().float() for g in grads] or [torch.zeros((), device=device)]).max()
+        total = torch.stack([g.abs().max().float() for g in counted] or [torch.zeros((), device=device)]).max()
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
     else:
-        total = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=device))
+        total = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
         dist.all_reduce(total, group=process_group)
         total = total ** (1.0 / norm_type)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -340,60 +535,172 @@ def load_full_optim_state_dict(module: nn.Module, optimizer, full: dict):
 # ---- end copy: pipeline parallelism ----
 
 
-def train_step(pipe, optimizer, batch, clock):
-    """One global batch through this rank's stage, timed by phase."""
+def train_step(pipe, optimizer, batch, clock, tie=None, max_norm=None):
+    """One global batch through this rank's stage, timed by phase. ``tie``: (group, this
+    rank's copy of a tied weight, whether it is the one the norm counts), on the first and
+    last stage; ``max_norm``: clip by the whole model's norm."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    with clock.phase("pipeline"):     # every micro-batch's forward and backward, in schedule order
+    with clock.phase("pipeline"):     # every micro-batch's F, B (and W) in the schedule's order
         pipe.step(x if pipe.first else None, y if pipe.last else None)
-    with clock.phase("comm"):         # data parallel over the stage's replicas, if any
+    with clock.phase("comm"):         # data parallel over the stage's replicas; the tied copies
         if hasattr(pipe.module, "finish_gradient_synchronization"):
             pipe.module.finish_gradient_synchronization()
+        if tie:
+            sum_tied_gradients([tie[1]], tie[0])
     with clock.phase("optim"):
+        if max_norm:
+            clip_grad_norm_(pipe.module.parameters(), max_norm, pipe.group, shared=[tie[1]] if tie and not tie[2] else ())
         optimizer.step()
 
 
 def pp_dp_groups(world_size: int, n_stages: int):
-    """This rank's (pipeline group, data-parallel group): pipelines are consecutive ranks,
-    a stage's replicas the ranks at the same place in their pipeline. Every rank creates
-    every group (new_group is collective)."""
-    pipes = [dist.new_group(list(range(k * n_stages, (k + 1) * n_stages))) for k in range(world_size // n_stages)]
+    """This rank's (pipeline group, data-parallel group, every pipeline's ranks): pipelines
+    are consecutive ranks, a stage's replicas the ranks at the same place in their
+    pipeline. Every rank creates every group (new_group is collective)."""
+    lines = [list(range(k * n_stages, (k + 1) * n_stages)) for k in range(world_size // n_stages)]
+    pipes = [dist.new_group(ranks) for ranks in lines]
     replicas = [dist.new_group(list(range(s, world_size, n_stages))) for s in range(n_stages)]
     rank = dist.get_rank()
-    return pipes[rank // n_stages], replicas[rank % n_stages]
+    return pipes[rank // n_stages], replicas[rank % n_stages], lines
+
+
+def runs(schedule, m, n_stages) -> bool:
+    """Whether ``schedule`` can run m micro-batches on n_stages (interleaved: groups of p)."""
+    return schedule != "interleaved" or m % n_stages == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Schedules on paper: every rank's order run on a clock, checked and timed
+# ----------------------------------------------------------------------------------------
+def simulate(orders: list, chunks=1, cost=None):
+    """Every rank runs its order on one clock: an action starts when its rank is free and
+    its input exists (F after the previous chunk's F of the micro-batch, B after its own F
+    and the next chunk's B, W after its B); sends cost nothing. ``cost``: time of a whole
+    stage's F, B, W (a chunk's is 1/v of it). Returns each rank's actions with (start, end),
+    or None if some rank waits for ever (a deadlock)."""
+    p = len(orders)
+    last = p * chunks - 1
+    cost = cost or {"F": 1.0, "B": 2.0, "W": 0.0}
+    done, pos, free, spans = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, c, i = orders[r][pos[r]]
+                k = r + c * p
+                need = {"F": [("F", k - 1, i)] if k else [],
+                        "B": [("F", k, i)] + ([("B", k + 1, i)] if k < last else []),
+                        "W": [("B", k, i)]}[kind]
+                if any(n not in done for n in need):
+                    break
+                start = max([free[r]] + [done[n] for n in need])
+                done[(kind, k, i)] = free[r] = start + cost[kind] / chunks
+                spans[r].append((kind, c, i, start, free[r]))
+                pos[r] += 1
+                moved = True
+    return None if any(pos[r] < len(orders[r]) for r in range(p)) else spans
+
+
+def check_orders(orders: list, m: int, chunks=1) -> list:
+    """What is wrong with every rank's order (empty: nothing): each (chunk, micro-batch)
+    forwarded and backwarded once (and W'd once, if any W), F before B before W on a rank;
+    every rank running its list to the end (no deadlock, by simulate); and between every two
+    ranks, the sends in the sender's order matching the receives in the receiver's (NCCL
+    pairs them by order)."""
+    p, problems = len(orders), []
+    for r, order in enumerate(orders):
+        kinds = "FBW" if any(k == "W" for k, _, _ in order) else "FB"
+        want = sorted((k, c, i) for k in kinds for c in range(chunks) for i in range(m))
+        if sorted(order) != want:
+            problems.append(f"rank {r}: not every action once")
+        place = {a: n for n, a in enumerate(order)}
+        for c in range(chunks):
+            for i in range(m):
+                if any(place.get((a, c, i), -1) > place.get((b, c, i), 1 << 30) for a, b in ("FB", "BW")):
+                    problems.append(f"rank {r}: chunk {c}, micro-batch {i} out of order (F, B, W)")
+    if simulate(orders, chunks) is None:
+        problems.append("deadlock: some rank waits for ever")
+    last = p * chunks - 1
+    for a in range(p):
+        for b in {(a + 1) % p, (a - 1) % p} - {a}:
+            sent = [(kind, c, i) for kind, c, i in orders[a] if (kind == "F" and b == (a + 1) % p and a + c * p < last)
+                    or (kind == "B" and b == (a - 1) % p and a + c * p > 0)]
+            got = [(kind, c, i) for kind, c, i in orders[b]
+                   if (kind == "F" and a == (b - 1) % p and b + c * p > 0)
+                   or (kind == "B" and a == (b + 1) % p and b + c * p < last)]
+            if [(k, i) for k, _, i in sent] != [(k, i) for k, _, i in got]:
+                problems.append(f"ranks {a} -> {b}: sends and receives in different orders")
+    return problems
+
+
+def theory(schedule, m, p, chunks=1) -> list:
+    """Each stage's idle share of a step by the schedule on paper: stages of equal cost,
+    backward twice the forward (B and W one forward each with zb1), free sends. GPipe and
+    1F1B: (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1); ZB-H1 (p-1)/(3m+p-1) for m >= p."""
+    orders = [SCHEDULES[schedule](m, s, p, chunks) for s in range(p)]
+    spans = simulate(orders, chunks, {"F": 1.0, "B": 1.0, "W": 1.0} if schedule == "zb1" else None)
+    end = max(a[-1] for lane in spans for a in lane)
+    return [1 - sum(b - a for *_, a, b in lane) / end for lane in spans]
+
+
+def held_peak(order, act, stash=None) -> float:
+    """The most activation bytes a rank's order holds at once: one micro-batch's ``act[c]``
+    through chunk c from its F to its B, and after B until W ``stash[c]`` (the inputs and
+    output gradients W keeps). GPipe holds m micro-batches, 1F1B min(p - s, m), interleaved
+    min(2 (p - s - 1) + (v - 1) p + 1, m v) chunk-micro-batches, ZB-H1 p - s full and s
+    kept for W."""
+    held = peak = 0.0
+    kept = stash if any(kind == "W" for kind, _, _ in order) else [0.0] * len(act)
+    for kind, c, _ in order:
+        held += {"F": act[c], "B": kept[c] - act[c], "W": -kept[c]}[kind]
+        peak = max(peak, held)
+    return peak
+
+
+def p2p_bytes(m, p, s, chunks, message) -> float:
+    """Bytes stage s sends in a step: an activation forward and a gradient back per
+    micro-batch and chunk boundary it sits at (interleaved: v times the boundaries)."""
+    return m * message * (2 * chunks - (s == p - 1) - (s == 0))
 
 
 # ----------------------------------------------------------------------------------------
 # Verification: every stage's weights against one process on the same global batches
 # ----------------------------------------------------------------------------------------
-VERIFY_DIMS = (64, 256, 4, 2)   # d_model, d_ff, layers, heads: 4 blocks split over up to 4 stages
-VERIFY_T = 16
+VERIFY_DIMS = (32, 128, 9, 2)   # d_model, d_ff, blocks, heads: 2 or 4 stages of 2 chunks, not a multiple of 9
+VERIFY_T, MAX_NORM = 16, 0.1    # clipped by the whole model's norm (the LM's is near 0.5: every step clips)
 # AdamW's eps is 1e-6 in the check: micro-batches add the gradient up in another order, and
 # with the default 1e-8 a gradient that nearly cancels turns that rounding into 1e-5 weight
 # differences within a few steps (as in 08); the check is on the pipeline, not on AdamW.
 
 
-def verify_case(ctx, args, groups, n_stages, m, schedule, batch):
-    """The LM pipelined over ``n_stages`` ranks (the remaining ranks data-parallel replicas
-    of each stage, DDPBucketed over each stage's replicas), against one process."""
+def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch):
+    """The LM, its head tied to its embedding, pipelined over ``n_stages`` ranks (the
+    remaining ranks data-parallel replicas of each stage, DDPBucketed over each stage's
+    replicas), clipped by the global norm, against one process."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
-    pipe_group, dp_group = groups
+    pipe_group, dp_group, tie_group = groups
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     torch.manual_seed(args.seed)
     d, f, n, h = VERIFY_DIMS
     ref = common.TransformerLM(d, f, n, h, context_length=VERIFY_T).to(ctx.device)
-    stage = LMStage(copy.deepcopy(ref), dist.get_rank(pipe_group), n_stages)
+    ref.head.weight = ref.tok.weight
+    stage = LMStage(copy.deepcopy(ref), dist.get_rank(pipe_group), n_stages, chunks)
     module = bucketed.DDPBucketed(stage, 0.01, process_group=dp_group) if dp_size > 1 else stage
-    pipe = Pipeline(module, m, lm_loss, schedule, pipe_group, activation_shape=(batch // dp_size // m, VERIFY_T, d))
+    pipe = Pipeline(module, m, lm_loss, schedule, pipe_group, activation_shape=(batch // dp_size // m, VERIFY_T, d),
+                    chunks=chunks)
+    tie = (tie_group, stage.tok.weight if stage.first else stage.head.weight, stage.first) if tie_group else None
     opts = [torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6) for mod in (ref, module)]
     for step in range(args.verify_steps):
         x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, ctx.device)
         opts[0].zero_grad()
         ref(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         opts[0].step()
         train_step(pipe, opts[1], (common.shard(x, dp_rank, dp_size), common.shard(y, dp_rank, dp_size)),
-                   common.StepClock(ctx.device))
-    mine, theirs = dict(stage.named_parameters()), dict(ref.named_parameters())
+                   common.StepClock(ctx.device), tie, MAX_NORM)
+    mine, theirs = dict(stage.named_parameters()), dict(ref.named_parameters(remove_duplicate=False))
     ok, diff = bool(mine), 0.0
     for name, p in mine.items():
         diff = max(diff, (p.detach().double() - theirs[name].detach().double()).abs().max().item())
@@ -408,29 +715,39 @@ def verify_case(ctx, args, groups, n_stages, m, schedule, batch):
             "max_diff": max(r["max_diff"] for r in everyone)}
 
 
-def verify(ctx, args, n_stages, microbatches):
-    """Both schedules at each number of micro-batches; with more ranks than stages, each
-    stage has data-parallel replicas."""
+def verify(ctx, args, n_stages, microbatches, schedules, chunks):
+    """Every schedule at each number of micro-batches it can run; with more ranks than
+    stages, each stage has data-parallel replicas."""
     dp = ctx.world_size // n_stages
-    groups = pp_dp_groups(ctx.world_size, n_stages)
+    pipe_group, dp_group, lines = pp_dp_groups(ctx.world_size, n_stages)
+    groups = (pipe_group, dp_group, tied_group(lines))
     batch = 2 * math.lcm(*microbatches) * dp   # two sequences per micro-batch at the largest count
     layout = f"p {n_stages}" + (f" x {dp} replicas" if dp > 1 else "")
     out = {}
     for m in microbatches:
-        for schedule in SCHEDULES:
-            note = " (model parallelism: two halves)" if (n_stages, m, dp) == (2, 1, 1) else ""
-            out[f"{schedule}, {layout}, m {m}{note}"] = verify_case(ctx, args, groups, n_stages, m, schedule, batch)
+        for schedule in schedules:
+            if runs(schedule, m, n_stages):
+                v = chunks if schedule == "interleaved" else 1
+                note = " (model parallelism: two halves)" if (n_stages, m, dp, schedule) == (2, 1, 1, "gpipe") else ""
+                name = f"{schedule}{f' v {v}' if v > 1 else ''}, {layout}, m {m}{note}"
+                out[name] = verify_case(ctx, args, groups, n_stages, m, schedule, v, batch)
     return out
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmark: ours against torch.distributed.pipelining, the bubble, activation memory
+# Benchmark: ours against torch.distributed.pipelining, the bubble, memory, bytes
 # ----------------------------------------------------------------------------------------
-def torch_pipeline(ctx, args, stage, m, schedule):
-    """torch.distributed.pipelining on the same stage module and micro-batches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    pstage = PipelineStage(stage, ctx.rank, ctx.world_size, ctx.device)
-    return (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pstage, n_microbatches=m, loss_fn=lm_loss)
+def torch_pipeline(ctx, model, m, schedule, chunks):
+    """torch.distributed.pipelining on the same chunks and micro-batches: ScheduleGPipe,
+    Schedule1F1B, ScheduleInterleaved1F1B (a PipelineStage per chunk), and for zb1
+    ScheduleInterleavedZeroBubble with one stage per rank (torch's ZB-H1)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+    p, v = ctx.world_size, chunks if schedule == "interleaved" else 1
+    mods = [LMStage(model, ctx.rank + j * p, p * v) for j in range(v)]
+    stages = [PipelineStage(mod, ctx.rank + j * p, p * v, ctx.device) for j, mod in enumerate(mods)]
+    cls = {"gpipe": schedules.ScheduleGPipe, "1f1b": schedules.Schedule1F1B,
+           "interleaved": schedules.ScheduleInterleaved1F1B, "zb1": schedules.ScheduleInterleavedZeroBubble}[schedule]
+    return mods, cls(stages if schedule in ("interleaved", "zb1") else stages[0], n_microbatches=m, loss_fn=lm_loss)
 
 
 def torch_pipelining_runs(backend, device) -> bool:
@@ -439,97 +756,138 @@ def torch_pipelining_runs(backend, device) -> bool:
     return not (backend == "gloo" and device == "cuda")
 
 
-def benchmark(ctx, args, microbatches):
+def benchmark(ctx, args, microbatches, schedules, chunks):
     """For each number of micro-batches and schedule, ours and torch's on the same stages,
-    steps alternating; for ours also the bubble of every step and the activation memory."""
+    steps alternating; for ours also the bubble of every step, the activation memory and
+    the point-to-point bytes."""
     d, p = common.MODEL_SIZES[args.model_size][0], ctx.world_size
     shape = lambda m: (args.batch_size // m, args.context_length, d)  # noqa: E731
-    bubbles = {}
-
-    def build():
-        return LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank, p)
+    build = lambda: common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)  # noqa: E731
+    chunks_of = lambda s: chunks if s == "interleaved" else 1  # noqa: E731
+    bubbles, cases = {}, [(m, s) for m in microbatches for s in schedules if runs(s, m, p)]
 
     def ours(m, schedule):
-        stage = build()
-        pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=shape(m), timed=True)
+        stage = LMStage(build(), ctx.rank, p, chunks_of(schedule))
+        pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=shape(m), timed=True, chunks=chunks_of(schedule))
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
         bubbles[(m, schedule)] = []
 
         def step(batch, clock):   # the idle share of each step, from its action timeline
             train_step(pipe, opt, batch, clock)
-            busy = sum(end - start for _, _, start, end in pipe.timeline)
+            busy = sum(end - start for *_, start, end in pipe.timeline)
             bubbles[(m, schedule)].append(1 - busy / clock.times["pipeline"])
         return step
 
     def theirs(m, schedule):
-        stage = build()
-        sched = torch_pipeline(ctx, args, stage, m, schedule)
-        opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+        mods, sched = torch_pipeline(ctx, build(), m, schedule, chunks)
+        opt = torch.optim.AdamW([q for mod in mods for q in mod.parameters()], lr=1e-4)
 
         def step(batch, clock):   # contiguous: torch 2.11's stages check the strides of what they get
             x, y = (t.contiguous() for t in batch)
             opt.zero_grad(set_to_none=True)
             with clock.phase("pipeline"):
-                sched.step(*([x] if stage.first else []), **({"target": y} if stage.last else {}))
+                sched.step(*([x] if ctx.rank == 0 else []), **({"target": y} if ctx.rank == p - 1 else {}))
             with clock.phase("comm"):
                 pass
             with clock.phase("optim"):
                 opt.step()
         return step
     methods = {}
-    for m in microbatches:
-        for schedule in SCHEDULES:
-            methods[f"{schedule}, m {m} (ours)"] = lambda m=m, s=schedule: ours(m, s)
-            # torch's Schedule1F1B refuses fewer micro-batches than stages; its stages send CUDA
-            # tensors point to point, which gloo cannot carry (main says so)
-            if (schedule == "gpipe" or m >= p) and torch_pipelining_runs(ctx.backend, ctx.device.type):
-                methods[f"{schedule}, m {m} (torch)"] = lambda m=m, s=schedule: theirs(m, s)
+    for m, schedule in cases:
+        methods[f"{schedule}, m {m} (ours)"] = lambda m=m, s=schedule: ours(m, s)
+        # torch's Schedule1F1B refuses fewer micro-batches than stages; its stages send CUDA
+        # tensors point to point, which gloo cannot carry (main says so)
+        if (schedule != "1f1b" or m >= p) and torch_pipelining_runs(ctx.backend, ctx.device.type):
+            methods[f"{schedule}, m {m} (torch)"] = lambda m=m, s=schedule: theirs(m, s)
     rows = common.time_methods(ctx, args, methods, global_batch=True)
     everyone = [None] * p
     dist.all_gather_object(everyone, {k: v[-args.steps:] for k, v in bubbles.items()})
-    memory = activation_memory(ctx, args, microbatches)
+    memory = activation_memory(ctx, args, cases, chunks)
     by_name = {r["method"]: r for r in rows}
-    for m in microbatches:
-        for schedule in SCHEDULES:
-            r, t = by_name[f"{schedule}, m {m} (ours)"], by_name.get(f"{schedule}, m {m} (torch)")
-            for row in (r, t) if t else (r,):
-                row.update(schedule=schedule, stages=p, microbatches=m, theory=(p - 1) / (m + p - 1))
-            per_stage = [common.summarize(e[(m, schedule)])["median"] for e in everyone]
-            r.update(bubble=sum(per_stage) / p, bubble_per_stage=per_stage,
-                     act_MB_per_stage=[b / 1e6 for b in memory[(m, schedule)]],
-                     peak_act_MB=max(memory[(m, schedule)]) / 1e6)
-            if t:
-                r.update(common.vs_paired(r, t))
+    message = args.batch_size * args.context_length * d * 4   # a whole batch's activations, fp32
+    for m, schedule in cases:
+        r, t = by_name[f"{schedule}, m {m} (ours)"], by_name.get(f"{schedule}, m {m} (torch)")
+        v = chunks_of(schedule)
+        for row in (r, t) if t else (r,):
+            row.update(schedule=schedule, chunks=v, stages=p, microbatches=m, theory=sum(theory(schedule, m, p, v)) / p)
+        per_stage = [common.summarize(e[(m, schedule)])["median"] for e in everyone]
+        mem = memory[(m, schedule)]
+        r.update(bubble=sum(per_stage) / p, bubble_per_stage=per_stage, theory_per_stage=theory(schedule, m, p, v),
+                 act_MB_per_stage=[s["peak"] / 1e6 for s in mem], peak_act_MB=max(s["peak"] for s in mem) / 1e6,
+                 act_formula_MB=max(s["formula"] for s in mem) / 1e6,
+                 p2p_MB=max(s["sent"] for s in mem) / 1e6, p2p_formula_MB=max(p2p_bytes(m, p, s, v, message / m)
+                                                                                for s in range(p)) / 1e6)
+        if t:
+            r.update(common.vs_paired(r, t))
     return rows
 
 
-def activation_memory(ctx, args, microbatches):
-    """Peak bytes of activations each stage holds for backward, for each (m, schedule): one
-    counted step each (the count is exact, so one step is enough)."""
+def one_microbatch(stage, chunk, mb, context, d, deferred):
+    """Bytes autograd saves for one micro-batch of ``mb`` sequences through ``chunk`` of
+    ``stage`` (parameters excluded), and with ``deferred`` (zb1) what W keeps of it after
+    B: the inputs and output gradients of its linears."""
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    device = next(stage.parameters()).device
+    first = stage.first and chunk == 0
+    x = torch.zeros(mb, context, dtype=torch.long, device=device) if first else \
+        torch.zeros(mb, context, d, device=device, requires_grad=True)
+    stash = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            (_DeferWeightGradients(stash) if deferred else contextlib.nullcontext()):
+        out = stage(x, chunk=chunk)
+        if stage.last and chunk == len(stage.ranges) - 1:
+            out = lm_loss(out, torch.zeros(mb, context, dtype=torch.long, device=device))
+    act = sum(seen.values())
+    if not deferred:
+        return act, 0
+    out.backward(torch.ones_like(out))
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for e in stash for t in e[2:]}
+    stage.zero_grad(set_to_none=True)
+    return act, sum(kept.values())
+
+
+def activation_memory(ctx, args, cases, chunks):
+    """For each (m, schedule), on every stage: the peak bytes of activations held for
+    backward in one counted step (exact: one step is enough) beside the schedule's formula
+    (held_peak, from one micro-batch's bytes through each chunk), and the bytes the stage
+    sent point to point."""
     d, out = common.MODEL_SIZES[args.model_size][0], {}
     x, y = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
-    for m in microbatches:
-        for schedule in SCHEDULES:
-            stage = LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank,
-                            ctx.world_size)
-            pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=(args.batch_size // m, args.context_length, d),
-                            count_activations=True)
+    for m, schedule in cases:
+        v = chunks if schedule == "interleaved" else 1
+        stage = LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank,
+                        ctx.world_size, v)
+        units = [one_microbatch(stage, c, args.batch_size // m, args.context_length, d, schedule == "zb1")
+                 for c in range(v)]
+        pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=(args.batch_size // m, args.context_length, d),
+                        count_activations=True, chunks=v)
+        with common.count_collectives() as c:
             pipe.step(x if pipe.first else None, y if pipe.last else None)
-            everyone = [None] * ctx.world_size
-            dist.all_gather_object(everyone, pipe.peak_activation_bytes)
-            out[(m, schedule)] = everyone
+        order = SCHEDULES[schedule](m, ctx.rank, ctx.world_size, v)
+        formula = held_peak(order, [a for a, _ in units], [k for _, k in units])
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, {"peak": pipe.peak_activation_bytes, "formula": formula,
+                                          "sent": sum(b for op, _, b in c.log if op == "send")})
+        out[(m, schedule)] = everyone
     return out
 
 
-def timelines(ctx, args, m):
+def timelines(ctx, args, m, schedules, chunks):
     """One timed step of each schedule on every stage: {schedule: [stage's actions]}."""
     d, out = common.MODEL_SIZES[args.model_size][0], {}
     x, y = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
-    for schedule in SCHEDULES:
+    for schedule in schedules:
+        v = chunks if schedule == "interleaved" else 1
         stage = LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank,
-                        ctx.world_size)
+                        ctx.world_size, v)
         pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=(args.batch_size // m, args.context_length, d),
-                        timed=True)
+                        timed=True, chunks=v)
         for _ in range(3):   # the last step is drawn
             dist.barrier()
             pipe.step(x if pipe.first else None, y if pipe.last else None)
@@ -540,29 +898,37 @@ def timelines(ctx, args, m):
     return out
 
 
+ACTION_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+
+
 def draw_timeline(lanes, title, path):
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * len(lanes)))
-    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    chunked = any(c for actions in lanes for _, c, *_ in actions)
     for s, actions in enumerate(lanes):
-        for kind, i, start, end in actions:
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (s - 0.35, 0.7), facecolors=colors[kind],
-                           edgecolors="white", linewidth=0.5)
-            ax.text((start + end) / 2 * 1e3, s, str(i), ha="center", va="center", fontsize=7, color="white")
+        for kind, c, i, start, end in actions:
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (s - 0.35, 0.7), facecolors=ACTION_COLORS[kind],
+                           edgecolors="white", linewidth=0.5, alpha=1.0 if c % 2 == 0 else 0.65)
+            ax.text((start + end) / 2 * 1e3, s, f"{c}.{i}" if chunked else str(i), ha="center", va="center",
+                    fontsize=6, color="white")
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([f"stage {s}" for s in range(len(lanes))])
     ax.invert_yaxis()
-    ax.set_xlabel("time in the step (ms); F = forward, B = backward, numbers: micro-batch")
+    ax.set_xlabel("time in the step (ms); F forward, B backward (input gradient with W), W weight gradient; "
+                  + ("labels: chunk.micro-batch" if chunked else "numbers: micro-batch"))
     ax.set_title(title)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward")],
+    names = {"F": "forward", "B": "backward", "W": "weights' gradient"}
+    kinds = {kind for actions in lanes for kind, *_ in actions}
+    ax.legend(handles=[Patch(color=ACTION_COLORS[k], label=names[k]) for k in "FBW" if k in kinds],
               fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     common.save_figure(fig, path)
 
 
-HEADERS = ["method", "stages", "microbatches", "step_ms", "step_min_ms", "step_max_ms", "vs_torch", "vs_torch_min",
-           "vs_torch_max", "bubble", "theory", "peak_act_MB"]
-NAME, TITLE = "09_pipeline_parallel", "Pipeline parallelism: GPipe and 1F1B against torch.distributed.pipelining"
+HEADERS = ["method", "stages", "chunks", "microbatches", "step_ms", "step_min_ms", "step_max_ms", "vs_torch",
+           "vs_torch_min", "vs_torch_max", "bubble", "theory", "peak_act_MB", "act_formula_MB", "p2p_MB",
+           "p2p_formula_MB"]
+NAME, TITLE = "09_pipeline_parallel", "Pipeline schedules against torch.distributed.pipelining"
 
 
 def main(argv=None):
@@ -572,11 +938,21 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="data-parallel replicas of every stage (world size = stages x replicas)")
     p.add_argument("--microbatches", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--schedule", nargs="+", default=None,
+                   help=f"schedules, of {', '.join(SCHEDULES)} (default: all; interleaved only where the "
+                        f"micro-batches are a multiple of the stages)")
+    p.add_argument("--chunks", type=int, default=2, help="interleaved: chunks of layers per stage (v)")
     p.set_defaults(batch_size=8, context_length=64)
     args = common.parse(p, argv, cpu_size="mini8")   # mini's width, enough blocks to balance 4 stages
     n_layers = common.MODEL_SIZES[args.model_size][2]
+    unknown = [s for s in args.schedule or [] if s not in SCHEDULES]
+    if unknown:
+        raise common.UsageError(f"unknown --schedule {unknown[0]!r}: choose from {', '.join(SCHEDULES)}")
+    schedules = list(dict.fromkeys(args.schedule or SCHEDULES))
     if args.replicas < 1:
         raise common.UsageError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.chunks < 1:
+        raise common.UsageError(f"--chunks must be at least 1, got {args.chunks}")
     stages = list(dict.fromkeys(args.stages or [s for s in (2, 4) if common.nccl_fits(args.backend, s * args.replicas)]))
     if not stages or not all(common.nccl_fits(args.backend, s * args.replicas) for s in stages):
         raise common.UsageError(f"a pipeline needs 2 or more ranks, and nccl a GPU per rank: {stages or [2]} stages x "
@@ -585,14 +961,22 @@ def main(argv=None):
         bad = [s for s in stages if args.world_size % s]
         if bad:
             raise common.UsageError(f"--stages {bad[0]} does not divide the world size {args.world_size}")
+    v = args.chunks if "interleaved" in schedules else 1   # what the deepest chunking needs
     blocks = ([] if args.no_bench else [(n_layers, f"{args.model_size} has {n_layers} blocks")]) + \
         ([] if args.no_verify else [(VERIFY_DIMS[2], f"the verification LM {VERIFY_DIMS[2]}")])
     top = min([n for n, _ in blocks], default=None)
     for s in stages:   # what this command runs, nothing else
-        if s < 2 or (top is not None and s > top):
-            raise common.UsageError(f"--stages {s}: a pipeline needs 2 to {top} stages "
-                                    f"({', '.join(why for _, why in blocks)})" if top is not None else
-                                    f"--stages {s}: a pipeline needs 2 or more stages")
+        if s < 2:
+            raise common.UsageError(f"--stages {s}: a pipeline needs 2 or more stages")
+        if top is not None and s * v > top:
+            raise common.UsageError(f"--stages {s}{f' x --chunks {v}' if v > 1 else ''} is more chunks than blocks: "
+                                    f"{', '.join(why for _, why in blocks)}; use fewer stages or chunks")
+    if args.schedule and "interleaved" in schedules:   # asked for: every micro-batch count must fit it
+        for s in stages:
+            bad = [m for m in args.microbatches if m % s]
+            if bad:
+                raise common.UsageError(f"--schedule interleaved needs micro-batches in groups of the {s} stages: "
+                                        f"--microbatches {bad[0]} is not a multiple of {s}")
     common.check_divisible(args.batch_size, args.replicas, "--batch-size")
     for m in args.microbatches:
         if m < 1 or (not args.no_bench and (args.batch_size // args.replicas) % m):
@@ -602,12 +986,13 @@ def main(argv=None):
 
     if not args.no_verify:
         for s in stages:
-            common.check_verification(common.launch(verify, args, s, args.microbatches, world_size=worlds[s]),
+            common.check_verification(common.launch(verify, args, s, args.microbatches, schedules, args.chunks,
+                                                    world_size=worlds[s]),
                                       f"{NAME}, {s} stages on {worlds[s]} ranks")
         if 2 in stages and worlds[2] == 2 and not common.under_torchrun():   # pipeline x data: 2 x 2
             if common.nccl_fits(args.backend, 4):
-                common.check_verification(common.launch(verify, args, 2, args.microbatches, world_size=4),
-                                          f"{NAME}, 2 stages x 2 replicas")
+                common.check_verification(common.launch(verify, args, 2, args.microbatches, schedules, args.chunks,
+                                                        world_size=4), f"{NAME}, 2 stages x 2 replicas")
             elif common.is_reporter():
                 print(f"verify {NAME}, 2 stages x 2 replicas: skipped (4 NCCL ranks, {common.gpu_count()} GPU(s))")
     if args.no_bench:
@@ -620,24 +1005,30 @@ def main(argv=None):
         if worlds[s] != s:
             print(f"(the benchmark runs pipelines alone: skipped {s} stages x {worlds[s] // s} replicas)")
             continue
-        rows += common.launch(benchmark, args, args.microbatches, world_size=s)
+        rows += common.launch(benchmark, args, args.microbatches, schedules, args.chunks, world_size=s)
         if common.is_reporter():
-            table = common.save_results(args.out, NAME, rows, {**common.lm_settings(args), "world_size": stages},
-                                        headers=HEADERS, title=TITLE)
+            table = common.save_results(args.out, NAME, rows, {**common.lm_settings(args), "world_size": stages,
+                                                               "chunks": args.chunks},
+                                        headers=HEADERS, title=TITLE, note=theory.__doc__.split("\n\n")[0])
     if rows and common.is_reporter():
         print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, global batch {args.batch_size}x"
               f"{args.context_length}; step times in ms, median [min, max] of {args.steps} steps; vs_torch: "
-              f"median of paired steps; bubble: idle share of a step, mean of the stages; peak_act_MB: "
-              f"activations held for backward, largest stage)\n{table}\nwrote {args.out}/{NAME}.json and .md")
+              f"median of paired steps; bubble: idle share of a step, mean of the stages, beside theory (the "
+              f"schedule on paper); peak_act_MB: activations held for backward, largest stage, beside the "
+              f"schedule's formula; p2p_MB: bytes the busiest stage sends, beside the formula)\n{table}\n"
+              f"wrote {args.out}/{NAME}.json and .md")
     deepest = max(s for s in stages if worlds[s] == s) if rows else None
     if deepest:
-        lanes = common.launch(timelines, args, max(args.microbatches), world_size=deepest)
+        m = max(m for m in args.microbatches if all(runs(s, m, deepest) for s in schedules)) \
+            if any(all(runs(s, m, deepest) for s in schedules) for m in args.microbatches) else max(args.microbatches)
+        drawn = [s for s in schedules if runs(s, m, deepest)]
+        lanes = common.launch(timelines, args, m, drawn, args.chunks, world_size=deepest)
         if common.is_reporter():
             for schedule, stage_lanes in lanes.items():
                 path = f"{args.out}/09_timeline_{schedule}.png"
-                draw_timeline(stage_lanes, f"{schedule.upper()}: {deepest} stages, {max(args.microbatches)} "
-                                           f"micro-batches, one step ({args.model_size} LM, {args.backend}/{args.device})",
-                              path)
+                v = f", {args.chunks} chunks a stage" if schedule == "interleaved" else ""
+                draw_timeline(stage_lanes, f"{schedule.upper()}: {deepest} stages{v}, {m} micro-batches, one step "
+                                           f"({args.model_size} LM, {args.backend}/{args.device})", path)
                 print(f"wrote {path}")
 
 

@@ -124,6 +124,7 @@ class Mesh:
 
 
 AXES = ("pp", "dp", "fsdp", "tp")   # outermost first: tp innermost (the fastest links)
+SCHEDULE_NAMES = ("1f1b", "interleaved", "zb1")   # 09's schedules a mesh can run
 ddp_mod = common.load_script(common.ROOT / "05_bucketed_ddp.py")
 fsdp_mod = common.load_script(common.ROOT / "07_fsdp.py")
 tp_mod = common.load_script(common.ROOT / "08_tensor_parallel.py")
@@ -135,17 +136,21 @@ class ParallelLM:
     pp, 05's DDPBucketed over dp, 07's FSDP over fsdp (a unit per block of the stage, the
     rest the root), 08's tensor-parallel blocks over tp. ``model``: the whole LM, the same on
     every rank (its head may share the embedding's weight); ``batch``: the global batch,
-    split over the dp x fsdp replicas and then into ``microbatches``."""
+    split over the dp x fsdp replicas and then into ``microbatches``; ``schedule`` and
+    ``chunks``: 09's (interleaved: each stage holds ``chunks`` chunks of the blocks; zb1
+    not with fsdp, whose reduce-scatters run in backward, before zb1's deferred W)."""
 
     def __init__(self, mesh, model, batch, microbatches, schedule="1f1b", bucket_mb=25.0, count_activations=False,
-                 **pipeline_options):
+                 chunks=1, **pipeline_options):
         self.mesh = mesh
         P, D, F, T = (mesh.size(a) for a in AXES)
+        if schedule == "zb1" and F > 1:
+            raise ValueError("zb1 defers the weights' gradients past FSDP's reduce-scatters: use 1f1b or interleaved")
         self.tied = model.head.weight is model.tok.weight
         self.replica, self.replicas = mesh.coord("dp") * F + mesh.coord("fsdp"), D * F
         if T > 1:
             tp_mod.tensor_parallel_lm(model, mesh.group("tp"))
-        self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P)
+        self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P, chunks)
         self.fsdp = fsdp_mod.FSDP(self.stage, process_group=mesh.group("fsdp"),
                                   units=list(self.stage.blocks.values())) if F > 1 else None
         module = self.fsdp or self.stage
@@ -153,7 +158,7 @@ class ParallelLM:
         shape = (batch // self.replicas // microbatches, model.pos.num_embeddings, model.tok.embedding_dim)
         self.pipe = pp_mod.Pipeline(self.module, microbatches, pp_mod.lm_loss, schedule, mesh.group("pp"),
                                     activation_shape=shape, count_activations=count_activations and self._activation,
-                                    **pipeline_options)
+                                    chunks=chunks, **pipeline_options)
         self.params = dict(self.stage.named_parameters())   # FSDP's shards under the original names
         # the tied embedding's two copies (first and last stage) sum their gradients
         self.embed_group = mesh.subgroup("pp", [0, P - 1]) if self.tied and P > 1 else None
@@ -305,8 +310,14 @@ def mesh_of(**sizes) -> dict:
     return {a: sizes.get(a, 1) for a in AXES}
 
 
-def label(shape, tie=False) -> str:
-    return " x ".join(f"{a} {n}" for a, n in shape.items() if n > 1) + (" (tied)" if tie else "")
+def label(shape, tie=False, schedule="1f1b", chunks=2) -> str:
+    """A mesh's name: its axes, and its schedule where it is not 1F1B."""
+    sched = "" if schedule == "1f1b" else f", {schedule}" + (f" v {chunks}" if schedule == "interleaved" else "")
+    return " x ".join(f"{a} {n}" for a, n in shape.items() if n > 1) + (" (tied)" if tie else "") + sched
+
+
+def chunks_of(schedule, chunks) -> int:
+    return chunks if schedule == "interleaved" else 1
 
 
 def default_microbatches(shape) -> int:
@@ -357,7 +368,8 @@ def compare(model: ParallelLM, ref, norms=()) -> dict:
             "max_diff": max(r["max_diff"] for r in everyone)}
 
 
-def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None, batch=None):
+def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None, batch=None, schedule="1f1b",
+                chunks=2):
     """Train the verification LM over ``shape`` and one process on the same global batches
     (AdamW, clipped at MAX_NORM); compare. ``checkpoint`` = (path, "save" | "resume", k):
     save after step k, or start from the file at step k (the reference still trains from
@@ -365,7 +377,7 @@ def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None
     mesh, m = Mesh(shape), default_microbatches(shape)
     batch = batch or 2 * m * shape["dp"] * shape["fsdp"]
     ref = lm(VERIFY_LM, VERIFY_T, tie, args.seed, ctx.device)
-    model = ParallelLM(mesh, copy.deepcopy(ref), batch, m)
+    model = ParallelLM(mesh, copy.deepcopy(ref), batch, m, schedule, chunks=chunks_of(schedule, chunks))
     opt, ref_opt = make_optimizer(model), torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     path, action, k = checkpoint or (None, None, None)
     norms = []
@@ -388,21 +400,28 @@ def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None
 
 
 # The suite: every 2-axis mesh at 4 ranks, the 3-axis ones at 8, an axis of 3 at 6; the tied
-# embedding at pp 2 and pp 4; a checkpoint saved on fsdp x tp x pp, resumed on dp x pp.
-SUITE = {8: [(mesh_of(pp=2, dp=2, tp=2), False), (mesh_of(pp=2, fsdp=2, tp=2), False)],
-         4: [(mesh_of(dp=2, tp=2), False), (mesh_of(pp=2, dp=2), False), (mesh_of(pp=2, tp=2), False),
-             (mesh_of(fsdp=2, tp=2), False), (mesh_of(pp=2, fsdp=2), False), (mesh_of(dp=2, fsdp=2), False),
-             (mesh_of(pp=4), True), (mesh_of(pp=2, tp=2), True)],
-         6: [(mesh_of(dp=3, tp=2), False)]}
+# embedding at pp 2 and pp 4; 09's interleaved schedule (2 chunks a stage) on pp x dp and
+# pp x fsdp, ZB-H1 on pp x tp; a checkpoint saved on fsdp x tp x pp, resumed on dp x pp.
+# Each case: (mesh shape, tied, schedule).
+SUITE = {8: [(mesh_of(pp=2, dp=2, tp=2), False, "1f1b"), (mesh_of(pp=2, fsdp=2, tp=2), False, "1f1b")],
+         4: [(mesh_of(dp=2, tp=2), False, "1f1b"), (mesh_of(pp=2, dp=2), False, "1f1b"),
+             (mesh_of(pp=2, tp=2), False, "1f1b"), (mesh_of(fsdp=2, tp=2), False, "1f1b"),
+             (mesh_of(pp=2, fsdp=2), False, "1f1b"), (mesh_of(dp=2, fsdp=2), False, "1f1b"),
+             (mesh_of(pp=4), True, "1f1b"), (mesh_of(pp=2, tp=2), True, "1f1b"),
+             (mesh_of(pp=2, dp=2), True, "interleaved"), (mesh_of(pp=2, fsdp=2), False, "interleaved"),
+             (mesh_of(pp=2, tp=2), True, "zb1")],
+         6: [(mesh_of(dp=3, tp=2), False, "1f1b")]}
+SUITE_CHUNKS = 2
 RESUME = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(pp=2, dp=2), 2)   # saved on, resumed on, after step
 RESUME_STEPS, RESUME_BATCH = 4, 16
 
 
-def verify(ctx, args, cases, resume=None):
-    """Each (mesh shape, tie) of ``cases`` in these processes; ``resume`` = (path, "save" or
-    "resume") also saves RESUME's checkpoint from its first mesh or resumes it on its
-    second, whichever has this world size."""
-    out = {label(shape, tie): verify_mesh(ctx, args, shape, tie) for shape, tie in cases}
+def verify(ctx, args, cases, resume=None, chunks=SUITE_CHUNKS):
+    """Each (mesh shape, tie, schedule) of ``cases`` in these processes; ``resume`` = (path,
+    "save" or "resume") also saves RESUME's checkpoint from its first mesh or resumes it on
+    its second, whichever has this world size."""
+    out = {label(shape, tie, schedule, chunks): verify_mesh(ctx, args, shape, tie, schedule=schedule, chunks=chunks)
+           for shape, tie, schedule in cases}
     if resume is not None:
         path, action = resume
         shape = RESUME[0] if action == "save" else RESUME[1]
@@ -437,14 +456,14 @@ def counted_bytes(model: ParallelLM, log) -> dict:
     return out
 
 
-def stage_layout(dims, context, shape, stage, tie):
+def stage_layout(dims, context, shape, stage, tie, chunks=1):
     """(name, whole shape, unit) of every parameter on ``stage`` (tp slices: the local
     shape), from the model's dimensions alone (a model on the meta device)."""
     d, f, _, _ = dims
     T = shape["tp"]
     local = {"qkv.weight": lambda s: (s[0] // T, s[1]), "proj.weight": lambda s: (s[0], s[1] // T),
              "ff_in.weight": lambda s: (s[0] // T, s[1]), "ff_out.weight": lambda s: (s[0], s[1] // T)}
-    model = pp_mod.LMStage(lm(dims, context, tie, 0, "meta"), stage, shape["pp"])
+    model = pp_mod.LMStage(lm(dims, context, tie, 0, "meta"), stage, shape["pp"], chunks)
     out = []
     for name, p in model.named_parameters():
         kind = name.split(".", 2)[-1]
@@ -454,7 +473,7 @@ def stage_layout(dims, context, shape, stage, tie):
     return out
 
 
-def predicted_bytes(dims, context, shape, coords, batch, m, tie) -> dict:
+def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1) -> dict:
     """Bytes a rank at ``coords`` sends per step, by axis, in closed form (ring algorithms:
     an all-reduce of S bytes over n ranks sends 2(n-1)/n S, an all-gather or reduce-scatter
     of S (n-1)/n S). DP: an all-reduce of the rank's gradients (plus a has-gradient flag per
@@ -462,12 +481,13 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie) -> dict:
     before its backward (2m), the root once (it stays whole until its last backward), and
     each unit's gradients reduce-scattered once (flags included). TP: 4 all-reduces of the
     activations (b t d) per block and micro-batch. PP: one activation forward and one
-    gradient back per micro-batch and stage boundary. Tie: the two copies' gradients summed.
-    Clip: one number over the whole mesh."""
+    gradient back per micro-batch and chunk boundary (interleaved: v chunks a stage, v times
+    the boundaries). Tie: the two copies' gradients summed. Clip: one number over the whole
+    mesh."""
     d = dims[0]
     P, D, F, T = (shape[a] for a in AXES)
     s, n_ranks, b = coords["pp"], math.prod(shape.values()), batch // (D * F)
-    layout = stage_layout(dims, context, shape, s, tie)
+    layout = stage_layout(dims, context, shape, s, tie, chunks)
 
     def shard(shp):   # FSDP's shard of a parameter: its rows padded to a multiple of F
         rows, rest = (shp[0], math.prod(shp[1:])) if shp else (1, 1)
@@ -486,44 +506,60 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie) -> dict:
     if T > 1:
         out["tp"] = blocks * 4 * b * context * d * 4 * 2 * (T - 1) / T
     if P > 1:
-        out["pp"] = b * context * d * 4 * ((s < P - 1) + (s > 0))
+        out["pp"] = b * context * d * 4 * (2 * chunks - (s == P - 1) - (s == 0))
         if tie and s in (0, P - 1):
             out["tie"] = 4 * shard(next(shp for name, shp, _ in layout if name in ("tok.weight", "head.weight")))
     out["clip"] = 2 * (n_ranks - 1) / n_ranks * 4
     return out
 
 
-def activation_bytes(dims, context, shape, stage, mb) -> int:
-    """Bytes autograd saves for one micro-batch of ``mb`` sequences on ``stage`` (float32):
-    per block and token 6d + (4d + 2f + h) / T + 2 numbers (RMSNorm's input, its scaled
-    input and output, twice; q, k, v, the attention output and its log-sum-exp per head,
-    split over tp; the MLP's hidden layer before and after GELU, split over tp; the norms'
-    scales); the first stage adds the token ids, the last the final norm's (3d + 1), the
-    log-softmax over the vocabulary and the targets."""
+def activation_bytes(dims, context, shape, stage, mb, chunks=1) -> list:
+    """Bytes autograd saves for one micro-batch of ``mb`` sequences through each of the
+    stage's chunks (float32): per block and token 6d + (4d + 2f + h) / T + 2 numbers
+    (RMSNorm's input, its scaled input and output, twice; q, k, v, the attention output and
+    its log-sum-exp per head, split over tp; the MLP's hidden layer before and after GELU,
+    split over tp; the norms' scales); the first chunk adds the token ids, the last the
+    final norm's (3d + 1), the log-softmax over the vocabulary and the targets."""
     d, f, _, h = dims
     P, T, n = shape["pp"], shape["tp"], mb * context
-    layout = stage_layout(dims, context, shape, stage, False)
-    blocks = len({unit for _, _, unit in layout if unit is not None})
-    total = blocks * n * 4 * (6 * d + (4 * d + 2 * f + h) // T + 2)
-    if stage == 0:
-        total += n * 8 + context * 8
-    if stage == P - 1:
-        total += n * 4 * (3 * d + 1 + common.VOCAB_SIZE) + n * 8
-    return total
+    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, P, chunks).ranges
+    out = []
+    for c, (lo, hi) in enumerate(ranges):
+        total = (hi - lo) * n * 4 * (6 * d + (4 * d + 2 * f + h) // T + 2)
+        if stage == 0 and c == 0:
+            total += n * 8 + context * 8
+        if stage == P - 1 and c == chunks - 1:
+            total += n * 4 * (3 * d + 1 + common.VOCAB_SIZE) + n * 8
+        out.append(total)
+    return out
 
 
-def predicted_memory(dims, context, shape, stage, batch, m, schedule="1f1b") -> dict:
+def kept_bytes(dims, context, shape, stage, mb, chunks=1) -> list:
+    """zb1: bytes W keeps of one micro-batch from its B until its W, per chunk: each
+    linear's input and output gradient, per block and token d (qkv's and ff_in's input,
+    the norm's output) + d/T + f/T (proj's and ff_out's input) + 3d/T + d + f/T + d (the
+    output gradients), and the head's d + V."""
+    d, f, _, _ = dims
+    P, T, n = shape["pp"], shape["tp"], mb * context
+    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, P, chunks).ranges
+    return [(hi - lo) * n * 4 * (4 * d + 4 * d // T + 2 * f // T)
+            + (n * 4 * (d + common.VOCAB_SIZE) if stage == P - 1 and c == chunks - 1 else 0)
+            for c, (lo, hi) in enumerate(ranges)]
+
+
+def predicted_memory(dims, context, shape, stage, batch, m, schedule="1f1b", chunks=1) -> dict:
     """Bytes per rank: parameters (tp slices, FSDP shards), gradients (as many), AdamW's two
-    moments and a step count per tensor, and the activations of the micro-batches a stage
-    holds at once (GPipe: all m; 1F1B: at most p - s)."""
+    moments and a step count per tensor, and the activations the stage holds at its peak,
+    by the schedule's order (09's held_peak: GPipe all m; 1F1B at most p - s; interleaved
+    its warm-up's chunk-micro-batches; zb1 also what W keeps)."""
     F = shape["fsdp"]
-    numel = sum((-(-shp[0] // F) * math.prod(shp[1:]) if shp else 1) for _, shp, _ in
-                stage_layout(dims, context, shape, stage, False))
-    tensors = len(stage_layout(dims, context, shape, stage, False))
-    held = m if schedule == "gpipe" else min(shape["pp"] - stage, m)
+    layout = stage_layout(dims, context, shape, stage, False, chunks)
+    numel = sum((-(-shp[0] // F) * math.prod(shp[1:]) if shp else 1) for _, shp, _ in layout)
     mb = batch // (shape["dp"] * F) // m
-    return {"params": 4 * numel, "grads": 4 * numel, "opt_state": 8 * numel + 4 * tensors,
-            "activations": held * activation_bytes(dims, context, shape, stage, mb)}
+    order = pp_mod.SCHEDULES[schedule](m, stage, shape["pp"], chunks)
+    held = pp_mod.held_peak(order, activation_bytes(dims, context, shape, stage, mb, chunks),
+                            kept_bytes(dims, context, shape, stage, mb, chunks))
+    return {"params": 4 * numel, "grads": 4 * numel, "opt_state": 8 * numel + 4 * len(layout), "activations": held}
 
 
 def measured_memory(model: ParallelLM, optimizer) -> dict:
@@ -537,12 +573,12 @@ def measured_memory(model: ParallelLM, optimizer) -> dict:
             "activations": model.pipe.peak_activation_bytes}
 
 
-def account(ctx, args, shape, dims, batch, m, tie=False):
+def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks=1):
     """One counted step of ``shape`` (after two to settle the buckets and the units' order):
     every rank's bytes per axis and memory, each beside its prediction."""
     mesh = Mesh(shape)
-    model = ParallelLM(mesh, lm(dims, args.context_length, tie, args.seed, ctx.device), batch, m,
-                       count_activations=True)
+    model = ParallelLM(mesh, lm(dims, args.context_length, tie, args.seed, ctx.device), batch, m, schedule,
+                       count_activations=True, chunks=chunks)
     opt = make_optimizer(model)
     for step in range(3):
         x, y = common.lm_batch(batch, args.context_length, step, args.seed, ctx.device)
@@ -550,9 +586,10 @@ def account(ctx, args, shape, dims, batch, m, tie=False):
         with common.count_collectives() if step == 2 else contextlib.nullcontext() as counter:
             train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
     row = {"coords": mesh.coords, "counted": counted_bytes(model, counter.log),
-           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie),
+           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie, chunks),
            "memory": measured_memory(model, opt),
-           "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, m)}
+           "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, m, schedule,
+                                                chunks)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, row)
     return everyone
@@ -561,16 +598,17 @@ def account(ctx, args, shape, dims, batch, m, tie=False):
 # ----------------------------------------------------------------------------------------
 # Benchmark: ours beside torch's own composition, steps alternating
 # ----------------------------------------------------------------------------------------
-def torch_composition(ctx, shape, model, batch, m):
+def torch_composition(ctx, shape, model, batch, m, schedule="1f1b", chunks=1):
     """The same mesh with torch's classes: init_device_mesh; parallelize_module on the same
     four layers per block, the replicated modules' parameters Replicate DTensors (08's
-    baseline); fully_shard per block and on the stage over (dp, fsdp) (HSDP: replicate over
-    dp, shard over fsdp); PipelineStage + Schedule1F1B over pp. Returns step(batch, clock)
-    on the global batch (this rank takes its replica's part), clipping by the global norm
-    as ours does."""
+    baseline); fully_shard per block and on each chunk over (dp, fsdp) (HSDP: replicate over
+    dp, shard over fsdp); a PipelineStage per chunk and torch's matching schedule over pp
+    (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble). Returns
+    step(batch, clock) on the global batch (this rank takes its replica's part), clipping by
+    the global norm as ours does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, schedules
     P, D, F, T = (shape[a] for a in AXES)
     # Under tp without pp, the stage's logits come out as a view (the Replicate head's
     # local tensor); nothing writes into them in place (the loss reads them), so FSDP2's
@@ -580,15 +618,20 @@ def torch_composition(ctx, shape, model, batch, m):
     coords = {a: tmesh.get_local_rank(a) for a in AXES}
     if T > 1:
         tp_mod.torch_tensor_parallel_lm(model, tmesh["tp"])
-    stage = pp_mod.LMStage(model, coords["pp"], P)
+    mods = [pp_mod.LMStage(model, coords["pp"] + j * P, P * chunks) for j in range(chunks)]
     if D * F > 1:
-        for block in stage.blocks.values():
-            fully_shard(block, mesh=tmesh["dp", "fsdp"])
-        fully_shard(stage, mesh=tmesh["dp", "fsdp"])
-    params = list(stage.parameters())
+        for stage in mods:
+            for block in stage.blocks.values():
+                fully_shard(block, mesh=tmesh["dp", "fsdp"])
+            fully_shard(stage, mesh=tmesh["dp", "fsdp"])
+    stage = mods[0]
+    params = [p for mod in mods for p in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
-    sched = Schedule1F1B(PipelineStage(stage, coords["pp"], P, ctx.device, group=tmesh["pp"].get_group()), m,
-                         loss_fn=pp_mod.lm_loss) if P > 1 else None
+    stages = [PipelineStage(mod, coords["pp"] + j * P, P * chunks, ctx.device, group=tmesh["pp"].get_group())
+              for j, mod in enumerate(mods)]
+    kind = {"1f1b": schedules.Schedule1F1B, "interleaved": schedules.ScheduleInterleaved1F1B,
+            "zb1": schedules.ScheduleInterleavedZeroBubble}[schedule]
+    sched = kind(stages if schedule != "1f1b" else stages[0], m, loss_fn=pp_mod.lm_loss) if P > 1 else None
     replica = coords["dp"] * F + coords["fsdp"]
 
     def step(global_batch, clock):
@@ -640,19 +683,22 @@ def benchmark(ctx, args, shapes, dims, trace=None):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)   # its advice on meshes
     rows, accounting, timeline = [], [], None
     peak = peak_flops(ctx.device, args.peak_tflops)
+    schedule, chunks = args.schedule, chunks_of(args.schedule, args.chunks)
     for shape in shapes:
-        m, name = microbatches(args, shape), label(shape)
+        m, name = microbatches(args, shape), label(shape, False, schedule, chunks)
         batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
         holder = {}
 
         def ours():
-            model = ParallelLM(Mesh(shape), lm(dims, args.context_length, False, args.seed, ctx.device), batch, m)
+            model = ParallelLM(Mesh(shape), lm(dims, args.context_length, False, args.seed, ctx.device), batch, m,
+                               schedule, chunks=chunks)
             opt = make_optimizer(model)
             holder.update(model=model, opt=opt)
             return lambda b, clock: train_step(model, opt, model.part(b), clock)
 
         def theirs():
-            return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch, m)
+            return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch, m,
+                                     schedule, chunks)
         timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
         methods = {f"{name} (ours)": ours}
         if shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type):   # 09 says why not
@@ -672,7 +718,7 @@ def benchmark(ctx, args, shapes, dims, trace=None):
             timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
         holder.clear()
         accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
-                           "ranks": account(ctx, args, shape, dims, batch, m)})
+                           "ranks": account(ctx, args, shape, dims, batch, m, False, schedule, chunks)})
     return rows, accounting, timeline
 
 
@@ -753,8 +799,8 @@ def trace_step(ctx, args, model, opt, batch):
     clock = common.StepClock(ctx.device)
     with AxisTracer(axes, clock.t0) as tracer:
         train_step(model, opt, model.part((x, y)), clock)
-    lane = {"coords": model.mesh.coords, "actions": [(k, i, a + offset[0], b + offset[0])
-                                                     for k, i, a, b in model.pipe.timeline],
+    lane = {"coords": model.mesh.coords, "actions": [(k, c, i, a + offset[0], b + offset[0])
+                                                     for k, c, i, a, b in model.pipe.timeline],
             "waits": tracer.spans, "phases": clock.times}
     model.pipe.timed = False
     del model.pipe.step
@@ -772,10 +818,11 @@ def draw_timeline(lanes, title, path):
     from matplotlib.patches import Patch
     fig, ax = plt.subplots(figsize=(11, 0.8 + 0.5 * len(lanes)))
     for r, lane in enumerate(lanes):
-        for kind, i, start, end in lane["actions"]:
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (r - 0.4, 0.8),
-                           facecolors="#a1c9f4" if kind == "F" else "#ffb482", edgecolors="white", linewidth=0.4)
-            ax.text((start + end) / 2 * 1e3, r - 0.22, f"{kind}{i}", ha="center", va="center", fontsize=6)
+        for kind, c, i, start, end in lane["actions"]:
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (r - 0.4, 0.8), edgecolors="white", linewidth=0.4,
+                           facecolors={"F": "#a1c9f4", "B": "#ffb482", "W": "#8de5a1"}[kind])
+            ax.text((start + end) / 2 * 1e3, r - 0.22, f"{kind}{c}.{i}" if c else f"{kind}{i}", ha="center",
+                    va="center", fontsize=6)
         for axis, start, end in lane["waits"]:
             ax.broken_barh([(start * 1e3, max(end - start, 2e-5) * 1e3)], (r + 0.02, 0.36),
                            facecolors=AXIS_COLORS.get(axis, "#cccccc"))
@@ -814,12 +861,20 @@ def plan_model(size):
     return d, f, n, n * (4 * d * d + 2 * d * f)
 
 
-def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0) -> dict:
+def pipeline_bubble(P, m, schedule="1f1b", chunks=1) -> float:
+    """The idle share of a step for P equal stages and m micro-batches (09's schedules on
+    paper): 1F1B (P-1)/(m+P-1), interleaved (P-1)/(v m+P-1), ZB-H1 (P-1)/(3m+P-1)."""
+    scale = {"interleaved": chunks, "zb1": 3}.get(schedule, 1)
+    return (P - 1) / (scale * m + P - 1)
+
+
+def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="1f1b", chunks=1) -> dict:
     """Per device, one step of ``tokens`` tokens over the mesh, in the course's (the Scaling
     Book's) model: bf16 weights, activations and communication; fp32 master weights,
     gradients and AdamW state (16 bytes a weight) sharded over fsdp, tp and pp; every
     collective moves its array once over its links at link x multiplicity; communication
-    overlaps compute. Seconds and bytes."""
+    overlaps compute; the pipeline runs 4p micro-batches with ``schedule`` (interleaved: v
+    chunks a stage, v times the activations crossing stages). Seconds and bytes."""
     P, D, F, T = (shape[a] for a in AXES)
     b = tokens / (D * F)                                   # tokens one data replica (fsdp shard) sees
     C, W = hw["flops"], hw["link"]
@@ -827,20 +882,20 @@ def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0) -> dict:
            "fsdp_s": 3 * 2 * weights / (T * P) / (W * hw["m_fsdp"]) if F > 1 else 0.0,   # gather x2, reduce-scatter
            "tp_s": 2 * 2 * 2 * b * d * n / P / (W * hw["m_tp"]) if T > 1 else 0.0,      # 2 fwd + 2 bwd of b d bf16
            "dp_s": 2 * 2 * weights / (F * T * P) / W if D > 1 else 0.0,                  # all-reduce of bf16 grads
-           "pp_s": 2 * 2 * b * d / W if P > 1 else 0.0,                                  # activations out, grads back
+           "pp_s": 2 * 2 * b * d * chunks / W if P > 1 else 0.0,                         # activations out, grads back
            "state_gb": 16 * weights / (F * T * P) / 1e9,
            "activations_gb": act_fraction * b * (n / P) * 2 * (d + f / T) / 1e9,         # inputs of both linears
-           "bubble": (P - 1) / (4 * P + P - 1)}                                          # 1F1B, 4p micro-batches
+           "bubble": pipeline_bubble(P, 4 * P, schedule, chunks)}
     out["memory_gb"] = out["state_gb"] + out["activations_gb"]
     out["step_s"] = max(out["compute_s"] / (1 - out["bubble"]), out["fsdp_s"], out["tp_s"], out["dp_s"], out["pp_s"])
     return out
 
 
-def compute_bound_tokens(hw, d, f, n, weights, shape) -> float:
+def compute_bound_tokens(hw, d, f, n, weights, shape, schedule="1f1b", chunks=1) -> float:
     """The fewest tokens per step at which compute is at least every axis's communication
     (inf if an axis's traffic grows with the batch faster than its compute: tp, when
     d_ff / tp < alpha / M_tp)."""
-    one, two = (mesh_costs(hw, d, f, n, weights, shape, t) for t in (1.0, 2.0))
+    one, two = (mesh_costs(hw, d, f, n, weights, shape, t, schedule=schedule, chunks=chunks) for t in (1.0, 2.0))
     need = 0.0
     for axis in ("fsdp_s", "tp_s", "dp_s", "pp_s"):
         slope, fixed = two[axis] - one[axis], 2 * one[axis] - two[axis]
@@ -866,12 +921,16 @@ def plan(args) -> dict:
             continue
         rest = args.devices // (pp_ * tp_)
         shapes += [mesh_of(pp=pp_, dp=rest // k, fsdp=k, tp=tp_) for k in range(1, rest + 1) if rest % k == 0]
-    bounds = {label(s): compute_bound_tokens(hw, d, f, n, weights, s) for s in shapes}
+    schedule = getattr(args, "schedule", "1f1b")
+    chunks = chunks_of(schedule, getattr(args, "chunks", 1))
+    shapes = [s for s in shapes if s["pp"] * chunks <= n]   # interleaved: a chunk holds at least a block
+    bounds = {label(s): compute_bound_tokens(hw, d, f, n, weights, s, schedule, chunks) for s in shapes}
     finite = [t for t in bounds.values() if t < math.inf]
     meshes = []
     for shape in shapes:   # each at its compute-bound batch; one that never is, at the largest other one
         tokens = bounds[label(shape)]
-        cost = mesh_costs(hw, d, f, n, weights, shape, tokens if tokens < math.inf else max(finite, default=0.0))
+        cost = mesh_costs(hw, d, f, n, weights, shape, tokens if tokens < math.inf else max(finite, default=0.0),
+                          schedule=schedule, chunks=chunks)
         meshes.append({"mesh": label(shape) or "one device", **shape, "bound_tokens": tokens,
                        "bound_tokens_per_device": tokens / args.devices, "fits": cost["memory_gb"] <= hw["memory_gb"],
                        **cost})
@@ -926,7 +985,7 @@ NAME, TITLE = "10_nd_parallel", "N-D parallelism: ours against torch's compositi
 
 def report(args, rows, accounting, dims):
     settings = {**common.lm_settings(args), "world_size": sorted({r["world_size"] for r in rows}),
-                "model_dims": dims, "schedule": "1f1b"}
+                "model_dims": dims, "schedule": args.schedule, "chunks": chunks_of(args.schedule, args.chunks)}
     table = common.save_results(args.out, NAME, rows, settings, headers=TIME_HEADERS, title=TITLE)
     traffic, memory = accounting_rows(accounting)
     t2 = common.save_results(args.out, "10_accounting", traffic, settings, headers=TRAFFIC_HEADERS,
@@ -990,20 +1049,30 @@ def report_plan(args):
 # ----------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------
-def check_mesh(shape, dims, m, batch, verified=True, timed=True):
+def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b", chunks=1):
     """Bad input for one mesh, as the command runs it: ``verified`` (on the verification
     LM) and ``timed`` (on the LM of ``dims``): one line (UsageError). A pipeline's stages
     need not divide the blocks (09 balances them)."""
     T, P = shape["tp"], shape["pp"]
+    if schedule != "1f1b" and P < 2:
+        raise common.UsageError(f"--schedule {schedule} is a pipeline schedule: it needs --pp 2 or more")
+    if schedule == "zb1" and shape["fsdp"] > 1:
+        raise common.UsageError("--schedule zb1 defers the weights' gradients past FSDP's reduce-scatters: use it "
+                                "without --fsdp, or --schedule 1f1b or interleaved")
     models = ([("the verification LM's", VERIFY_LM)] if verified else []) + ([("the model's", dims)] if timed else [])
     for whose, (_, f, n, h) in models:
         if h % T or f % T:
             raise common.UsageError(f"--tp {T} does not divide {whose} {h} heads and d_ff {f}: choose --tp (or "
                                     f"--model-size) so that it does")
-        if P > n:
-            raise common.UsageError(f"--pp {P} is more stages than {whose} {n} blocks: use --pp {n} or fewer")
+        if P * chunks > n:
+            what = f"--pp {P} x --chunks {chunks} is more chunks" if chunks > 1 else f"--pp {P} is more stages"
+            raise common.UsageError(f"{what} than {whose} {n} blocks: use fewer" +
+                                    (", or a --model-size with more blocks" if whose == "the model's" else ""))
     if m < 1:
         raise common.UsageError(f"--microbatches must be at least 1, got {m}")
+    if schedule == "interleaved" and m % P:
+        raise common.UsageError(f"--schedule interleaved needs micro-batches in groups of the {P} stages: "
+                                f"--microbatches {m} is not a multiple of {P}")
     replicas = shape["dp"] * shape["fsdp"]
     if timed and batch is not None and (batch < 1 or batch % (replicas * m)):
         raise common.UsageError(f"--batch-size {batch} does not split into {replicas} replicas x {m} micro-batches: "
@@ -1017,6 +1086,9 @@ def main(argv=None):
         p.add_argument(f"--{axis}", type=int, default=None, help=f"{what} (default 1; no axis given: the suite)")
     p.add_argument("--tie", action="store_true", help="the output head shares the token embedding's weight")
     p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp, 1 without pipeline)")
+    p.add_argument("--schedule", default="1f1b", help=f"the pipeline's schedule, of {', '.join(SCHEDULE_NAMES)} "
+                                                      f"(09's; default 1f1b)")
+    p.add_argument("--chunks", type=int, default=2, help="--schedule interleaved: chunks of blocks per stage")
     p.add_argument("--peak-tflops", type=float, default=None, help="a device's peak, for MFU (default: known GPUs)")
     p.add_argument("--plan", action="store_true", help="list the meshes for --model-size on --devices; no workers")
     p.add_argument("--devices", type=int, default=64, help="--plan: how many devices")
@@ -1027,6 +1099,10 @@ def main(argv=None):
     p.add_argument("--plan-rows", type=int, default=20, help="--plan: rows of the table (all go to the JSON)")
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
+    if first.schedule not in SCHEDULE_NAMES:
+        raise common.UsageError(f"unknown --schedule {first.schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+    if first.chunks < 1:
+        raise common.UsageError(f"--chunks must be at least 1, got {first.chunks}")
     if first.plan:
         first.model_size = first.model_size or "xxl"
         return report_plan(first)
@@ -1052,21 +1128,26 @@ def main(argv=None):
     if single and math.prod(shape.values()) != args.world_size:
         raise common.UsageError(f"the mesh {label(shape)} holds {math.prod(shape.values())} ranks but the world has "
                                 f"{args.world_size}")
-    timed = [shape] if single else [s for w in (4, 8) for s, tie in SUITE[w] if not tie]
-    for s in [shape] if single else [s for cases in SUITE.values() for s, _ in cases]:
+    if not single and args.schedule != "1f1b":
+        raise common.UsageError(f"--schedule {args.schedule} without a mesh: the suite verifies its own schedules; "
+                                f"give a mesh (--pp 2 or more) to time this one")
+    timed = [shape] if single else [s for w in (4, 8) for s, tie, sched in SUITE[w] if not tie and sched == "1f1b"]
+    cases = [(shape, args.tie, args.schedule)] if single else [c for cases in SUITE.values() for c in cases]
+    for s, _, sched in cases:
         check_mesh(s, dims, microbatches(args, s), args.batch_size, not args.no_verify,
-                   not args.no_bench and s in timed)
+                   not args.no_bench and s in timed, sched, chunks_of(sched, args.chunks if single else SUITE_CHUNKS))
 
     if not args.no_verify:
         if single:
-            jobs = [(args.world_size, [(shape, args.tie)], None)]
+            jobs = [(args.world_size, [(shape, args.tie, args.schedule)], None)]
         else:
             folder = tempfile.mkdtemp(prefix="nd_checkpoint_")
             path = os.path.join(folder, "checkpoint.pt")
             jobs = [(8, SUITE[8], (path, "save")), (4, SUITE[4], (path, "resume")), (6, SUITE[6], None)]
         try:
             for world, cases, resume in jobs:
-                common.check_verification(common.launch(verify, args, cases, resume, world_size=world),
+                common.check_verification(common.launch(verify, args, cases, resume,
+                                                        args.chunks if single else SUITE_CHUNKS, world_size=world),
                                           f"{NAME} at {world} ranks")
         finally:
             if not single:

@@ -27,7 +27,8 @@ def suite(world_size):
     return _cache[world_size]
 
 
-CASES = [(w, nd.label(shape, tie)) for w, cases in nd.SUITE.items() for shape, tie in cases]
+CASES = [(w, nd.label(shape, tie, schedule, nd.SUITE_CHUNKS)) for w, cases in nd.SUITE.items()
+         for shape, tie, schedule in cases]
 
 
 @pytest.mark.parametrize("world_size, case", CASES)
@@ -50,7 +51,9 @@ def test_the_checks_fail_without_the_tied_copies_sum_or_with_a_norm_counted_twic
     assert r["clipped"]   # the global norm exceeds the limit: clipping is exercised
 
 
-ACCOUNTED = [nd.mesh_of(dp=2, tp=2), nd.mesh_of(pp=2, fsdp=2), nd.mesh_of(dp=2, fsdp=2), nd.mesh_of(pp=2, tp=2)]
+ACCOUNTED = [(nd.mesh_of(dp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "1f1b"), (nd.mesh_of(dp=2, fsdp=2), "1f1b"),
+             (nd.mesh_of(pp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "interleaved"),
+             (nd.mesh_of(pp=2, tp=2), "zb1")]
 
 
 def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
@@ -67,6 +70,8 @@ def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
                 assert r["memory"][k] == r["memory_predicted"][k], (r["coords"], k)
             assert r["memory"]["activations"] == pytest.approx(r["memory_predicted"]["activations"], rel=0.02)
     assert axes_seen == {"dp", "fsdp", "tp", "pp", "tie", "clip"}
+    interleaved, one_f_one_b = jobs[4], jobs[1]   # pp 2 x fsdp 2: v chunks, v times the boundaries
+    assert interleaved[0]["counted"]["pp"] == 3 * one_f_one_b[0]["counted"]["pp"]
 
 
 def test_mesh_lays_tp_innermost_and_groups_follow_the_coordinates():
@@ -124,6 +129,13 @@ def test_bad_input_exits_2_with_one_line():
     (["--dp", "2", "--batch-size", "3"], "does not split into 2 replicas x 1 micro-batches"),
     (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1"),
     (["--plan", "--model-size", "huge"], "unknown --model-size 'huge'"),
+    (["--pp", "2", "--fsdp", "2", "--schedule", "zb1"], "zb1 defers the weights' gradients past FSDP"),
+    (["--pp", "2", "--dp", "2", "--schedule", "interleaved", "--microbatches", "3", "--model-size", "mini"],
+     "not a multiple of 2"),
+    (["--pp", "4", "--schedule", "interleaved"], "--pp 4 x --chunks 2 is more chunks than the verification LM's 4"),
+    (["--dp", "2", "--schedule", "zb1"], "it needs --pp 2 or more"),
+    (["--pp", "2", "--schedule", "gpipe"], "unknown --schedule 'gpipe'"),
+    (["--schedule", "zb1"], "--schedule zb1 without a mesh"),
 ])
 def test_bad_input_is_refused_before_any_worker_starts(argv, words, monkeypatch):
     monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("a job started"))

@@ -358,17 +358,21 @@ def pipeline_staged_equals_direct(ctx, args):
     for bit."""
     pp = common.load_script(os.path.join(common.ROOT, "09_pipeline_parallel.py"))
     x, y = common.lm_batch(8, 16, 0, 0, "cpu")
-    got = []
-    for staging in (False, True):
-        stage = pp.LMStage(common.build_lm("nano", 16, "cpu"), ctx.rank, 2)
-        pipe = pp.Pipeline(stage, 4, pp.lm_loss, "1f1b", activation_shape=(2, 16, 64), host_staging=staging)
-        loss = pipe.step(x if pipe.first else None, y if pipe.last else None)
-        got.append((loss, [p.grad.clone() for p in stage.parameters()]))
-    (loss0, g0), (loss1, g1) = got
-    same = all(torch.equal(a, b) for a, b in zip(g0, g1)) and (loss0 is None or torch.equal(loss0, loss1))
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, same)
-    return everyone
+    out = {}
+    for schedule in pp.SCHEDULES:
+        got, v = [], 2 if schedule == "interleaved" else 1
+        for staging in (False, True):
+            torch.manual_seed(0)
+            stage = pp.LMStage(common.TransformerLM(64, 256, 4, 2, context_length=16), ctx.rank, 2, v)
+            pipe = pp.Pipeline(stage, 4, pp.lm_loss, schedule, activation_shape=(2, 16, 64), host_staging=staging,
+                               chunks=v)
+            loss = pipe.step(x if pipe.first else None, y if pipe.last else None)
+            got.append((loss, [p.grad.clone() for p in stage.parameters()]))
+        (loss0, g0), (loss1, g1) = got
+        same = all(torch.equal(a, b) for a, b in zip(g0, g1)) and (loss0 is None or torch.equal(loss0, loss1))
+        out[schedule] = [None] * ctx.world_size
+        dist.all_gather_object(out[schedule], same)
+    return out
 
 
 def step_memory_of(ctx, args, method):
@@ -419,13 +423,14 @@ def nd_controls(ctx, args):
 
 
 def nd_accounting(ctx, args, shapes):
-    """10's account() on each mesh (the verification LM, the tied one at pp x tp)."""
+    """10's account() on each (mesh, schedule) (the verification LM, the tied one at pp x tp)."""
     nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
     out = []
-    for shape in shapes:
+    for shape, schedule in shapes:
         m = nd.default_microbatches(shape)
         tie = shape["pp"] > 1 and shape["tp"] > 1
-        out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m, tie))
+        out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m, tie, schedule,
+                              nd.chunks_of(schedule, 2)))
     return out
 
 
