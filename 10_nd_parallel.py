@@ -1,34 +1,42 @@
-"""N-D parallelism: data, fully sharded data, tensor and pipeline parallelism together, on
-one device mesh, built from the kit's own classes.
+"""N-D parallelism: data, fully sharded data, context, tensor and pipeline parallelism
+together, on one device mesh, built from the kit's own classes.
 
-The ranks form a mesh with four named axes, outermost first: pp (pipeline stages), dp
-(replicas), fsdp (shards) and tp (tensor slices), each of length --pp, --dp, --fsdp, --tp
-(1 by default; world size = their product). tp is innermost, so a tensor-parallel group is
-consecutive ranks: on real machines the ranks of one node, whose fast links carry the four
-activation all-reduces per block and micro-batch. fsdp comes next (its all-gathers move
-every weight twice a step), then dp (one gradient all-reduce a step), and pp outermost:
-its point-to-point activations are the lightest traffic, fit to cross nodes. Each rank
-builds the kit's LM, turns its blocks tensor-parallel over its tp group (08), keeps its
-pipeline stage's layers (09's LMStage), shards the stage over its fsdp group by blocks (07's
-FSDP), wraps that in DDPBucketed over its dp group (05; over FSDP this is hybrid
-sharding: shard within a group, replicate across groups), and runs 09's Pipeline over its
-pp group. With --tie the output head shares the token embedding's weight, as GPT-2's does;
-under pipelining the first stage holds one copy and the last stage the other, and their
-gradients are summed over the two (Megatron-LM's embedding group) so both stay equal.
+The ranks form a mesh with five named axes, outermost first: pp (pipeline stages), dp
+(replicas), fsdp (shards), cp (each sequence split) and tp (tensor slices), each of length
+--pp, --dp, --fsdp, --cp, --tp (1 by default; world size = their product). tp is innermost,
+so a tensor-parallel group is consecutive ranks: on real machines the ranks of one node,
+whose fast links carry the four activation all-reduces per block and micro-batch. cp comes
+next, as in torchtitan (its K/V exchanges per block are the next heaviest, and with tp it
+splits the sequence while tp splits the heads), then fsdp (its all-gathers move every weight
+twice a step), then dp (one gradient all-reduce a step), and pp outermost: its
+point-to-point activations are the lightest traffic, fit to cross nodes. Each rank builds
+the kit's LM, turns its blocks tensor-parallel over its tp group (08), gives their
+attention 11's context-parallel attention over its cp group (--cp-method, ring by default,
+zig-zag layout), keeps its pipeline stage's layers (09's LMStage), shards the stage over
+its fsdp group by blocks (07's FSDP), wraps that in DDPBucketed over its dp x cp group (05:
+the cp ranks hold the same weights and see other tokens, a data axis for the weights; over
+FSDP this is hybrid sharding), and runs 09's Pipeline over its pp group with --schedule
+(1f1b, interleaved with --chunks, or zb1). With --tie the output head shares the token
+embedding's weight, as GPT-2's does; under pipelining the first stage holds one copy and
+the last stage the other, and their gradients are summed over the two (Megatron-LM's
+embedding group) so both stay equal.
 
 Run:
     python 10_nd_parallel.py --dp 2 --tp 2 --pp 2           # verify this mesh, count its bytes, time it
+    python 10_nd_parallel.py --pp 2 --fsdp 2 --cp 2         # the sequence split over 2 ranks too
+    python 10_nd_parallel.py --pp 2 --dp 2 --schedule interleaved --model-size mini
     python 10_nd_parallel.py                                # every mesh of the suite (make 10)
-    python 10_nd_parallel.py --plan --model-size xxl --devices 64   # which mesh for the XXL model
+    python 10_nd_parallel.py --plan --model-size xxl --devices 64 --context-length 131072
     torchrun --standalone --nproc-per-node 8 10_nd_parallel.py --fsdp 2 --tp 2 --pp 2
 
 Prints PASS/FAIL per verification case (every parameter, gathered whole, against one
 process trained on the same global batches with AdamW clipped by the global norm), the
 bytes each axis sends per step counted beside the closed-form prediction, the memory per
 rank beside its prediction, and step time and tokens/s per rank beside torch's own
-composition (init_device_mesh + fully_shard + parallelize_module + pipelining). Writes
-results/10_nd_parallel.{json,md}, 10_accounting.{json,md}, 10_memory.{json,md},
-10_timeline.png; --plan writes results/10_plan.{json,md}.
+composition (init_device_mesh + fully_shard + parallelize_module + pipelining; none with a
+cp axis: torch's context_parallel runs on CUDA only). Writes results/10_nd_parallel.{json,
+md}, 10_accounting.{json,md}, 10_memory.{json,md}, 10_timeline.png; --plan writes
+results/10_plan.{json,md}.
 """
 
 import argparse
@@ -120,15 +128,27 @@ class Mesh:
         """A group of the places ``indices`` along ``axis`` in every line (collective); this
         rank's, or None where this rank is not at one of those places."""
         return self._new_groups([[line[i] for i in indices] for line in self.slices(axis)])
+
+    def joint(self, axes):
+        """A new group over several axes (collective): this rank's, shared with the ranks
+        that differ from it on ``axes`` only (the data ranks of the weights: dp and cp, say)."""
+        others = [a for a in self.axes if a not in axes]
+        lines = []
+        for fixed in itertools.product(*(range(self.shape[a]) for a in others)):
+            base = dict(zip(others, fixed))
+            lines.append([self.rank(**base, **dict(zip(axes, c)))
+                          for c in itertools.product(*(range(self.shape[a]) for a in axes))])
+        return self._new_groups(lines)
 # ---- end copy: Mesh ----
 
 
-AXES = ("pp", "dp", "fsdp", "tp")   # outermost first: tp innermost (the fastest links)
+AXES = ("pp", "dp", "fsdp", "cp", "tp")   # outermost first: tp innermost (the fastest links)
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zb1")   # 09's schedules a mesh can run
 ddp_mod = common.load_script(common.ROOT / "05_bucketed_ddp.py")
 fsdp_mod = common.load_script(common.ROOT / "07_fsdp.py")
 tp_mod = common.load_script(common.ROOT / "08_tensor_parallel.py")
 pp_mod = common.load_script(common.ROOT / "09_pipeline_parallel.py")
+cp_mod = common.load_script(common.ROOT / "11_context_parallel.py")
 
 
 class ParallelLM:
@@ -141,21 +161,26 @@ class ParallelLM:
     not with fsdp, whose reduce-scatters run in backward, before zb1's deferred W)."""
 
     def __init__(self, mesh, model, batch, microbatches, schedule="1f1b", bucket_mb=25.0, count_activations=False,
-                 chunks=1, **pipeline_options):
+                 chunks=1, cp_method="ring", **pipeline_options):
         self.mesh = mesh
-        P, D, F, T = (mesh.size(a) for a in AXES)
+        P, D, F, C, T = (mesh.size(a) for a in AXES)
         if schedule == "zb1" and F > 1:
             raise ValueError("zb1 defers the weights' gradients past FSDP's reduce-scatters: use 1f1b or interleaved")
         self.tied = model.head.weight is model.tok.weight
         self.replica, self.replicas = mesh.coord("dp") * F + mesh.coord("fsdp"), D * F
         if T > 1:
             tp_mod.tensor_parallel_lm(model, mesh.group("tp"))
+        if C > 1:   # each rank its part of every sequence (11's zig-zag layout), attention across the cp group
+            cp_mod.context_parallel_lm(model, mesh.group("cp"), cp_method, "zigzag")
         self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P, chunks)
         self.fsdp = fsdp_mod.FSDP(self.stage, process_group=mesh.group("fsdp"),
                                   units=list(self.stage.blocks.values())) if F > 1 else None
         module = self.fsdp or self.stage
-        self.module = ddp_mod.DDPBucketed(module, bucket_mb, process_group=mesh.group("dp")) if D > 1 else module
-        shape = (batch // self.replicas // microbatches, model.pos.num_embeddings, model.tok.embedding_dim)
+        # the weights' data ranks: dp, and cp (its ranks see other tokens of the same sequences);
+        # a group of its own even where it holds the same ranks as the cp group, whose traffic is attention's
+        self.data_group = (mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp")) if D * C > 1 else None
+        self.module = ddp_mod.DDPBucketed(module, bucket_mb, process_group=self.data_group) if D * C > 1 else module
+        shape = (batch // self.replicas // microbatches, model.pos.num_embeddings // C, model.tok.embedding_dim)
         self.pipe = pp_mod.Pipeline(self.module, microbatches, pp_mod.lm_loss, schedule, mesh.group("pp"),
                                     activation_shape=shape, count_activations=count_activations and self._activation,
                                     chunks=chunks, **pipeline_options)
@@ -178,14 +203,17 @@ class ParallelLM:
         every element is counted once: dp replicas and tp ranks holding a parameter whole
         leave it to coordinate 0; FSDP's shards and tp slices are all distinct; the tied
         head on the last stage is the first stage's embedding again."""
-        if self.mesh.coord("dp") or (tp_mod.split_owner(self.stage, name) is None and self.mesh.coord("tp")):
+        if self.mesh.coord("dp") or self.mesh.coord("cp") or \
+                (tp_mod.split_owner(self.stage, name) is None and self.mesh.coord("tp")):
             return False
         return not (self.embed_group is not None and name == "head.weight")
 
     def part(self, batch):
         """This rank's replica's part of the global batch (every tp and pp rank of a replica
-        takes the same part)."""
-        return tuple(common.shard(t, self.replica, self.replicas) for t in batch)
+        takes the same part), and of each sequence its cp part."""
+        part = tuple(common.shard(t, self.replica, self.replicas) for t in batch)
+        C = self.mesh.size("cp")
+        return part if C == 1 else tuple(cp_mod.shard_sequence(t, self.mesh.coord("cp"), C, "zigzag") for t in part)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self):
@@ -240,7 +268,7 @@ class ParallelLM:
         if self.mesh.coord("fsdp") == 0:   # its tp group holds the same places: gather the slices
             state = {n: {k: self._tp_whole(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
                      for n, s in state.items()}
-        keep = all(self.mesh.coord(a) == 0 for a in ("dp", "fsdp", "tp"))   # one rank per stage
+        keep = all(self.mesh.coord(a) == 0 for a in ("dp", "fsdp", "cp", "tp"))   # one rank per stage
         mine = {"model": {n: t.cpu() for n, t in params.items()},
                 "optim": {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()},
                 "settings": {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}} if keep else None
@@ -401,15 +429,19 @@ def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None
 
 # The suite: every 2-axis mesh at 4 ranks, the 3-axis ones at 8, an axis of 3 at 6; the tied
 # embedding at pp 2 and pp 4; 09's interleaved schedule (2 chunks a stage) on pp x dp and
-# pp x fsdp, ZB-H1 on pp x tp; a checkpoint saved on fsdp x tp x pp, resumed on dp x pp.
+# pp x fsdp, ZB-H1 on pp x tp; 11's context parallelism (ring, zig-zag) with tp, fsdp, pp, dp
+# and pp x fsdp; a checkpoint saved on fsdp x tp x pp, resumed on dp x pp.
 # Each case: (mesh shape, tied, schedule).
-SUITE = {8: [(mesh_of(pp=2, dp=2, tp=2), False, "1f1b"), (mesh_of(pp=2, fsdp=2, tp=2), False, "1f1b")],
+SUITE = {8: [(mesh_of(pp=2, dp=2, tp=2), False, "1f1b"), (mesh_of(pp=2, fsdp=2, tp=2), False, "1f1b"),
+             (mesh_of(pp=2, fsdp=2, cp=2), True, "1f1b")],
          4: [(mesh_of(dp=2, tp=2), False, "1f1b"), (mesh_of(pp=2, dp=2), False, "1f1b"),
              (mesh_of(pp=2, tp=2), False, "1f1b"), (mesh_of(fsdp=2, tp=2), False, "1f1b"),
              (mesh_of(pp=2, fsdp=2), False, "1f1b"), (mesh_of(dp=2, fsdp=2), False, "1f1b"),
              (mesh_of(pp=4), True, "1f1b"), (mesh_of(pp=2, tp=2), True, "1f1b"),
              (mesh_of(pp=2, dp=2), True, "interleaved"), (mesh_of(pp=2, fsdp=2), False, "interleaved"),
-             (mesh_of(pp=2, tp=2), True, "zb1")],
+             (mesh_of(pp=2, tp=2), True, "zb1"),
+             (mesh_of(cp=2, tp=2), False, "1f1b"), (mesh_of(fsdp=2, cp=2), False, "1f1b"),
+             (mesh_of(pp=2, cp=2), True, "1f1b"), (mesh_of(dp=2, cp=2), False, "1f1b")],
          6: [(mesh_of(dp=3, tp=2), False, "1f1b")]}
 SUITE_CHUNKS = 2
 RESUME = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(pp=2, dp=2), 2)   # saved on, resumed on, after step
@@ -438,7 +470,8 @@ def verify(ctx, args, cases, resume=None, chunks=SUITE_CHUNKS):
 # (nccl-tests' size: all-gather the output, reduce-scatter the input); a receive sends nothing.
 SENT = {"allreduce_": lambda n: 2 * (n - 1) / n, "_allgather_base_": lambda n: (n - 1) / n,
         "allgather_": lambda n: (n - 1) / n, "_reduce_scatter_base_": lambda n: (n - 1) / n,
-        "reduce_scatter_": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv_": lambda n: 0.0}
+        "reduce_scatter_": lambda n: (n - 1) / n, "alltoall_base_": lambda n: (n - 1) / n,
+        "send": lambda n: 1.0, "recv_": lambda n: 0.0}
 
 
 def counted_bytes(model: ParallelLM, log) -> dict:
@@ -446,6 +479,8 @@ def counted_bytes(model: ParallelLM, log) -> dict:
     mesh, axes = model.mesh, {}
     for a in AXES:
         axes[mesh.group(a).group_name] = (a, mesh.size(a))
+    if model.data_group is not None:   # dp x cp: the weights' gradients
+        axes[model.data_group.group_name] = ("dp", mesh.size("dp") * mesh.size("cp"))
     if model.embed_group is not None:
         axes[model.embed_group.group_name] = ("tie", 2)
     axes[mesh.group().group_name] = ("clip", dist.get_world_size())
@@ -473,7 +508,7 @@ def stage_layout(dims, context, shape, stage, tie, chunks=1):
     return out
 
 
-def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1) -> dict:
+def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_method="ring") -> dict:
     """Bytes a rank at ``coords`` sends per step, by axis, in closed form (ring algorithms:
     an all-reduce of S bytes over n ranks sends 2(n-1)/n S, an all-gather or reduce-scatter
     of S (n-1)/n S). DP: an all-reduce of the rank's gradients (plus a has-gradient flag per
@@ -482,19 +517,20 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1) -> di
     each unit's gradients reduce-scattered once (flags included). TP: 4 all-reduces of the
     activations (b t d) per block and micro-batch. PP: one activation forward and one
     gradient back per micro-batch and chunk boundary (interleaved: v chunks a stage, v times
-    the boundaries). Tie: the two copies' gradients summed. Clip: one number over the whole
-    mesh."""
+    the boundaries). CP: per block and micro-batch, 11's attention's exchanges of this rank's
+    K and V (attention_bytes), the gradients' all-reduce going over dp x cp. Tie: the two
+    copies' gradients summed. Clip: one number over the whole mesh."""
     d = dims[0]
-    P, D, F, T = (shape[a] for a in AXES)
-    s, n_ranks, b = coords["pp"], math.prod(shape.values()), batch // (D * F)
-    layout = stage_layout(dims, context, shape, s, tie, chunks)
+    P, D, F, C, T = (shape[a] for a in AXES)
+    s, n_ranks, b, context = coords["pp"], math.prod(shape.values()), batch // (D * F), context // C
+    layout = stage_layout(dims, context * C, shape, s, tie, chunks)
 
     def shard(shp):   # FSDP's shard of a parameter: its rows padded to a multiple of F
         rows, rest = (shp[0], math.prod(shp[1:])) if shp else (1, 1)
         return -(-rows // F) * rest if F > 1 else rows * rest
     out = {}
-    if D > 1:
-        out["dp"] = 2 * (D - 1) / D * 4 * sum(shard(shp) + 1 for _, shp, _ in layout)
+    if D * C > 1:
+        out["dp"] = 2 * (D * C - 1) / (D * C) * 4 * sum(shard(shp) + 1 for _, shp, _ in layout)
     if F > 1:
         units = {}
         for _, shp, unit in layout:
@@ -505,6 +541,8 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1) -> di
     blocks = len({unit for _, _, unit in layout if unit is not None})
     if T > 1:
         out["tp"] = blocks * 4 * b * context * d * 4 * 2 * (T - 1) / T
+    if C > 1:   # one micro-batch's K (or V) on this rank: b/m sequences, its tokens, its heads
+        out["cp"] = blocks * m * cp_mod.attention_bytes(cp_method, C, b // m * context * d // T * 4)
     if P > 1:
         out["pp"] = b * context * d * 4 * (2 * chunks - (s == P - 1) - (s == 0))
         if tie and s in (0, P - 1):
@@ -513,16 +551,18 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1) -> di
     return out
 
 
-def activation_bytes(dims, context, shape, stage, mb, chunks=1) -> list:
+def activation_bytes(dims, context, shape, stage, mb, chunks=1, cp=1) -> list:
     """Bytes autograd saves for one micro-batch of ``mb`` sequences through each of the
     stage's chunks (float32): per block and token 6d + (4d + 2f + h) / T + 2 numbers
     (RMSNorm's input, its scaled input and output, twice; q, k, v, the attention output and
     its log-sum-exp per head, split over tp; the MLP's hidden layer before and after GELU,
     split over tp; the norms' scales); the first chunk adds the token ids, the last the
-    final norm's (3d + 1), the log-softmax over the vocabulary and the targets."""
+    final norm's (3d + 1), the log-softmax over the vocabulary and the targets. With cp,
+    each rank holds context/cp tokens of every sequence (11's ring saves what SDPA does)."""
     d, f, _, h = dims
+    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, shape["pp"], chunks).ranges
+    context //= cp
     P, T, n = shape["pp"], shape["tp"], mb * context
-    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, P, chunks).ranges
     out = []
     for c, (lo, hi) in enumerate(ranges):
         total = (hi - lo) * n * 4 * (6 * d + (4 * d + 2 * f + h) // T + 2)
@@ -552,13 +592,13 @@ def predicted_memory(dims, context, shape, stage, batch, m, schedule="1f1b", chu
     moments and a step count per tensor, and the activations the stage holds at its peak,
     by the schedule's order (09's held_peak: GPipe all m; 1F1B at most p - s; interleaved
     its warm-up's chunk-micro-batches; zb1 also what W keeps)."""
-    F = shape["fsdp"]
+    F, C = shape["fsdp"], shape["cp"]
     layout = stage_layout(dims, context, shape, stage, False, chunks)
     numel = sum((-(-shp[0] // F) * math.prod(shp[1:]) if shp else 1) for _, shp, _ in layout)
     mb = batch // (shape["dp"] * F) // m
     order = pp_mod.SCHEDULES[schedule](m, stage, shape["pp"], chunks)
-    held = pp_mod.held_peak(order, activation_bytes(dims, context, shape, stage, mb, chunks),
-                            kept_bytes(dims, context, shape, stage, mb, chunks))
+    held = pp_mod.held_peak(order, activation_bytes(dims, context, shape, stage, mb, chunks, C),
+                            kept_bytes(dims, context // C, shape, stage, mb, chunks))
     return {"params": 4 * numel, "grads": 4 * numel, "opt_state": 8 * numel + 4 * len(layout), "activations": held}
 
 
@@ -578,7 +618,7 @@ def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks
     every rank's bytes per axis and memory, each beside its prediction."""
     mesh = Mesh(shape)
     model = ParallelLM(mesh, lm(dims, args.context_length, tie, args.seed, ctx.device), batch, m, schedule,
-                       count_activations=True, chunks=chunks)
+                       count_activations=True, chunks=chunks, cp_method=getattr(args, "cp_method", "ring"))
     opt = make_optimizer(model)
     for step in range(3):
         x, y = common.lm_batch(batch, args.context_length, step, args.seed, ctx.device)
@@ -586,7 +626,8 @@ def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks
         with common.count_collectives() if step == 2 else contextlib.nullcontext() as counter:
             train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
     row = {"coords": mesh.coords, "counted": counted_bytes(model, counter.log),
-           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie, chunks),
+           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie, chunks,
+                                        getattr(args, "cp_method", "ring")),
            "memory": measured_memory(model, opt),
            "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, m, schedule,
                                                 chunks)}
@@ -609,7 +650,9 @@ def torch_composition(ctx, shape, model, batch, m, schedule="1f1b", chunks=1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, schedules
-    P, D, F, T = (shape[a] for a in AXES)
+    P, D, F, C, T = (shape[a] for a in AXES)
+    if C > 1:
+        raise ValueError("torch's composition here has no cp axis: its context_parallel runs on CUDA only")
     # Under tp without pp, the stage's logits come out as a view (the Replicate head's
     # local tensor); nothing writes into them in place (the loss reads them), so FSDP2's
     # warning about in-place ops on views does not apply.
@@ -701,7 +744,8 @@ def benchmark(ctx, args, shapes, dims, trace=None):
                                      schedule, chunks)
         timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
         methods = {f"{name} (ours)": ours}
-        if shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type):   # 09 says why not
+        # 09 says why torch's pipelining may not run; torch's context_parallel runs on CUDA only
+        if (shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type)) and shape["cp"] == 1:
             methods[f"{name} (torch)"] = theirs
         got = common.time_methods(ctx, timing, methods, global_batch=True)
         tokens = batch * args.context_length
@@ -785,6 +829,8 @@ def trace_step(ctx, args, model, opt, batch):
     """One traced step of ``model``: every rank's computation (the pipeline's forward and
     backward actions) and its waits by axis, on a clock shared after a barrier."""
     axes = {model.mesh.group(a).group_name: a for a in AXES}
+    if model.data_group is not None:
+        axes[model.data_group.group_name] = "dp"
     axes[model.mesh.group().group_name] = "clip"
     if model.embed_group is not None:
         axes[model.embed_group.group_name] = "tie"
@@ -809,7 +855,7 @@ def trace_step(ctx, args, model, opt, batch):
     return everyone
 
 
-AXIS_COLORS = {"tp": "#c44e52", "fsdp": "#8172b2", "dp": "#937860", "pp": "#55a868", "tie": "#da8bc3",
+AXIS_COLORS = {"tp": "#c44e52", "cp": "#dd8452", "fsdp": "#8172b2", "dp": "#937860", "pp": "#55a868", "tie": "#da8bc3",
                "clip": "#8c8c8c", "other": "#cccccc"}
 
 
@@ -875,7 +921,7 @@ def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="
     collective moves its array once over its links at link x multiplicity; communication
     overlaps compute; the pipeline runs 4p micro-batches with ``schedule`` (interleaved: v
     chunks a stage, v times the activations crossing stages). Seconds and bytes."""
-    P, D, F, T = (shape[a] for a in AXES)
+    P, D, F, C, T = (shape[a] for a in AXES)
     b = tokens / (D * F)                                   # tokens one data replica (fsdp shard) sees
     C, W = hw["flops"], hw["link"]
     out = {"compute_s": 6 * weights / (T * P) * b / C,
@@ -947,6 +993,12 @@ def plan(args) -> dict:
                "alpha": alpha, "X": X, "Y": Y, "fsdp_tokens_per_shard": alpha / hw["m_fsdp"],
                "tokens_per_device": alpha / hw["m_fsdp"] / Y, "overall_tokens": alpha / hw["m_fsdp"] * X,
                "tp_ratio": f / Y, "tp_bound": alpha / hw["m_tp"], "tp_met": f / Y >= alpha / hw["m_tp"]}
+    if pick:   # one sequence of --context-length tokens on the pick: its activations, and the cp that fits them
+        L = getattr(args, "context_length", None) or 0
+        per_token = n / pick["pp"] * 2 * (d + f / pick["tp"])          # bf16 inputs of both linears, this device's blocks
+        free = hw["memory_gb"] - pick["state_gb"]
+        answers.update(context=L, sequence_gb=L * per_token / 1e9,
+                       cp_needed=max(1, math.ceil(L * per_token / 1e9 / free)) if free > 0 else math.inf)
     return {"hardware": hw, "model": {"d_model": d, "d_ff": f, "blocks": n, "weights": weights},
             "meshes": meshes, "pick": pick, "answers": answers}
 
@@ -1035,6 +1087,12 @@ def report_plan(args):
         lines.append(f"pick: {pick['mesh']}, compute-bound from {pick['bound_tokens']:,.0f} tokens a step "
                      f"({pick['bound_tokens_per_device']:,.1f} per device), {pick['memory_gb']:.1f} GB per device, "
                      f"{pick['step_s']:.3f} s a step")
+        lines.append(f"long context: one sequence of {a['context']:,} tokens (--context-length) holds "
+                     f"{a['sequence_gb']:,.1f} GB of activations on a device of the pick, beside "
+                     f"{hw['memory_gb'] - pick['state_gb']:,.1f} GB left after its state: "
+                     + ("it fits without cp" if a["cp_needed"] == 1 else
+                        f"it needs cp >= {a['cp_needed']} (each of the cp devices holds 1/cp of the sequence)"
+                        if a["cp_needed"] < math.inf else "no cp fits: the state alone fills the device"))
     note = "\n".join(lines)
     table = common.save_results(args.out, "10_plan", rows[:args.plan_rows], {
         "model_size": args.model_size, **out["model"], "devices": args.devices, "hardware": args.hardware, **hw},
@@ -1049,7 +1107,8 @@ def report_plan(args):
 # ----------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------
-def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b", chunks=1):
+def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b", chunks=1, context=None,
+               cp_method="ring"):
     """Bad input for one mesh, as the command runs it: ``verified`` (on the verification
     LM) and ``timed`` (on the LM of ``dims``): one line (UsageError). A pipeline's stages
     need not divide the blocks (09 balances them)."""
@@ -1059,11 +1118,19 @@ def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b"
     if schedule == "zb1" and shape["fsdp"] > 1:
         raise common.UsageError("--schedule zb1 defers the weights' gradients past FSDP's reduce-scatters: use it "
                                 "without --fsdp, or --schedule 1f1b or interleaved")
-    models = ([("the verification LM's", VERIFY_LM)] if verified else []) + ([("the model's", dims)] if timed else [])
-    for whose, (_, f, n, h) in models:
+    C = shape["cp"]
+    models = ([("the verification LM's", VERIFY_LM, VERIFY_T)] if verified else []) + \
+        ([("the model's", dims, context)] if timed else [])
+    for whose, (_, f, n, h), t in models:
         if h % T or f % T:
             raise common.UsageError(f"--tp {T} does not divide {whose} {h} heads and d_ff {f}: choose --tp (or "
                                     f"--model-size) so that it does")
+        if C > 1 and t is not None and t % (2 * C):
+            raise common.UsageError(f"--cp {C} cuts each sequence into {2 * C} chunks (11's zig-zag): {whose} "
+                                    f"context of {t} does not divide; use a multiple of {2 * C}")
+        if C > 1 and cp_method == "ulysses" and (h // T) % C:
+            raise common.UsageError(f"--cp-method ulysses splits {whose} {h // T} heads per tp rank over --cp {C}: "
+                                    f"it must divide them")
         if P * chunks > n:
             what = f"--pp {P} x --chunks {chunks} is more chunks" if chunks > 1 else f"--pp {P} is more stages"
             raise common.UsageError(f"{what} than {whose} {n} blocks: use fewer" +
@@ -1082,13 +1149,14 @@ def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b"
 def main(argv=None):
     p = common.script_parser(__doc__)
     for axis, what in (("dp", "data-parallel replicas"), ("fsdp", "FSDP shards"), ("tp", "tensor-parallel ranks"),
-                       ("pp", "pipeline stages")):
+                       ("pp", "pipeline stages"), ("cp", "context-parallel ranks (each sequence split over them)")):
         p.add_argument(f"--{axis}", type=int, default=None, help=f"{what} (default 1; no axis given: the suite)")
     p.add_argument("--tie", action="store_true", help="the output head shares the token embedding's weight")
     p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp, 1 without pipeline)")
     p.add_argument("--schedule", default="1f1b", help=f"the pipeline's schedule, of {', '.join(SCHEDULE_NAMES)} "
                                                       f"(09's; default 1f1b)")
     p.add_argument("--chunks", type=int, default=2, help="--schedule interleaved: chunks of blocks per stage")
+    p.add_argument("--cp-method", choices=list(cp_mod.METHODS), default="ring", help="--cp: 11's attention (default ring)")
     p.add_argument("--peak-tflops", type=float, default=None, help="a device's peak, for MFU (default: known GPUs)")
     p.add_argument("--plan", action="store_true", help="list the meshes for --model-size on --devices; no workers")
     p.add_argument("--devices", type=int, default=64, help="--plan: how many devices")
@@ -1135,7 +1203,8 @@ def main(argv=None):
     cases = [(shape, args.tie, args.schedule)] if single else [c for cases in SUITE.values() for c in cases]
     for s, _, sched in cases:
         check_mesh(s, dims, microbatches(args, s), args.batch_size, not args.no_verify,
-                   not args.no_bench and s in timed, sched, chunks_of(sched, args.chunks if single else SUITE_CHUNKS))
+                   not args.no_bench and s in timed, sched, chunks_of(sched, args.chunks if single else SUITE_CHUNKS),
+                   args.context_length, args.cp_method)
 
     if not args.no_verify:
         if single:

@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-SCRIPTS := 01 02 03 04 05 06 07 08 09 10
+SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11
 
 .PHONY: all test setup docs clean-results collectives $(SCRIPTS)
 
@@ -65,15 +65,21 @@ clean-results:
 08: $(STAMP)
 	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2
 
-# 2 stages at m = 1 and 8, the bubble's two ends: make all stays under 15 minutes on 2
-# cores. The script's default adds m = 2 and 4; 4 stages (and 2 stages x 2 replicas):
+# 2 stages at m = 1 and 8, the bubble's two ends, every schedule (interleaved at m = 8 only:
+# groups of p): make all stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --out results/09_stages_2_4
+#   python 09_pipeline_parallel.py --warmup 3 --microbatches 4 8 --steps 20 --no-verify --out results/09_schedules
 09: $(STAMP)
 	$(PY) 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --stages 2
 
 # the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition, and the XXL plan
 10: $(STAMP)
 	$(PY) 10_nd_parallel.py --warmup 3
+
+# cp 2: every method and layout verified, timed at 512 and 2048 tokens; the write-up adds cp 4:
+#   python 11_context_parallel.py --cp 4 --out results/11_cp_4
+11: $(STAMP)
+	$(PY) 11_context_parallel.py --warmup 3
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu-smoke PY=python3              # first: every script at a small size, a few minutes
@@ -98,10 +104,10 @@ GPU_TWO   = --backend gloo --world-size 2 $(GPU_LM) --out $(GPU_OUT)/gloo_cuda_2
 # take two XL ranks past 40 GiB each (05), and XL's 25 heads do not split over 2 ranks (08)
 GPU_TWO_LARGE = $(subst --model-size $(or $(GPU_SIZE),xl),--model-size $(or $(GPU_SIZE),large),$(GPU_TWO))
 
-.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10
+.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-11
 
 # most wanted first: a session's 30 minutes of device time may not cover all of it
-gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-02 gpu-03
+gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-11 gpu-02 gpu-03
 
 gpu-01: $(GPU_DEPS)
 	$(GPU_RUN) 01_allreduce_bench.py --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) \
@@ -138,10 +144,16 @@ gpu-10: $(GPU_DEPS)
 	$(GPU_RUN) 10_nd_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
 	    --fsdp 2 --tp 2 --pp 2 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_8ranks
 
+# cp 2 over gloo on the one GPU (ring staged through host memory), beside torch's own
+# context_parallel (which runs on CUDA only)
+gpu-11: $(GPU_DEPS)
+	$(GPU_RUN) 11_context_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
+	    --cp 2 --seq-lens 1024 4096 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_2ranks
+
 # ---- make gpu-smoke: every numbered script at a small size (verification and a few steps
 # of its benchmark), SMOKE_JOBS jobs at once, each time-boxed; one log per job under
 # SMOKE_OUT and SUMMARY.md (script, setting, exit status, seconds). Fails if any job did.
-SMOKE      ?= 01 02 03 04 05 06 07 08 09 10
+SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 SMOKE_JOBS ?= 6
 SMOKE_BOX  ?= 300
@@ -152,7 +164,10 @@ gpu-smoke: $(GPU_DEPS)
 	  01) echo "$$s all_ops --ops all --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) --world-sizes 1 2 \
 	        --sizes-mb 0.001 1 --iters 3 --warmup 1 --time-box 20";; \
 	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2";; \
-	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2";; \
+	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2 --schedule gpipe 1f1b"; \
+	      echo "$$s interleaved --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule interleaved"; \
+	      echo "$$s zb1 --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule zb1";; \
+	  11) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --cp 2 --seq-lens 256 --memory-lens 256";; \
 	  10) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --dp 1"; \
 	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --pp 2";; \
 	  *)  echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \

@@ -563,10 +563,20 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def causal_attention(q, k, v):
+    """Causal attention over (batch, heads, tokens, head_dim): the Block's default."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Block(nn.Module):
+    """A pre-norm transformer block. ``attention(q, k, v)`` is a plain attribute (no
+    parameters): context parallelism (11) swaps in an attention over the ranks' parts of the
+    sequence."""
+
     def __init__(self, d_model, d_ff, n_heads):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.attention = causal_attention
         self.ln1 = RMSNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
@@ -577,7 +587,7 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, _ = x.shape   # heads from qkv's width: a tensor-parallel qkv gives this rank's heads
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = self.attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).flatten(2))
         return x + self.ff_out(F.gelu(self.ff_in(self.ln2(x))))
 

@@ -53,7 +53,7 @@ def test_the_checks_fail_without_the_tied_copies_sum_or_with_a_norm_counted_twic
 
 ACCOUNTED = [(nd.mesh_of(dp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "1f1b"), (nd.mesh_of(dp=2, fsdp=2), "1f1b"),
              (nd.mesh_of(pp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "interleaved"),
-             (nd.mesh_of(pp=2, tp=2), "zb1")]
+             (nd.mesh_of(pp=2, tp=2), "zb1"), (nd.mesh_of(cp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, cp=2), "1f1b")]
 
 
 def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
@@ -69,7 +69,7 @@ def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
             for k in ("params", "grads", "opt_state"):
                 assert r["memory"][k] == r["memory_predicted"][k], (r["coords"], k)
             assert r["memory"]["activations"] == pytest.approx(r["memory_predicted"]["activations"], rel=0.02)
-    assert axes_seen == {"dp", "fsdp", "tp", "pp", "tie", "clip"}
+    assert axes_seen == {"dp", "fsdp", "tp", "pp", "cp", "tie", "clip"}
     interleaved, one_f_one_b = jobs[4], jobs[1]   # pp 2 x fsdp 2: v chunks, v times the boundaries
     assert interleaved[0]["counted"]["pp"] == 3 * one_f_one_b[0]["counted"]["pp"]
 

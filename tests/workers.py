@@ -168,6 +168,8 @@ def train_with_copied_region(ctx, args, script, name):
         return train_pipeline_copy(ctx, args, mod)
     if script == "10_nd_parallel":
         return train_with_copied_mesh(ctx, args, mod)
+    if script == "11_context_parallel":
+        return train_cp_copy(ctx, args, mod)
     case = {"opt": "adamw", "tied": True} if name == "FSDP" else {"opt": "adamw", "tied": True, "unused": True}
     run = common.VerifyRun(ctx, args, case)
     model = run.model
@@ -227,6 +229,31 @@ def train_tp_copy(ctx, args, mod):
     full = mod.full_state_dict(model)
     diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return {"ok": diff < 1e-5 and set(full) == set(dict(ref.named_parameters())), "max_diff": diff}
+
+
+def train_cp_copy(ctx, args, mod):
+    """11's copied region: the kit's LM over 2 ranks with ring attention (zig-zag), the
+    weights' gradients averaged by hand, AdamW, against one process on whole sequences."""
+    import copy
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 2, 4, context_length=16)
+    model = mod.context_parallel_lm(copy.deepcopy(ref), None, "ring", "zigzag")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
+    for step in range(3):
+        x, y = common.lm_batch(2, 16, step, 0, "cpu")
+        for opt in opts:
+            opt.zero_grad()
+        ref(x, y).backward()
+        model(*(mod.shard_sequence(t, ctx.rank, ctx.world_size) for t in (x, y))).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        for opt in opts:
+            opt.step()
+    diff = common.max_param_diff(model, ref)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, diff)
+    return {"ok": max(everyone) < 1e-5, "max_diff": max(everyone)}
 
 
 def pipeline_stage_fails(ctx, args):
@@ -373,6 +400,24 @@ def pipeline_staged_equals_direct(ctx, args):
         out[schedule] = [None] * ctx.world_size
         dist.all_gather_object(out[schedule], same)
     return out
+
+
+def ring_staged_equals_direct(ctx, args):
+    """11's ring attention over 2 ranks, direct and staged through host memory (forced):
+    the same output and gradients, bit for bit."""
+    cpm = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (cpm.shard_sequence(torch.randn(1, 2, 16, 8, generator=g), ctx.rank, 2, dim=2) for _ in range(4))
+    got = []
+    for staging in (False, True):
+        mine = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = cpm.context_parallel_attention(*mine, method="ring", host_staging=staging)
+        out.backward(dout)
+        got.append([out.detach()] + [x.grad for x in mine])
+    same = all(torch.equal(a, b) for a, b in zip(*got))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, same)
+    return everyone
 
 
 def step_memory_of(ctx, args, method):

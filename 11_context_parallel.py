@@ -1,0 +1,678 @@
+"""Context parallelism: one long sequence split over the ranks of a group, attention
+computed across the split with ring attention, all-gathered K/V, or Ulysses all-to-all.
+
+Each rank holds a part of every sequence: its queries, keys and values. Causal attention
+needs, for each query, every key at or before its position, so the ranks exchange keys and
+values. **ring** (Liu et al. 2023): the K/V blocks travel around the ring while the
+queries stay; each step attends to one block, the next block's transfer overlapping this
+block's compute, and the partial outputs merge by their log-sum-exp (the online softmax),
+so no rank ever holds more than a block's scores. Backward is a ring too: K/V travel again
+with their gradients, which arrive home after a full circle. **allgather** (Llama 3): K/V
+gathered whole once, attention on them locally; their gradients reduce-scattered in
+backward. **ulysses** (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head
+shards, every rank attends over the whole sequence for h/cp heads, and another all-to-all
+turns it back; cp must divide the heads. Under the causal mask contiguous parts leave the
+last rank with cp times the first's work, so the sequence is cut into 2cp chunks and rank i
+holds chunks i and 2cp-1-i (the zig-zag layout): every rank does the same work.
+
+In the LM (context_parallel_lm) each rank embeds its tokens at their true positions, runs
+the blocks on its part with the CP attention and takes its part of the loss; the weights
+are replicated over the group, their gradients averaged over it (05's DDPBucketed), as over
+a data-parallel group.
+
+Run:
+    python 11_context_parallel.py                            # cp 2: verify every method and layout, then time
+    python 11_context_parallel.py --cp 4 --method ring --seq-lens 1024 4096
+    torchrun --standalone --nproc-per-node 4 11_context_parallel.py
+
+Prints PASS/FAIL per verification case (attention outputs and q, k, v gradients at cp 2, 3
+and 4 in the tests; LM training against one process), then tables: step time and tokens/s
+per rank of each method beside one process across sequence lengths; one attention's saved
+and peak memory per rank beside the formula, and the bytes it sends (per layer and step)
+counted beside the closed form; each rank's ring attention time in the contiguous and
+zig-zag layouts. Writes results/11_context_parallel.{json,md}, 11_memory.{json,md} and
+11_balance.{json,md}, and results/11_timeline.png (one ring step: compute and waiting per
+rank).
+"""
+
+import argparse
+import copy
+
+import common
+
+# ---- begin copy: context-parallel attention (needs only torch and the standard library) ----
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def chunks_of(rank: int, cp: int, layout="zigzag") -> list:
+    """The chunks of the sequence rank holds, in its order: "contiguous" cuts the sequence
+    into cp chunks (rank i: chunk i), "zigzag" into 2cp (rank i: chunks i and 2cp-1-i)."""
+    return [rank] if layout == "contiguous" else [rank, 2 * cp - 1 - rank]
+
+
+def positions(t_local: int, rank: int, cp: int, layout="zigzag", device=None) -> torch.Tensor:
+    """The global positions of rank's ``t_local`` tokens, in the order it holds them."""
+    mine = chunks_of(rank, cp, layout)
+    size = t_local // len(mine)
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in mine])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout="zigzag", dim=1) -> torch.Tensor:
+    """Rank's part of a whole sequence (dimension ``dim``), in the order it holds it."""
+    n = cp if layout == "contiguous" else 2 * cp
+    if x.shape[dim] % n:
+        raise ValueError(f"a sequence of {x.shape[dim]} tokens does not cut into the {n} chunks of {layout} over {cp}")
+    parts = x.chunk(n, dim=dim)
+    return torch.cat([parts[c] for c in chunks_of(rank, cp, layout)], dim=dim)
+
+
+def _peers(group):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    g = lambda r: dist.get_global_rank(group or dist.group.WORLD, r % cp)  # noqa: E731
+    return cp, rank, g(rank + 1), g(rank - 1)
+
+
+def _exchange(send, group, nxt, prv, staged, tag=0):
+    """Send ``send`` to the next rank of the ring and receive as much from the previous one,
+    in the background: returns wait(), which gives what arrived. ``staged``: through host
+    memory (gloo with GPU tensors: its send/recv take CPU tensors only); ``tag`` tells two
+    exchanges in flight at once apart (K/V and their gradients)."""
+    wire = send.to("cpu", copy=True) if staged else send
+    buf = torch.empty_like(wire)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, wire, nxt, group, tag=tag),
+                                    dist.P2POp(dist.irecv, buf, prv, group, tag=tag)])
+
+    def wait():
+        for w in works:
+            w.wait()
+        return buf.to(send.device) if staged else buf
+    return wait
+
+
+TILE = 128   # query rows whose scores exist at once: a block's scores never take more than heads x 128 x chunk
+
+
+def _pairs(my_chunks, src_chunks, size, tile=None):
+    """The (query rows, key slice, diagonal rows or None) of every chunk pair a causal mask
+    leaves work in, the query rows in tiles: a key chunk before the query chunk is seen
+    whole, the same chunk up to the diagonal, a later one not at all."""
+    tile = tile or size
+    for i, a in enumerate(my_chunks):
+        for j, b in enumerate(src_chunks):
+            if b <= a:
+                for r in range(0, size, tile):
+                    rows = slice(i * size + r, i * size + min(r + tile, size))
+                    yield rows, slice(j * size, (j + 1) * size), slice(r, min(r + tile, size)) if a == b else None
+
+
+def _diagonal_mask(n, device):
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, staged, trace):
+        cp, rank, nxt, prv = _peers(group)
+        mine, size, scale = chunks_of(rank, cp, layout), q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
+        out = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        kv, mask = torch.stack([k, v]), _diagonal_mask(size, q.device)
+        for step in range(cp):
+            src = (rank - step) % cp
+            wait = _exchange(kv, group, nxt, prv, staged) if step < cp - 1 else None   # the next block, meanwhile
+            t0 = time.perf_counter()
+            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, layout), size, TILE):
+                s = (q[:, :, qs] @ kv[0][:, :, ks].transpose(-1, -2)).float() * scale
+                if diag is not None:
+                    s = s.masked_fill(mask[diag], -math.inf)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block_out = torch.exp(s - block_lse[..., None]) @ kv[1][:, :, ks].float()
+                new = torch.logaddexp(lse[:, :, qs], block_lse)   # the online softmax: rescale, add
+                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None] + \
+                    block_out * torch.exp(block_lse - new)[..., None]
+                lse[:, :, qs] = new
+            if trace is not None:
+                trace.append(("compute", t0, time.perf_counter()))
+            if wait is not None:
+                t0 = time.perf_counter()
+                kv = wait()
+                if trace is not None:
+                    trace.append(("wait", t0, time.perf_counter()))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout, ctx.staged, ctx.trace = group, layout, staged, trace
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank, nxt, prv = _peers(ctx.group)
+        mine = chunks_of(rank, cp, ctx.layout)
+        size, scale = q.shape[2] // len(mine), q.shape[-1] ** -0.5
+        dout = dout.float()
+        delta = (dout * out.float()).sum(-1)   # the softmax's backward term, per query
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv, dkv, mask = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device), \
+            _diagonal_mask(size, q.device)
+        for step in range(cp):
+            src = (rank - step) % cp
+            wait_kv = _exchange(kv, ctx.group, nxt, prv, ctx.staged) if step < cp - 1 else None
+            t0 = time.perf_counter()
+            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, ctx.layout), size, TILE):
+                kb, vb = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
+                s = (q[:, :, qs].float() @ kb.transpose(-1, -2)) * scale
+                if diag is not None:
+                    s = s.masked_fill(mask[diag], -math.inf)
+                p = torch.exp(s - lse[:, :, qs][..., None])
+                dkv[1][:, :, ks] += p.transpose(-1, -2) @ dout[:, :, qs]
+                ds = p * (dout[:, :, qs] @ vb.transpose(-1, -2) - delta[:, :, qs][..., None])
+                dq[:, :, qs] += ds @ kb * scale
+                dkv[0][:, :, ks] += ds.transpose(-1, -2) @ q[:, :, qs].float() * scale
+            if ctx.trace is not None:
+                ctx.trace.append(("compute", t0, time.perf_counter()))
+            dkv = _exchange(dkv, ctx.group, nxt, prv, ctx.staged, tag=1)()   # home after a full circle
+            if wait_kv is not None:
+                kv = wait_kv()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather over the group along a new first dimension; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, dist.get_world_size(group)
+        out = torch.empty(n * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+        _all_gather(out, x.contiguous(), group=group)
+        return out.view(n, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        _reduce_scatter(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return out, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Part j of dimension 0 goes to rank j, which puts it at place (this rank); its own
+    transpose, so backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, x = group, x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def _global_order(cp, t_local, layout, device):
+    """Where the tokens of all ranks, laid end to end in rank order, go in the sequence."""
+    return torch.cat([positions(t_local, r, cp, layout, device) for r in range(cp)]).argsort()
+
+
+def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigzag", host_staging=None, trace=None):
+    """Causal attention for this rank's part of the sequence (q, k, v: batch, heads, its
+    tokens, head dim; its tokens those of ``layout``, see shard_sequence), over the ranks of
+    ``group``; returns this rank's output. ``method``: "ring", "allgather" or "ulysses".
+
+        q, k, v = (shard_sequence(t, rank, cp, dim=2) for t in (q_all, k_all, v_all))
+        out = context_parallel_attention(q, k, v, cp_group, "ring")   # = that part of whole attention
+
+    ``host_staging``: point-to-point through host memory (None: when the group is gloo and
+    the tensors on a GPU). ``trace``: a list the ring appends (kind, start, end) to.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if method == "ring":
+        staged = host_staging if host_staging is not None else \
+            q.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        return _RingAttention.apply(q, k, v, group, layout, staged, trace)
+    t_local = q.shape[2]
+    if method == "allgather":
+        kv = _GatherSequence.apply(torch.stack([k, v]), group)          # (cp, 2, b, h, t/cp, d)
+        kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)                 # (2, b, h, t, d) in rank order
+        keys = torch.cat([positions(t_local, r, cp, layout, q.device) for r in range(cp)])
+        visible = keys[None, :] <= positions(t_local, rank, cp, layout, q.device)[:, None]
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=visible)
+    if method == "ulysses":
+        b, h, _, d = q.shape
+        if h % cp:
+            raise ValueError(f"ulysses splits the {h} heads over {cp} ranks: cp must divide the heads")
+        x = torch.stack([q, k, v]).view(3, b, cp, h // cp, t_local, d).permute(2, 0, 1, 3, 4, 5)
+        x = _AllToAll.apply(x, group)                                    # (cp source ranks, 3, b, h/cp, t/cp, d)
+        order = _global_order(cp, t_local, layout, q.device)
+        x = x.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)[:, :, :, order]   # (3, b, h/cp, t, d), the sequence in order
+        o = F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True)
+        o = o[:, :, order.argsort()].unflatten(2, (cp, t_local)).permute(2, 0, 1, 3, 4)
+        o = _AllToAll.apply(o, group)                                    # (cp head groups, b, h/cp, t/cp, d)
+        return o.permute(1, 0, 2, 3, 4).flatten(1, 2)
+    raise ValueError(f"unknown method {method!r}: ring, allgather or ulysses")
+
+
+def context_parallel_lm(model, group=None, method="ring", layout="zigzag"):
+    """The kit's TransformerLM (or 09's stages of it) over a context-parallel group, in
+    place: every block's attention becomes context_parallel_attention, and the position
+    embedding takes this rank's tokens' true positions. Feed each rank its part of every
+    sequence (shard_sequence of the inputs and of the targets); the weights stay whole on
+    every rank: average their gradients over the group (a DDP wrapper over it)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for block in model.blocks.values() if hasattr(model.blocks, "values") else model.blocks:
+        block.attention = lambda q, k, v: context_parallel_attention(q, k, v, group, method, layout)
+    if getattr(model, "pos", None) is not None:
+        model.pos.register_forward_pre_hook(
+            lambda mod, args: (positions(args[0].shape[-1], rank, cp, layout, args[0].device),))
+    return model
+# ---- end copy: context-parallel attention ----
+
+
+METHODS = ("ring", "allgather", "ulysses")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def train_step(model, optimizer, batch, clock):
+    """One step on this rank's part of every sequence of the batch, timed by phase: the
+    attention's exchanges run inside forward and backward; the replicated weights'
+    gradients are averaged over the group after."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with clock.phase("forward"):      # per block: K/V around the ring, gathered, or all-to-all'd
+        loss = model(x, y)
+    with clock.phase("backward"):     # the same exchanges for the gradients
+        loss.backward()
+    with clock.phase("comm"):         # the weights' gradients averaged over the group
+        if hasattr(model, "finish_gradient_synchronization"):
+            model.finish_gradient_synchronization()
+    with clock.phase("optim"):
+        optimizer.step()
+
+
+def runs(method, heads, cp) -> bool:
+    """Ulysses splits the heads over the ranks: cp must divide them."""
+    return method != "ulysses" or heads % cp == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Verification: attention and LM training against one process
+# ----------------------------------------------------------------------------------------
+def verify_attention(ctx, args, methods, group=None, control=False):
+    """Every method and layout, against one process's causal attention on the whole
+    sequence: the output and the q, k, v gradients of this rank's part, at two sequence
+    lengths (2cp and 6cp tokens) and with 3 and 4 heads (ulysses refuses 3 unless cp does
+    divide it: checked to raise). ``control``: shard by zig-zag but attend as if the parts
+    were contiguous (the causal mask on the wrong positions): must fail."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = {}
+    for heads in (3, 4):
+        for t in (2 * cp, 6 * cp):
+            g = torch.Generator().manual_seed(args.seed + 7 * t + heads)
+            q, k, v, dout = (torch.randn(2, heads, t, 8, generator=g).to(ctx.device) for _ in range(4))
+            qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+            ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+            ref.backward(dout)
+            for layout in LAYOUTS:
+                for method in methods:
+                    name = f"{method}, {layout}, {heads} heads, {t} tokens"
+                    if not runs(method, heads, cp):
+                        try:
+                            context_parallel_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], group, method, layout)
+                            out[name + " (must refuse)"] = {"ok": False, "max_diff": float("inf")}
+                        except ValueError:
+                            out[name + " (refused: cp does not divide the heads)"] = {"ok": True, "max_diff": 0.0}
+                        continue
+                    part = lambda x: shard_sequence(x, rank, cp, layout, dim=2)  # noqa: E731
+                    mine = [part(x).clone().requires_grad_() for x in (q, k, v)]
+                    o = context_parallel_attention(*mine, group=group, method=method,
+                                                   layout="contiguous" if control else layout)
+                    o.backward(part(dout))
+                    got = [o] + [x.grad for x in mine]
+                    want = [part(ref)] + [part(x.grad) for x in (qr, kr, vr)]
+                    ok, diff = True, 0.0
+                    for a, b in zip(got, want):
+                        diff = max(diff, (a.detach().double() - b.detach().double()).abs().max().item())
+                        ok = ok and torch.allclose(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
+                    out[name] = {"ok": ok, "max_diff": diff}
+    return gather_results(out, group)
+
+
+def gather_results(results, group=None):
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, results, group=group)
+    return {k: {"ok": all(e[k]["ok"] for e in everyone), "max_diff": max(e[k]["max_diff"] for e in everyone)}
+            for k in results}
+
+
+VERIFY_LM = (32, 64, 2, 4)   # d_model, d_ff, blocks, heads: 4 heads for ulysses at cp 2 and 4
+VERIFY_T = 48                # divides 2cp for cp = 2, 3 and 4
+
+
+def verify_lm(ctx, args, methods, group=None):
+    """The LM trained with each method and layout (DDPBucketed averaging the replicated
+    weights' gradients over the group) against one process on the whole sequences: every
+    weight after a few AdamW steps."""
+    bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = {}
+    for layout in LAYOUTS:
+        for method in methods:
+            if not runs(method, VERIFY_LM[3], cp):
+                continue
+            torch.manual_seed(args.seed)
+            ref = common.TransformerLM(*VERIFY_LM, context_length=VERIFY_T).to(ctx.device)
+            model = bucketed.DDPBucketed(context_parallel_lm(copy.deepcopy(ref), group, method, layout), 1,
+                                         process_group=group)
+            # eps 1e-6 as in 08 and 09: the split sums round differently, AdamW must not magnify it
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
+            for step in range(args.verify_steps):
+                x, y = common.lm_batch(2, VERIFY_T, step, args.seed, ctx.device)
+                opts[0].zero_grad()
+                ref(x, y).backward()
+                opts[0].step()
+                part = tuple(shard_sequence(t, rank, cp, layout) for t in (x, y))
+                train_step(model, opts[1], part, common.StepClock(ctx.device))
+            ok = common.params_close(model.module, ref)
+            out[f"LM, {method}, {layout}"] = {"ok": ok, "max_diff": common.max_param_diff(model.module, ref)}
+    return gather_results(out, group)
+
+
+def verify(ctx, args, methods):
+    return {**verify_attention(ctx, args, methods), **verify_lm(ctx, args, methods)}
+
+
+# ----------------------------------------------------------------------------------------
+# Benchmark: time and tokens/s beside one process, memory, bytes, balance, a ring timeline
+# ----------------------------------------------------------------------------------------
+def bench_lm(ctx, args, t, method=None, layout="zigzag"):
+    """The benchmark LM at context ``t`` with this rank's part (method None: the whole
+    sequence on each rank, one process's work), its optimizer, and its step."""
+    bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+    model = common.build_lm(args.model_size, t, ctx.device, args.seed)
+    if method is not None:
+        model = bucketed.DDPBucketed(context_parallel_lm(model, None, method, layout), 25)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch, clock):
+        part = batch if method is None else tuple(shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in batch)
+        train_step(model, opt, part, clock)
+    return step
+
+
+def torch_context_parallel(ctx, args, t):
+    """torch's own context parallelism on the same LM, as its docs run it: a device mesh over
+    the ranks, torch DDP averaging the gradients over it, and each step inside
+    torch.distributed.tensor.experimental.context_parallel, which shards the batch's
+    buffers (tokens, targets, positions) along the sequence with its load-balancing layout
+    and turns SDPA into its ring attention. Its SDPA has no CPU sharding rule: CUDA only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    mesh = init_device_mesh("cuda", (ctx.world_size,))
+    model = torch.nn.parallel.DistributedDataParallel(common.build_lm(args.model_size, t, ctx.device, args.seed))
+    holder = {}
+    model.module.pos.register_forward_pre_hook(lambda mod, a: (holder["positions"][0],))   # the shard's true positions
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch, clock):
+        x, y = (b.clone() for b in batch)
+        holder["positions"] = torch.arange(t, device=x.device)[None].clone()
+        opt.zero_grad(set_to_none=True)
+        with context_parallel(mesh, buffers=[x, y, holder["positions"]], buffer_seq_dims=[1, 1, 1],
+                              no_restore_buffers={x, y, holder["positions"]}):
+            with clock.phase("forward"):
+                loss = model(x, y)
+            with clock.phase("backward"):
+                loss.backward()
+        with clock.phase("comm"):
+            pass                       # DDP waited inside backward
+        with clock.phase("optim"):
+            opt.step()
+    return step
+
+
+def benchmark(ctx, args, methods, seq_lens):
+    """At each sequence length: one process, each method, and on a GPU torch's
+    context_parallel, steps alternating."""
+    cp, rows = ctx.world_size, []
+    heads = common.MODEL_SIZES[args.model_size][3]
+    for t in seq_lens:
+        timing = argparse.Namespace(**{**vars(args), "context_length": t})
+        cases = {"one process (whole sequence)": lambda t=t: bench_lm(ctx, args, t)}
+        cases.update({f"{m} (cp {cp})": lambda t=t, m=m: bench_lm(ctx, args, t, m) for m in methods if runs(m, heads, cp)})
+        if ctx.device.type == "cuda":
+            cases[f"torch context_parallel (cp {cp})"] = lambda t=t: torch_context_parallel(ctx, args, t)
+        got = common.time_methods(ctx, timing, cases, global_batch=True)
+        for r in got:
+            r.update(seq_len=t, cp=1 if r["method"].startswith("one") else cp,
+                     tokens_per_s_per_rank=args.batch_size * t / (r["step_ms"] / 1e3) / (1 if r["method"].startswith("one") else cp))
+            r["vs_one_process"] = r["step_ms"] / got[0]["step_ms"]
+        rows += got
+    return rows
+
+
+# Bytes a rank sends in one call, per byte of the call's size (nccl-tests' sizes: all-gather
+# the output, reduce-scatter and all-to-all the input); a receive sends nothing.
+SENT = {"send": lambda n: 1.0, "recv_": lambda n: 0.0, "_allgather_base_": lambda n: (n - 1) / n,
+        "allgather_into_tensor_coalesced_": lambda n: (n - 1) / n, "_reduce_scatter_base_": lambda n: (n - 1) / n,
+        "alltoall_base_": lambda n: (n - 1) / n}
+
+
+def attention_bytes(method, cp, block) -> float:
+    """Bytes a rank sends for one attention forward and backward, in closed form, for
+    ``block`` bytes of this rank's K (or V, q, out). ring: K and V forward to the next rank
+    cp-1 times, again in backward, and their gradients (float32) cp times around the circle;
+    allgather: (cp-1)/cp of the gathered K and V, and as much reduce-scattered; ulysses:
+    (cp-1)/cp of q, k, v and out through all-to-all, and of their gradients."""
+    if method == "ring":
+        return (cp - 1) * 2 * block * 2 + cp * 2 * block
+    if method == "allgather":
+        return 2 * (cp - 1) * 2 * block
+    return (cp - 1) / cp * block * 8
+
+
+def saved_bytes(method, cp, b, h, t, d) -> float:
+    """Bytes one attention saves for backward per rank (float32), in closed form: ring q, k,
+    v, out and the log-sum-exp of its t/cp tokens; allgather its q, out and log-sum-exp but
+    the whole sequence's K and V, and the mask (t/cp x t, which SDPA keeps as floats);
+    ulysses q, k, v, out and the log-sum-exp of the whole sequence for h/cp heads; one
+    process all of it whole."""
+    n, f = b * h * t * d * 4, b * h * t * 4
+    return {"one process": 4 * n + f, "ring": (4 * n + f) / cp, "ulysses": (4 * n + f) / cp,
+            "allgather": 2 * n / cp + 2 * n + f / cp + 4 * t * t / cp}[method]
+
+
+def attention_memory(ctx, args, methods, seq_lens):
+    """For each sequence length, one attention forward and backward (one sequence, the
+    model's heads): the bytes saved for backward (counted as autograd saves them) and the
+    peak of live tensor bytes (07's StepPeak), per rank, beside the formula; and the bytes
+    sent, counted, beside the formula."""
+    fsdp = common.load_script(common.ROOT / "07_fsdp.py")
+    d_model, _, _, h = common.MODEL_SIZES[args.model_size]
+    d, cp, rows = d_model // h, ctx.world_size, []
+    for t in seq_lens:
+        for method in ("one process",) + tuple(m for m in methods if runs(m, h, cp)):
+            rows.append(one_attention(ctx, t, h, d, method))
+    return rows
+
+
+def one_attention(ctx, t, h, d, method):
+    """attention_memory's row for one method and length (every rank's maximum); the
+    tensors live in this function only, so none is freed inside the next one's count."""
+    fsdp = common.load_script(common.ROOT / "07_fsdp.py")
+    cp = ctx.world_size
+    saved = {}
+
+    def pack(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+    with fsdp.StepPeak(ctx.device) as mem, common.count_collectives() as c:   # first: every free counted
+        g = torch.Generator().manual_seed(t)
+        q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
+        if method != "one process":
+            q, k, v, dout = (shard_sequence(x, ctx.rank, cp, "zigzag", dim=2) for x in (q, k, v, dout))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        with mem.step():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if method == "one process" \
+                    else context_parallel_attention(q, k, v, None, method, "zigzag")
+            o.backward(dout)
+    sent = sum(nbytes * SENT.get(op, lambda n: 0.0)(cp) for op, _, nbytes in c.log)
+    block = q.numel() * q.element_size()
+    row = {"seq_len": t, "method": method, "cp": 1 if method == "one process" else cp,
+           "saved_MB": sum(saved.values()) / 1e6, "saved_formula_MB": saved_bytes(
+               method, 1 if method == "one process" else cp, 1, h, t, d) / 1e6,
+           "peak_MB": mem.peak / 1e6, "sent_MB": sent / 1e6,
+           "sent_formula_MB": 0.0 if method == "one process" else attention_bytes(method, cp, block) / 1e6}
+    everyone = [None] * cp
+    dist.all_gather_object(everyone, row)
+    return {**row, **{k: max(e[k] for e in everyone) for k in ("saved_MB", "peak_MB", "sent_MB")}}
+
+
+def balance(ctx, args, t):
+    """Each rank's time in the ring's attention blocks (forward and backward, one
+    sequence), contiguous against zig-zag: the causal mask gives the last contiguous part
+    cp times the first's work, the zig-zag parts the same."""
+    d_model, _, _, h = common.MODEL_SIZES[args.model_size]
+    cp, out = ctx.world_size, {}
+    g = torch.Generator().manual_seed(0)
+    whole = [torch.randn(1, h, t, d_model // h, generator=g).to(ctx.device) for _ in range(4)]
+    for layout in LAYOUTS:
+        times = []
+        for _ in range(5):
+            q, k, v, dout = (shard_sequence(x, ctx.rank, cp, layout, dim=2) for x in whole)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            trace = []
+            context_parallel_attention(q, k, v, None, "ring", layout, trace=trace).backward(dout)
+            times.append(sum(b - a for kind, a, b in trace if kind == "compute"))
+        everyone = [None] * cp
+        dist.all_gather_object(everyone, sorted(times)[2])
+        out[layout] = everyone
+    return out
+
+
+def ring_timeline(ctx, args, t):
+    """One ring attention forward, every rank's compute and waits on a clock shared after a
+    barrier."""
+    d_model, _, _, h = common.MODEL_SIZES[args.model_size]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (shard_sequence(torch.randn(1, h, t, d_model // h, generator=g), ctx.rank, ctx.world_size, "zigzag",
+                              dim=2).to(ctx.device) for _ in range(3))
+    for _ in range(3):   # the last is drawn
+        trace = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        context_parallel_attention(q, k, v, None, "ring", "zigzag", trace=trace)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, [(kind, a - t0, b - t0) for kind, a, b in trace])
+    return everyone
+
+
+def draw_timeline(lanes, title, path):
+    plt = common.pyplot()
+    from matplotlib.patches import Patch
+    colors = {"compute": "#4c72b0", "wait": "#c44e52"}
+    fig, ax = plt.subplots(figsize=(10, 0.8 + 0.5 * len(lanes)))
+    for r, spans in enumerate(lanes):
+        for kind, a, b in spans:
+            ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (r - 0.35, 0.7), facecolors=colors[kind], edgecolors="white")
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([f"rank {r}" for r in range(len(lanes))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into the attention's forward: blue, a block's attention (the next block's transfer "
+                  "running meanwhile); red, waiting for it")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    common.save_figure(fig, path)
+
+
+def measure(ctx, args, methods, seq_lens):
+    """Everything beside the timing, in one job: memory and bytes, balance, the timeline."""
+    return attention_memory(ctx, args, methods, args.memory_lens), balance(ctx, args, max(seq_lens)), \
+        ring_timeline(ctx, args, max(seq_lens))
+
+
+HEADERS = ["method", "seq_len", "cp", "step_ms", "step_min_ms", "step_max_ms", "vs_one_process",
+           "tokens_per_s_per_rank", "comm_ms", "collectives", "comm_MB"]
+MEMORY_HEADERS = ["seq_len", "method", "cp", "saved_MB", "saved_formula_MB", "peak_MB", "sent_MB", "sent_formula_MB"]
+NAME, TITLE = "11_context_parallel", "Context parallelism: step time beside one process"
+
+
+def main(argv=None):
+    p = common.script_parser(__doc__)
+    p.add_argument("--cp", type=int, default=None, help="ranks that share one sequence (default 2; the world size)")
+    p.add_argument("--method", nargs="+", default=None,
+                   help=f"of {', '.join(METHODS)} (default: all; ulysses where cp divides the heads)")
+    p.add_argument("--seq-lens", nargs="+", type=int, default=None, help="sequence lengths to time (default 512 2048)")
+    p.add_argument("--memory-lens", nargs="+", type=int, default=[256, 1024, 4096],
+                   help="sequence lengths of the memory table (one attention)")
+    p.set_defaults(batch_size=1, model_size="micro")
+    first = p.parse_args(argv)
+    cp = first.cp if first.cp is not None else 2
+    if cp < 1:
+        raise common.UsageError(f"--cp must be at least 1, got {cp}")
+    args = common.parse(p, argv, world=lambda a: cp, batch_unit=lambda a: None)
+    cp = args.world_size   # under torchrun: its world
+    unknown = [m for m in args.method or [] if m not in METHODS]
+    if unknown:
+        raise common.UsageError(f"unknown --method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    heads = common.MODEL_SIZES[args.model_size][3]
+    methods = list(dict.fromkeys(args.method or METHODS))
+    if args.method and "ulysses" in methods and (heads % cp or (not args.no_verify and VERIFY_LM[3] % cp)):
+        raise common.UsageError(f"ulysses splits the heads over the ranks: cp {cp} does not divide the "
+                                f"{heads if heads % cp else VERIFY_LM[3]} heads of "
+                                f"{'the model' if heads % cp else 'the verification LM'}")
+    args.seq_lens = args.seq_lens or [512, 2048]
+    for t in args.seq_lens + (args.memory_lens if not args.no_bench else []):
+        if t < 1 or t % (2 * cp):
+            raise common.UsageError(f"a sequence of {t} tokens does not cut into the 2 x {cp} chunks of the zig-zag "
+                                    f"layout: use a multiple of {2 * cp}")
+    if args.batch_size < 1:
+        raise common.UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    skipped = [m for m in methods if not runs(m, heads, cp)]
+    if skipped and common.is_reporter():
+        print(f"ulysses: not run (cp {cp} does not divide the model's {heads} heads)")
+
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args, methods), f"{NAME} at cp {cp}")
+    if args.no_bench:
+        return
+    rows = common.launch(benchmark, args, methods, args.seq_lens)
+    if common.is_reporter():
+        settings = {**common.lm_settings(args), "seq_lens": args.seq_lens, "cp": cp}
+        table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE)
+        print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, {args.batch_size} sequence(s) a step, "
+              f"zig-zag layout; times in ms, median [min, max] of {args.steps} steps; torch's context_parallel: "
+              f"{'not run on the CPU (its SDPA has no CPU sharding rule)' if args.device == 'cpu' else 'see make gpu'})\n"
+              f"{table}")
+    memory, spread, lanes = common.launch(measure, args, methods, args.seq_lens)
+    if common.is_reporter():
+        settings = {**common.lm_settings(args), "cp": cp}
+        t2 = common.save_results(args.out, "11_memory", memory, settings, headers=MEMORY_HEADERS,
+                                 title="One attention's memory and bytes per rank, beside the formulas",
+                                 note=saved_bytes.__doc__.replace("\n    ", " ") + "\n\n" +
+                                 attention_bytes.__doc__.replace("\n    ", " "))
+        t = max(args.seq_lens)
+        rows3 = [{"layout": layout, "seq_len": t, **{f"rank_{r}_ms": ms * 1e3 for r, ms in enumerate(times)},
+                  "max_over_mean": max(times) / (sum(times) / len(times))} for layout, times in spread.items()]
+        t3 = common.save_results(args.out, "11_balance", rows3, settings,
+                                 title="Ring attention: each rank's time in attention blocks, by layout")
+        print(f"\nOne attention per rank (zig-zag; MB): saved for backward, peak of live tensors, sent\n{t2}\n\n"
+              f"Each rank's ring attention time (forward and backward, {t} tokens), contiguous and zig-zag\n{t3}")
+        path = f"{args.out}/11_timeline.png"
+        draw_timeline(lanes, f"One ring attention forward: cp {cp}, {t} tokens ({args.model_size}'s heads, "
+                             f"{args.backend}/{args.device})", path)
+        print(f"wrote {args.out}/{NAME}.*, 11_memory.*, 11_balance.*, {path}")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

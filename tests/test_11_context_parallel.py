@@ -1,0 +1,93 @@
+import json
+
+import pytest
+import torch
+
+import common
+from conftest import load, refused, run_inline, verify_args
+
+cpm = load("11_context_parallel")
+_cache = {}
+
+
+def verification(cp):
+    """Every method and layout at this cp: attention (outputs and q, k, v gradients) and LM
+    training against one process (one job)."""
+    if cp not in _cache:
+        _cache[cp] = common.launch(cpm.verify, verify_args(cp, verify_steps=3), list(cpm.METHODS), world_size=cp)
+    return _cache[cp]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("method", cpm.METHODS)
+@pytest.mark.parametrize("layout", cpm.LAYOUTS)
+def test_attention_equals_one_process(cp, method, layout):
+    cases = {k: r for k, r in verification(cp).items() if k.startswith(f"{method}, {layout},")}
+    assert len(cases) == 4   # 3 and 4 heads, 2cp and 6cp tokens
+    for name, r in cases.items():
+        assert r["ok"], f"{name}: max diff {r['max_diff']}"
+        if method == "ulysses" and (3 if "3 heads" in name else 4) % cp:
+            assert "refused" in name   # cp does not divide the heads
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", cpm.METHODS)
+@pytest.mark.parametrize("layout", cpm.LAYOUTS)
+def test_lm_training_equals_one_process(cp, method, layout):
+    r = verification(cp)[f"LM, {method}, {layout}"]
+    assert r["ok"], f"max diff {r['max_diff']}"
+
+
+def test_the_causal_mask_on_the_wrong_positions_fails_the_check():
+    res = common.launch(cpm.verify_attention, verify_args(2), ["ring", "allgather"], None, True)
+    wrong = [r for k, r in res.items() if "zigzag" in k]
+    assert wrong and not any(r["ok"] for r in wrong)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_layouts_cover_the_sequence_once_and_zigzag_balances_the_causal_work(cp):
+    for layout in cpm.LAYOUTS:
+        t = 4 * cp
+        got = sorted(p for r in range(cp) for p in cpm.positions(t // cp, r, cp, layout).tolist())
+        assert got == list(range(t))
+        x = torch.arange(t)[None]
+        for r in range(cp):
+            assert cpm.shard_sequence(x, r, cp, layout)[0].tolist() == cpm.positions(t // cp, r, cp, layout).tolist()
+    # causal work per rank: the chunk pairs left after the mask
+    work = {layout: [sum(1 for _ in cpm._pairs(cpm.chunks_of(r, cp, layout),
+                                                [c for s in range(cp) for c in cpm.chunks_of(s, cp, layout)], 1))
+                     for r in range(cp)] for layout in cpm.LAYOUTS}
+    assert work["contiguous"] == list(range(1, cp + 1))    # the last rank does cp times the first's
+    assert len(set(work["zigzag"])) == 1                   # every rank the same
+
+
+def test_script_times_measures_and_draws(tmp_path):
+    p = run_inline("11_context_parallel.py", "--cp", "2", "--seq-lens", "64", "--memory-lens", "64", "--steps", "1",
+                   "--warmup", "0", "--no-verify", "--model-size", "nano", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = {r["method"]: r for r in json.loads((tmp_path / "11_context_parallel.json").read_text())["rows"]}
+    assert set(rows) == {"one process (whole sequence)", "ring (cp 2)", "allgather (cp 2)", "ulysses (cp 2)"}
+    assert all(r["step_ms"] > 0 and r["tokens_per_s_per_rank"] > 0 for r in rows.values())
+    memory = json.loads((tmp_path / "11_memory.json").read_text())["rows"]
+    for r in memory:
+        assert r["saved_MB"] == pytest.approx(r["saved_formula_MB"], rel=0.1), r
+        assert r["sent_MB"] == pytest.approx(r["sent_formula_MB"], rel=1e-6), r   # counted = closed form
+        assert r["peak_MB"] > 0
+    balance = {r["layout"]: r for r in json.loads((tmp_path / "11_balance.json").read_text())["rows"]}
+    assert set(balance) == {"contiguous", "zigzag"}
+    assert (tmp_path / "11_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--cp", "0"], "--cp must be at least 1"),
+    (["--cp", "3", "--seq-lens", "64"], "does not cut into the 2 x 3 chunks"),
+    (["--cp", "3", "--method", "ulysses", "--seq-lens", "60", "--memory-lens", "60"], "cp 3 does not divide the 4 heads"),
+    (["--method", "tree"], "unknown --method 'tree'"),
+])
+def test_bad_input_exits_2_with_one_line(argv, words):
+    assert words in refused("11_context_parallel.py", *argv)
+
+
+def test_ring_staged_through_host_memory_gives_the_same_result():
+    import workers   # forced on the CPU: gloo's send/recv need it with GPU tensors
+    assert common.launch(workers.ring_staged_equals_direct, verify_args(2)) == [True, True]
