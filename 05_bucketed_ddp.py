@@ -67,11 +67,13 @@ class DDPBucketed(nn.Module):
     only accumulates; the next synchronized backward reduces the sum. If the wrapped module
     synchronizes gradients itself (FSDP over a shard group, making this hybrid sharding:
     shard within a group, replicate across groups), its ``no_sync`` is entered with ours
-    and its ``finish_gradient_synchronization`` runs before ours.
+    and its ``finish_gradient_synchronization`` runs before ours. ``ignore_parameters``:
+    parameters left alone (neither broadcast nor reduced), such as a mixture of experts'
+    experts, which differ from rank to rank (torch DDP's parameters to ignore).
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, ignore_parameters=()):
         super().__init__()
         if not bucket_size_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_size_mb and first_bucket_mb must be positive, got {bucket_size_mb}, "
@@ -80,11 +82,12 @@ class DDPBucketed(nn.Module):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self._src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
+        ignored = {id(p) for p in ignore_parameters}
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
+            for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
                 dist.broadcast(t, src=self._src, group=process_group)
         self._caps = (min(first_bucket_mb, bucket_size_mb) * 2**20, bucket_size_mb * 2**20)
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._params = [p for p in module.parameters() if p.requires_grad and id(p) not in ignored]
         self._build(list(range(len(self._params)))[::-1])
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))

@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11
+SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
 .PHONY: all test setup docs clean-results collectives $(SCRIPTS)
 
@@ -81,6 +81,10 @@ clean-results:
 11: $(STAMP)
 	$(PY) 11_context_parallel.py --warmup 3
 
+# ep 2 (8 experts, top-2, capacity 1.25): every case verified, EP beside the replicated MoE and a dense model
+12: $(STAMP)
+	$(PY) 12_expert_parallel.py --warmup 3 --experts 8
+
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu-smoke PY=python3              # first: every script at a small size, a few minutes
 #   make gpu PY=python3                    # or gpu-01 ... gpu-09, one at a time
@@ -104,10 +108,10 @@ GPU_TWO   = --backend gloo --world-size 2 $(GPU_LM) --out $(GPU_OUT)/gloo_cuda_2
 # take two XL ranks past 40 GiB each (05), and XL's 25 heads do not split over 2 ranks (08)
 GPU_TWO_LARGE = $(subst --model-size $(or $(GPU_SIZE),xl),--model-size $(or $(GPU_SIZE),large),$(GPU_TWO))
 
-.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-11
+.PHONY: gpu gpu-smoke gpu-01 gpu-02 gpu-03 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-11 gpu-12
 
 # most wanted first: a session's 30 minutes of device time may not cover all of it
-gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-11 gpu-02 gpu-03
+gpu: gpu-01 gpu-04 gpu-05 gpu-06 gpu-07 gpu-08 gpu-09 gpu-10 gpu-11 gpu-12 gpu-02 gpu-03
 
 gpu-01: $(GPU_DEPS)
 	$(GPU_RUN) 01_allreduce_bench.py --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) \
@@ -150,10 +154,17 @@ gpu-11: $(GPU_DEPS)
 	$(GPU_RUN) 11_context_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
 	    --cp 2 --seq-lens 1024 4096 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_2ranks
 
+# ep 2 over gloo on the one GPU (all-to-alls staged through host memory), and NCCL at ep 1
+gpu-12: $(GPU_DEPS)
+	$(GPU_RUN) 12_expert_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
+	    --ep 2 --experts 8 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_2ranks
+	$(GPU_RUN) 12_expert_parallel.py --backend $(GPU_NCCL) --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
+	    --ep 1 --experts 8 --warmup 5 --steps 10 --out $(GPU_OUT)/nccl_1rank
+
 # ---- make gpu-smoke: every numbered script at a small size (verification and a few steps
 # of its benchmark), SMOKE_JOBS jobs at once, each time-boxed; one log per job under
 # SMOKE_OUT and SUMMARY.md (script, setting, exit status, seconds). Fails if any job did.
-SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11
+SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 SMOKE_JOBS ?= 6
 SMOKE_BOX  ?= 300
@@ -168,6 +179,8 @@ gpu-smoke: $(GPU_DEPS)
 	      echo "$$s interleaved --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule interleaved"; \
 	      echo "$$s zb1 --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule zb1";; \
 	  11) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --cp 2 --seq-lens 256 --memory-lens 256";; \
+	  12) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --ep 1 --experts 4"; \
+	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --ep 2";; \
 	  10) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --dp 1"; \
 	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --pp 2";; \
 	  *)  echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \

@@ -406,9 +406,11 @@ def _nbytes(x) -> int:
     return sum(_nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
 
 
-# A collective's size as nccl-tests counts it (all-gather: the output; reduce-scatter: the
-# input), from its arguments; ops not listed count the tensors of their first argument.
+# A collective's size as nccl-tests counts it (all-gather: the output; reduce-scatter and
+# all-to-all: the input), from its arguments; ops not listed count the tensors of their first
+# argument.
 _COLLECTIVE_SIZE = {"_allgather_base_": lambda a: _nbytes(a[0]), "allgather_": lambda a: _nbytes(a[0]),
+                    "alltoall_base_": lambda a: _nbytes(a[1]),   # all-to-all: each rank's send buffer
                     "_reduce_scatter_base_": lambda a: _nbytes(a[1]), "reduce_scatter_": lambda a: _nbytes(a[1]),
                     "all_gather_into_tensor": lambda a: _nbytes(a[0]) * a[1]}
 
@@ -589,7 +591,11 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         a = self.attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).flatten(2))
-        return x + self.ff_out(F.gelu(self.ff_in(self.ln2(x))))
+        return x + self.feed_forward(self.ln2(x))
+
+    def feed_forward(self, h):
+        """The MLP (a mixture of experts replaces it in 12)."""
+        return self.ff_out(F.gelu(self.ff_in(h)))
 
 
 class TransformerLM(nn.Module):

@@ -1,0 +1,640 @@
+"""Expert parallelism: a mixture-of-experts MLP whose experts live on different ranks,
+tokens sent to their experts and back with all-to-alls whose sizes follow the router.
+
+A router scores each token against E experts (softmax), and the token goes to its top k.
+With expert parallelism over ep ranks each rank holds E/ep of the experts: it counts the
+tokens it routes to each expert, exchanges the counts (an all-to-all of E numbers), sends
+each token to the rank of its expert (an all-to-all whose split sizes are those counts),
+runs its own experts on what arrives, and sends the outputs back (the reverse all-to-all),
+where each token sums its experts' outputs weighted by their gates. Backward runs through
+both exchanges. An expert takes at most capacity = ceil(c k N / E) of a rank's N tokens (c:
+--capacity-factor, 0 for no limit); the overflow is dropped in token order (a dropped
+assignment contributes nothing: the token keeps its residual). The load-balancing loss of
+Switch and GShard, E sum_e f_e P_e (f_e the share of assignments routed to e, P_e its mean
+router probability; 1 when balanced), is added to the LM's loss times --aux-coef.
+
+The non-expert weights are replicated on every rank and their gradients averaged over all
+of them (05's DDPBucketed, told to leave the experts alone); each expert's gradient is
+summed over the ranks that hold a copy of it (the ranks outside its ep group) and divided by
+the number of data ranks, which is what one process gets on the global batch: its loss is
+the mean of the ranks' losses, and an expert's gradient on one rank already holds what
+every rank of its ep group routed to it.
+
+Run:
+    python 12_expert_parallel.py --ep 2                              # verify, then time
+    python 12_expert_parallel.py --ep 4 --experts 8 --top-k 2 --capacity-factor 1.25
+    torchrun --standalone --nproc-per-node 4 12_expert_parallel.py --ep 2   # 2 ep groups of 2
+
+Prints PASS/FAIL per verification case (every weight against one process holding all E
+experts that routes each rank's shard as that rank does), then tables: step time, tokens/s
+and memory per rank of EP beside the same MoE replicated on every rank and a dense model
+with as many active parameters per token; tokens per expert, the load's max/mean and the
+share dropped; the all-to-all bytes counted beside the formula; the slowest rank's expert
+time beside the mean, with and without the load-balancing loss. Writes
+results/12_expert_parallel.{json,md}, 12_routing.{json,md}, 12_accounting.{json,md}.
+"""
+
+import argparse
+import copy
+
+import common
+
+# ---- begin copy: mixture of experts (needs only torch and the standard library) ----
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Rows of ``x`` to every rank of the group, ``send[r]`` rows to rank r, ``recv[r]``
+    rows from it; backward is the reverse exchange. ``staged``: through host memory."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, staged):
+        ctx.send, ctx.recv, ctx.group, ctx.staged = send, recv, group, staged
+        return _exchange(x, send, recv, group, staged)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.staged), None, None, None, None
+
+
+def _exchange(x, send, recv, group, staged):
+    wire = x.to("cpu") if staged else x.contiguous()
+    out = torch.empty(sum(recv), *x.shape[1:], dtype=x.dtype, device=wire.device)
+    dist.all_to_all_single(out, wire, recv, send, group=group)
+    return out.to(x.device) if staged else out
+
+
+class Expert(nn.Module):
+    """One expert: an MLP, d_model -> d_ff -> d_model, GELU."""
+
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.w_in, self.w_out = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w_out(F.gelu(self.w_in(x)))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP over an expert-parallel group: a linear router with softmax
+    gates, top-k (for k > 1 the k gates renormalised to sum to 1, as Mixtral does; for k = 1
+    the gate is the router's probability, as in Switch, so the router learns through it),
+    E experts of which this rank holds E/ep, held under their global index (``experts.5``:
+    a checkpoint of whole tensors by name loads at any ep).
+
+        moe = MoE(512, 2048, n_experts=8, top_k=2, capacity_factor=1.25)   # the same on every rank
+        moe.distribute(ep_group)             # keep this rank's experts: 8/ep of them
+        y = moe(x)                           # this rank's tokens in, their output out; moe.aux: the balance loss
+        loss = task_loss + 0.01 * moe.aux
+        loss.backward()
+        reduce_expert_gradients(model, replica_group, data_ranks)   # see there; other weights: any DDP
+
+    Until distribute, every expert is local and nothing is sent: the one-process model.
+    ``capacity_factor`` c > 0: an expert takes at most ceil(c k N / E) of this rank's N
+    tokens' assignments, the rest dropped in token order (first the first token's
+    choices); 0: no limit. Every local expert runs, on no token if none came, so each gets
+    a gradient (zero) and steps as the one-process model's does. After a forward,
+    ``aux`` is E sum_e f_e P_e over this rank's tokens, and ``stats`` holds the tokens routed
+    to each expert (before dropping) and the share dropped. ``host_staging``: exchange
+    through host memory (None: when the group is gloo and the tokens on a GPU).
+    """
+
+    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=0.0, host_staging=None):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k {top_k} must be between 1 and the {n_experts} experts")
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): Expert(d_model, d_ff) for e in range(n_experts)})
+        self.group, self.ep, self.host_staging, self.distributed = None, 1, host_staging, False
+        self.aux, self.stats = None, {}
+
+    def distribute(self, process_group=None):
+        """Keep this rank's experts, E/ep consecutive ones, and exchange tokens over the group."""
+        self.group, self.ep, rank = process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.distributed = True
+        if self.n_experts % self.ep:
+            raise ValueError(f"{self.ep} ranks do not divide the {self.n_experts} experts")
+        per = self.n_experts // self.ep
+        for e in range(self.n_experts):
+            if not rank * per <= e < (rank + 1) * per:
+                del self.experts[str(e)]
+        return self
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        n, E, k = x.shape[0], self.n_experts, self.top_k
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        gates, chosen = probs.topk(k, dim=-1)                                 # (n, k)
+        if k > 1:
+            gates = gates / gates.sum(-1, keepdim=True)
+        flat = chosen.flatten()                                               # token-major: token order
+        counts = torch.bincount(flat, minlength=E)
+        self.aux = E * ((counts.float() / flat.numel()) * probs.mean(0)).sum()
+        keep = torch.ones_like(flat, dtype=torch.bool)
+        if self.capacity_factor > 0:                                          # place of each assignment at its expert
+            place = (F.one_hot(flat, E).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+            keep = place < math.ceil(self.capacity_factor * k * n / E)
+        self.stats = {"tokens": counts.tolist(), "dropped": 1.0 - keep.float().mean().item(), "rows_out": 0,
+                      "kept": int(keep.sum()), "arrived": int(keep.sum())}
+        kept = keep.nonzero().squeeze(1)
+        order = kept[flat[kept].argsort(stable=True)]                         # kept assignments by expert
+        expert_of, token_of = flat[order], order // k
+        rows = torch.bincount(expert_of, minlength=E)                         # rows this rank sends each expert
+        inputs = x[token_of]
+        if self.distributed:                                                  # to the experts' ranks and back
+            staged = self.host_staging if self.host_staging is not None else \
+                x.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
+            per = E // self.ep
+            got = _exchange(rows, [per] * self.ep, [per] * self.ep, self.group, staged)   # the counts first
+            send = rows.view(self.ep, per).sum(1).tolist()                    # rows to each rank
+            recv_rows = got.view(self.ep, per)                                # rows from each rank, per local expert
+            recv = recv_rows.sum(1).tolist()
+            me = dist.get_rank(self.group)
+            self.stats["rows_out"], self.stats["arrived"] = sum(send) - send[me], sum(recv)   # rows leaving, coming
+            arrived = _AllToAllV.apply(inputs, send, recv, self.group, staged)
+            outputs = self._run_local(arrived, recv_rows)
+            outputs = _AllToAllV.apply(outputs, recv, send, self.group, staged)
+        else:
+            outputs = self._run_local(inputs, rows.view(1, E))
+        y = torch.zeros_like(x, dtype=outputs.dtype)
+        y = y.index_add(0, token_of, outputs * gates.flatten()[order, None].to(outputs.dtype))
+        return y.view(shape)
+
+    def _run_local(self, x, rows):
+        """Run each local expert on its rows: ``rows[r, j]`` rows from rank r for local
+        expert j, in that order (source rank, then expert)."""
+        per, t0 = rows.shape[1], time.perf_counter()
+        first = int(next(iter(self.experts)))
+        starts = torch.cat([rows.new_zeros(1), rows.flatten().cumsum(0)]).tolist()
+        out = torch.empty_like(x)
+        for j in range(per):
+            idx = torch.cat([torch.arange(starts[r * per + j], starts[r * per + j + 1], device=x.device)
+                             for r in range(rows.shape[0])])
+            out[idx] = self.experts[str(first + j)](x[idx])   # an expert with no rows still runs: a zero gradient
+        self.stats["expert_s"] = time.perf_counter() - t0   # (forward only; a GPU's kernels may still run)
+        return out
+
+
+def expert_parameters(model: nn.Module) -> list:
+    """The parameters of every MoE's local experts."""
+    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=None):
+    """After backward: each local expert's gradient summed over ``replica_group`` (the
+    ranks that hold a copy of the same experts: those at the same place of other ep groups;
+    None: no copies) and divided by ``data_ranks`` (the ranks whose losses the step
+    averages; default: the world). The non-expert weights are a DDP wrapper's, told to
+    ignore expert_parameters(model)."""
+    data_ranks = data_ranks or dist.get_world_size()
+    for p in expert_parameters(model):
+        if replica_group is not None:
+            dist.all_reduce(p.grad, group=replica_group)
+        p.grad.div_(data_ranks)
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """Every tensor of ``model.state_dict()`` whole, by name: each MoE's experts gathered
+    from every rank of its ep group (collective over it), the rest as it is."""
+    out = {k: v.detach() for k, v in model.state_dict().items()}
+    for prefix, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE) and m.distributed):
+        mine = {k: v.detach().cpu() for k, v in moe.experts.state_dict().items()}
+        everyone = [None] * moe.ep
+        dist.all_gather_object(everyone, mine, group=moe.group)
+        device = next(iter(out.values())).device
+        out.update({f"{prefix}.experts.{k}": v.to(device) for part in everyone for k, v in part.items()})
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: dict):
+    """Load whole tensors by name (a full_state_dict saved at any ep): each rank keeps its
+    experts."""
+    for name, t in model.state_dict(keep_vars=True).items():
+        t.copy_(state[name])
+
+
+def full_optim_state_dict(model: nn.Module, optimizer) -> dict:
+    """The optimizer's state keyed by parameter name, every expert's gathered over its ep
+    group (collective), and the groups' settings: loadable at any ep."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = {names[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()}
+    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, MoE) and m.distributed}
+    for group in groups.values():   # experts' entries from the other ranks of each ep group
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, {n: s for n, s in mine.items() if ".experts." in n}, group=group)
+        for part in everyone:
+            mine.update(part)
+    return {"state": mine, "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                            for g in optimizer.param_groups]}
+
+
+def load_full_optim_state_dict(model: nn.Module, optimizer, full: dict):
+    """Load a full_optim_state_dict into ``optimizer`` (built alike, on this rank's
+    parameters): each rank takes its parameters' entries."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    ids = iter(range(len(order)))
+    groups = [{**saved, "params": [next(ids) for _ in g["params"]]}
+              for saved, g in zip(full["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({"state": {i: full["state"][n] for i, n in enumerate(order) if n in full["state"]},
+                               "param_groups": groups})
+# ---- end copy: mixture of experts ----
+
+
+bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+
+
+class MoEBlock(common.Block):
+    """The kit's block with its MLP replaced by a MoE."""
+
+    def __init__(self, d_model, d_ff, n_heads, moe):
+        super().__init__(d_model, d_ff, n_heads)
+        del self.ff_in, self.ff_out
+        self.moe = moe
+
+    def feed_forward(self, h):
+        return self.moe(h)
+
+
+class MoELM(common.TransformerLM):
+    """The kit's LM with a MoE in every block (``every`` 1) or every other one (2: the odd
+    blocks), each with ``n_experts`` experts of the block's d_ff; its loss adds ``aux_coef``
+    times the blocks' load-balancing losses."""
+
+    def __init__(self, dims, context, n_experts, top_k, capacity_factor, aux_coef=0.01, every=1):
+        d, f, n, h = dims
+        super().__init__(d, f, n, h, context_length=context)
+        for i in range(n):
+            if i % every == every - 1:
+                self.blocks[i] = MoEBlock(d, f, h, MoE(d, f, n_experts, top_k, capacity_factor))
+        self.aux_coef = aux_coef
+
+    def moes(self):
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, idx, targets=None):
+        out = super().forward(idx, targets)
+        return out if targets is None else out + self.aux_coef * sum(m.aux for m in self.moes())
+
+
+def build(dims, context, experts, top_k, capacity, seed, device, aux_coef=0.01, every=1):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return MoELM(dims, context, experts, top_k, capacity, aux_coef, every)
+
+
+def ep_groups(world_size, ep):
+    """This rank's (ep group, replica group): ep groups are consecutive ranks; an expert's
+    copies sit at the same place of every ep group (every rank creates every group)."""
+    eps = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(world_size // ep)]
+    reps = [dist.new_group(list(range(j, world_size, ep))) for j in range(ep)]
+    rank = dist.get_rank()
+    return eps[rank // ep], (reps[rank % ep] if world_size > ep else None)
+
+
+def expert_parallel(model, ep_group, replica_group, bucket_mb=25.0):
+    """The MoE LM over the world: each MoE keeps its ep group's share of the experts, the
+    other weights under DDPBucketed over every rank (ignoring the experts)."""
+    for moe in model.moes():
+        moe.distribute(ep_group)
+    wrapped = bucketed.DDPBucketed(model, bucket_mb, ignore_parameters=expert_parameters(model))
+    wrapped.replica_group = replica_group
+    return wrapped
+
+
+def train_step(model, optimizer, batch, clock):
+    """One step on this rank's part of the global batch, timed by phase."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with clock.phase("forward"):      # per MoE: the counts, the tokens out, the outputs back
+        loss = model(x, y)
+    with clock.phase("backward"):     # the two exchanges again, reversed
+        loss.backward()
+    with clock.phase("comm"):         # the shared weights averaged; each expert over its copies
+        model.finish_gradient_synchronization()
+        if hasattr(model, "replica_group"):   # expert parallel (a replicated MoE: DDP did all)
+            reduce_expert_gradients(model.module, model.replica_group)
+    with clock.phase("optim"):
+        optimizer.step()
+
+
+# ----------------------------------------------------------------------------------------
+# Verification: against one process holding every expert
+# ----------------------------------------------------------------------------------------
+VERIFY_LM = (16, 32, 2, 2)   # d_model, d_ff (each expert's), blocks, heads
+VERIFY_T = 8
+
+
+def verify_case(ctx, args, groups, experts, top_k, capacity, aux_coef=0.01):
+    """The MoE LM with expert parallelism against one process that holds every expert and
+    routes each rank's shard as that rank does (same capacity, drops and load-balancing
+    loss), trained alike (AdamW) for a few steps; also whether some expert got no token."""
+    ep_group, replica_group = groups
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = build(VERIFY_LM, VERIFY_T, experts, top_k, capacity, args.seed, ctx.device, aux_coef)
+    model = expert_parallel(copy.deepcopy(ref), ep_group, replica_group)
+    # eps 1e-6 as in 08-11: sums split over ranks round differently, AdamW must not magnify it
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
+    empty = False
+    for step in range(args.verify_steps):
+        x, y = common.lm_batch(2 * world, VERIFY_T, step, args.seed, ctx.device)
+        opts[0].zero_grad()
+        loss = sum(ref(*(common.shard(t, r, world) for t in (x, y))) for r in range(world)) / world
+        empty |= any(0 in m.stats["tokens"] for m in ref.moes())   # (the last shard's routing)
+        loss.backward()
+        opts[0].step()
+        train_step(model, opts[1], tuple(common.shard(t, rank, world) for t in (x, y)), common.StepClock(ctx.device))
+        empty |= any(0 in m.stats["tokens"] for m in model.module.moes())
+    theirs = dict(ref.named_parameters())
+    ok, diff = True, 0.0
+    for name, p in model.module.named_parameters():
+        diff = max(diff, (p.detach().double() - theirs[name].detach().double()).abs().max().item())
+        try:
+            torch.testing.assert_close(p, theirs[name])
+        except AssertionError:
+            ok = False
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff, "empty": empty})
+    return {"ok": all(e["ok"] for e in everyone), "max_diff": max(e["max_diff"] for e in everyone),
+            "an expert got no token": any(e["empty"] for e in everyone)}
+
+
+def verify(ctx, args, ep, cases):
+    """Each (experts per rank, top-k, capacity factor) of ``cases`` at this ep."""
+    groups = ep_groups(ctx.world_size, ep)
+    out = {}
+    for per, k, c in cases:
+        if k > per * ep:
+            continue   # top-2 of a single expert (ep 1)
+        reps = ctx.world_size // ep
+        name = f"ep {ep}{f' x {reps} copies' if reps > 1 else ''}, {per} expert(s) a rank, top-{k}, " + \
+            (f"capacity {c:g}" if c else "no dropping")
+        out[name] = verify_case(ctx, args, groups, per * ep, k, c)
+    return out
+
+
+VERIFY_CASES = [(per, k, c) for per in (1, 2) for k in (1, 2) for c in (0.0, 1.0)]
+
+
+def control_wrong_group(ctx, args, ep):
+    """The control: expert gradients averaged over their copies only (divided by the
+    replica group's size, as a DDP over it would), not by the data ranks: must fail."""
+    global reduce_expert_gradients
+    right = reduce_expert_gradients
+
+    def wrong(model, replica_group=None, data_ranks=None):
+        right(model, replica_group, dist.get_world_size(replica_group) if replica_group else 1)
+    reduce_expert_gradients = wrong
+    try:
+        return verify(ctx, args, ep, [(1, 1, 0.0)])
+    finally:
+        reduce_expert_gradients = right
+
+
+def checkpoint_case(ctx, args, path, action, ep, saved_world=None, steps=4, k=2):
+    """Train the MoE LM at this ep; "save" after step k (whole tensors and AdamW's state),
+    or "resume" from that file here (another ep and world) and end beside one process
+    trained from step 0, routing each step's shards as the ranks of that step did (the
+    load-balancing loss is a shard's): the weights must agree."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = build(VERIFY_LM, VERIFY_T, 4, 2, 0.0, args.seed, ctx.device)
+    model = expert_parallel(copy.deepcopy(ref), *ep_groups(world, ep))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
+    for step in range(steps):
+        x, y = common.lm_batch(8, VERIFY_T, step, args.seed, ctx.device)
+        shards = saved_world if action == "resume" and step < k else world
+        opts[0].zero_grad()
+        (sum(ref(*(common.shard(t, r, shards) for t in (x, y))) for r in range(shards)) / shards).backward()
+        opts[0].step()
+        if action == "resume" and step < k:
+            continue
+        if action == "resume" and step == k:
+            ckpt = torch.load(path, weights_only=False)
+            load_full_state_dict(model.module, ckpt["model"])
+            load_full_optim_state_dict(model.module, opts[1], ckpt["optim"])
+        train_step(model, opts[1], tuple(common.shard(t, rank, world) for t in (x, y)), common.StepClock(ctx.device))
+        if action == "save" and step + 1 == k:
+            ckpt = {"model": full_state_dict(model.module), "optim": full_optim_state_dict(model.module, opts[1])}
+            if rank == 0:
+                torch.save(ckpt, path)
+            dist.barrier()
+            return None
+    theirs = dict(ref.named_parameters())
+    diff = max((p.detach() - theirs[n].detach()).abs().max().item() for n, p in model.module.named_parameters())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, diff)
+    return {"ok": max(everyone) < 1e-5, "max_diff": max(everyone)}
+
+
+# ----------------------------------------------------------------------------------------
+# Benchmark: EP beside the replicated MoE and a dense model; routing; bytes; memory
+# ----------------------------------------------------------------------------------------
+def state_bytes(model, optimizer) -> dict:
+    """Parameters, gradients and optimizer state this rank holds (bytes), and the experts' share."""
+    experts = {id(p) for p in expert_parameters(model)}
+    params = list(model.parameters())
+    state = {id(p): sum(v.numel() * v.element_size() for v in s.values() if torch.is_tensor(v))
+             for p, s in optimizer.state.items()}
+    total = sum(p.numel() * p.element_size() * 2 + state.get(id(p), 0) for p in params)
+    mine = sum(p.numel() * p.element_size() * 2 + state.get(id(p), 0) for p in params if id(p) in experts)
+    return {"state_MB": total / 1e6, "experts_state_MB": mine / 1e6}
+
+
+def predicted_state(dims, context, experts, ep, every=1) -> dict:
+    """Bytes per rank by formula: every weight (fp32) with its gradient and AdamW's two
+    moments, 16 bytes, the experts' only E/ep of them; and AdamW's step count (4 bytes) per
+    tensor."""
+    d, f, n, h = dims
+    moes = sum(1 for i in range(n) if i % every == every - 1)
+    shared = 2 * common.VOCAB_SIZE * d + context * d + n * (4 * d * d + 2 * d) + d + moes * d * experts \
+        + (n - moes) * 2 * d * f
+    mine = moes * experts // ep * 2 * d * f
+    tensors = 4 + 4 * n + moes * (1 + 2 * experts // ep) + (n - moes) * 2
+    return {"state_MB": (16 * (shared + mine) + 4 * tensors) / 1e6,
+            "experts_state_MB": (16 * mine + 4 * moes * 2 * experts // ep) / 1e6}
+
+
+def dense_lm(dims, context, seed, device):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return common.TransformerLM(*dims, context_length=context)
+
+
+def benchmark(ctx, args, ep):
+    """EP (with and without the load-balancing loss) beside the same MoE replicated on every
+    rank and a dense model with the same active parameters per token, steps alternating;
+    the routing, the exchanges' bytes and the memory of each."""
+    dims, W = common.MODEL_SIZES[args.model_size], ctx.world_size
+    E, k, c, t = args.experts, args.top_k, args.capacity_factor, args.context_length
+    groups = ep_groups(W, ep)
+    extra, routing = {}, {}
+
+    def method(name, make):
+        def setup():
+            model = make()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            routing[name] = []
+
+            def step(batch, clock):
+                train_step(model, opt, tuple(common.shard(x, ctx.rank, W) for x in batch), clock)
+                moes = model.module.moes() if hasattr(model.module, "moes") else []
+                routing[name].append([dict(m.stats) for m in moes])
+            for _ in range(2):
+                step(common.lm_batch(args.batch_size, t, 0, args.seed, ctx.device), common.StepClock(ctx.device))
+            extra[name] = state_bytes(model.module, opt)
+            return step
+        return name, setup
+    moe = lambda aux: build(dims, t, E, k, c, args.seed, ctx.device, aux, args.moe_every)  # noqa: E731
+    methods = dict([
+        method(f"EP {ep}, aux {args.aux_coef:g}", lambda: expert_parallel(moe(args.aux_coef), *groups)),
+        method(f"EP {ep}, aux 0", lambda: expert_parallel(moe(0.0), *groups)),
+        method("MoE replicated (plain DP)", lambda: bucketed.DDPBucketed(moe(args.aux_coef), 25)),
+        method(f"dense, d_ff {k} x {dims[1]}", lambda: bucketed.DDPBucketed(dense_lm(
+            (dims[0], k * dims[1], dims[2], dims[3]), t, args.seed, ctx.device), 25))])
+    rows = common.time_methods(ctx, args, methods, global_batch=True)
+    everyone = [None] * W
+    dist.all_gather_object(everyone, {"routing": {n: r[-args.steps:] for n, r in routing.items()}, "extra": extra})
+    ep_name = f"EP {ep}, aux {args.aux_coef:g}"
+    for r in rows:
+        r.update(extra[r["method"]], ep=ep if r["method"].startswith("EP") else 1,
+                 tokens_per_s_per_rank=args.batch_size * t / (r["step_ms"] / 1e3) / W)
+        r["state_MB_max"] = max(e["extra"][r["method"]]["state_MB"] for e in everyone)
+        steps = [e["routing"][r["method"]] for e in everyone]
+        if steps[0] and steps[0][0]:
+            times = [sum(layer.get("expert_s", 0.0) for step in rank for layer in step) for rank in steps]
+            r["slowest_expert_ms"] = max(times) / len(steps[0]) * 1e3
+            r["mean_expert_ms"] = sum(times) / len(times) / len(steps[0]) * 1e3
+    if ep_name in {r["method"] for r in rows}:
+        pred = predicted_state(dims, t, E, ep, args.moe_every)
+        by = {r["method"]: r for r in rows}
+        by[ep_name].update(state_predicted_MB=pred["state_MB"], experts_predicted_MB=pred["experts_state_MB"])
+        by[ep_name].update(common.vs_paired(by[ep_name], by["MoE replicated (plain DP)"], "vs_replicated"))
+    return rows, routing_rows(everyone, E, ep, W), accounting(ctx, args, ep, groups)
+
+
+def routing_rows(everyone, E, ep, W) -> list:
+    """Per method with a MoE and per step: tokens per expert summed over the ranks of one ep
+    group (every MoE layer), their max over mean, and the share of assignments dropped."""
+    rows = []
+    for name in everyone[0]["routing"]:
+        steps = [e["routing"][name] for e in everyone]
+        for i in range(len(steps[0])):
+            for layer in range(len(steps[0][i])):
+                tokens = [sum(steps[r][i][layer]["tokens"][e] for r in range(W)) for e in range(E)]
+                dropped = sum(steps[r][i][layer]["dropped"] for r in range(W)) / W
+                rows.append({"method": name, "step": i, "layer": layer, "tokens_per_expert": tokens,
+                             "max_over_mean": max(tokens) / (sum(tokens) / E), "dropped": dropped})
+    return rows
+
+
+def accounting(ctx, args, ep, groups):
+    """One counted step of EP: the all-to-all bytes this rank puts in (nccl-tests'
+    all-to-all size, count_collectives) beside the formula: per MoE layer, the E counts
+    (int64), and d floats per row: its kept assignments twice (dispatched in forward, their
+    outputs' gradients combined back in backward) and the rows that arrived for its experts
+    twice (their outputs sent back, their inputs' gradients returned); summed over the ep
+    group both are the k N d of every token's choices. Also the rows that left the rank
+    beside (ep-1)/ep of k N, what uniform routing sends away."""
+    dims, W = common.MODEL_SIZES[args.model_size], ctx.world_size
+    d, t = dims[0], args.context_length
+    model = expert_parallel(build(dims, t, args.experts, args.top_k, args.capacity_factor, args.seed, ctx.device,
+                                  args.aux_coef, args.moe_every), *groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = tuple(common.shard(x, ctx.rank, W) for x in common.lm_batch(args.batch_size, t, 0, args.seed, ctx.device))
+    train_step(model, opt, batch, common.StepClock(ctx.device))
+    with common.count_collectives() as counter:
+        train_step(model, opt, batch, common.StepClock(ctx.device))
+    ep_name = groups[0].group_name
+    counted = sum(b for op, g, b in counter.log if op == "alltoall_base_" and g == ep_name)
+    moes = model.module.moes()
+    n = batch[0].numel()
+    kept, arrived = sum(m.stats["kept"] for m in moes), sum(m.stats["arrived"] for m in moes)
+    row = {"rank": ctx.rank, "moe_layers": len(moes), "tokens": n, "kept_assignments": kept, "arrived_rows": arrived,
+           "a2a_MB": counted / 1e6,
+           "a2a_formula_MB": (2 * (kept + arrived) * d * 4 + len(moes) * args.experts * 8) / 1e6,
+           "left_rank_MB": 4 * sum(m.stats["rows_out"] for m in moes) * d * 4 / 1e6,
+           "left_rank_uniform_MB": 4 * (ep - 1) / ep * args.top_k * n * len(moes) * d * 4 / 1e6}
+    everyone = [None] * W
+    dist.all_gather_object(everyone, row)
+    return everyone
+
+
+HEADERS = ["method", "ep", "step_ms", "step_min_ms", "step_max_ms", "vs_replicated", "vs_replicated_min",
+           "vs_replicated_max", "tokens_per_s_per_rank", "comm_MB", "state_MB", "state_predicted_MB",
+           "experts_state_MB", "experts_predicted_MB", "slowest_expert_ms", "mean_expert_ms"]
+NAME, TITLE = "12_expert_parallel", "Expert parallelism beside the replicated MoE and a dense model"
+
+
+def main(argv=None):
+    p = common.script_parser(__doc__)
+    p.add_argument("--ep", type=int, default=None, help="ranks that share the experts (default 2)")
+    p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (default: 2 x ep)")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="0: no dropping")
+    p.add_argument("--aux-coef", type=float, default=0.01, help="the load-balancing loss's weight")
+    p.add_argument("--moe-every", type=int, choices=[1, 2], default=1, help="a MoE in every block, or every other")
+    p.set_defaults(model_size="micro", context_length=64)
+    first = p.parse_args(argv)
+    ep = first.ep if first.ep is not None else 2
+    if ep < 1:
+        raise common.UsageError(f"--ep must be at least 1, got {ep}")
+    args = common.parse(p, argv, world=lambda a: a.world_size if a.world_size is not None else ep)
+    if args.world_size % ep:
+        raise common.UsageError(f"--ep {ep} does not divide the world size {args.world_size}: the ranks form groups "
+                                f"of ep")
+    args.experts = args.experts if args.experts is not None else 2 * ep
+    if args.experts < 1 or args.experts % ep:
+        raise common.UsageError(f"--ep {ep} does not divide --experts {args.experts}: each rank holds experts/ep")
+    if not 1 <= args.top_k <= args.experts:
+        raise common.UsageError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.capacity_factor < 0:
+        raise common.UsageError(f"--capacity-factor must not be negative (0: no dropping), got {args.capacity_factor}")
+    if args.aux_coef < 0:
+        raise common.UsageError(f"--aux-coef must not be negative, got {args.aux_coef}")
+
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args, ep, VERIFY_CASES), f"{NAME} at ep {ep}")
+    if args.no_bench:
+        return
+    rows, routing, acc = common.launch(benchmark, args, ep)
+    if common.is_reporter():
+        settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
+                    "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
+        table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE)
+        summary = {}
+        for r in routing:
+            s = summary.setdefault(r["method"], {"method": r["method"], "steps": 0, "max_over_mean": 0.0,
+                                                  "dropped": 0.0, "tokens_per_expert_last": None})
+            s["steps"] = max(s["steps"], r["step"] + 1)
+            s["max_over_mean"] = max(s["max_over_mean"], r["max_over_mean"])
+            s["dropped"] += r["dropped"]
+            s["tokens_per_expert_last"] = r["tokens_per_expert"]
+        for s in summary.values():
+            s["dropped"] /= max(1, sum(1 for r in routing if r["method"] == s["method"]))
+        t2 = common.save_results(args.out, "12_routing", list(summary.values()), settings,
+                                 title="Routing: tokens per expert (every rank, the last layer of the last step), the "
+                                       "largest load over the mean, the share of assignments dropped",
+                                 extra={"per_step": routing})
+        t3 = common.save_results(args.out, "12_accounting", acc, settings,
+                                 title="All-to-all bytes per step and rank, counted beside the formula",
+                                 note=accounting.__doc__.replace("\n    ", " "))
+        print(f"\n{TITLE}\n({args.model_size} LM with {args.experts} experts a MoE, top-{args.top_k}, capacity "
+              f"{args.capacity_factor:g}, {args.world_size} x {args.backend}/{args.device}, global batch "
+              f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps; "
+              f"vs_replicated: paired ratio; state: parameters, gradients, AdamW per rank)\n{table}\n\n"
+              f"Routing\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n"
+              f"wrote {args.out}/{NAME}.*, 12_routing.*, 12_accounting.*")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,93 @@
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+import common
+from conftest import load, refused, run_inline, verify_args
+
+ep_mod = load("12_expert_parallel")
+_cache = {}
+
+
+def verification(world_size, ep):
+    """Every case (experts per rank 1 and 2, top-1 and top-2, with and without dropping) at
+    this ep and world size (one job)."""
+    key = (world_size, ep)
+    if key not in _cache:
+        _cache[key] = common.launch(ep_mod.verify, verify_args(world_size, verify_steps=3), ep, ep_mod.VERIFY_CASES,
+                                    world_size=world_size)
+    return _cache[key]
+
+
+@pytest.mark.parametrize("world_size, ep", [(2, 2), (4, 4), (4, 2)])
+def test_expert_parallel_training_equals_one_process(world_size, ep):
+    res = verification(world_size, ep)
+    assert len(res) == len(ep_mod.VERIFY_CASES)
+    for name, r in res.items():
+        assert r["ok"], f"{name}: max diff {r['max_diff']}"
+    if (world_size, ep) == (4, 2):
+        assert all("2 copies" in name for name in res)   # 2 ep groups: every expert on 2 ranks
+
+
+def test_some_step_leaves_an_expert_without_a_token():
+    """Such an expert still gets a (zero) gradient and steps as one process's does."""
+    assert any(r["an expert got no token"] and r["ok"] for w, ep in [(2, 2), (4, 4), (4, 2)]
+               for r in verification(w, ep).values())
+
+
+def test_expert_gradients_averaged_over_the_wrong_group_fail_the_check():
+    res = common.launch(ep_mod.control_wrong_group, verify_args(4, verify_steps=3), 2)
+    assert not any(r["ok"] for r in res.values())
+
+
+def test_a_checkpoint_saved_at_one_ep_resumes_at_another():
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "moe.pt")
+        common.launch(ep_mod.checkpoint_case, verify_args(2), path, "save", 2, world_size=2)
+        r = common.launch(ep_mod.checkpoint_case, verify_args(4), path, "resume", 4, 2, world_size=4)
+    assert r["ok"], r
+
+
+def test_capacity_drops_the_overflow_in_token_order(one_rank):
+    torch.manual_seed(0)
+    moe = ep_mod.MoE(8, 16, n_experts=2, top_k=1, capacity_factor=0.5)   # capacity ceil(0.5 * 8 / 2) = 2
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0, 0] = 10.0              # every token with x[0] > 0 to expert 0
+    x = torch.zeros(8, 8)
+    x[:, 0] = 1.0                                    # all 8 tokens choose expert 0
+    y = moe(x)
+    assert moe.stats["tokens"] == [8, 0] and moe.stats["dropped"] == pytest.approx(6 / 8)
+    assert y[:2].abs().sum() > 0 and y[2:].abs().sum() == 0   # the first two kept, the rest dropped
+    assert moe.aux.item() == pytest.approx(2 * 1.0 * torch.softmax(torch.tensor([10.0, 0.0]), 0)[0].item(), rel=1e-5)
+
+
+def test_script_times_routes_and_counts(tmp_path):
+    p = run_inline("12_expert_parallel.py", "--ep", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
+                   "--no-verify", "--context-length", "16", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = {r["method"]: r for r in json.loads((tmp_path / "12_expert_parallel.json").read_text())["rows"]}
+    ep = rows["EP 2, aux 0.01"]
+    assert set(rows) == {"EP 2, aux 0.01", "EP 2, aux 0", "MoE replicated (plain DP)", "dense, d_ff 2 x 256"}
+    assert ep["state_MB"] == pytest.approx(ep["state_predicted_MB"], rel=1e-6)   # counted = formula
+    assert ep["experts_state_MB"] == pytest.approx(ep["experts_predicted_MB"], rel=1e-6)
+    assert ep["experts_state_MB"] == pytest.approx(rows["MoE replicated (plain DP)"]["experts_state_MB"] / 2, rel=1e-3)
+    assert ep["vs_replicated_min"] <= ep["vs_replicated"] <= ep["vs_replicated_max"]
+    for r in json.loads((tmp_path / "12_accounting.json").read_text())["rows"]:
+        assert r["a2a_MB"] == pytest.approx(r["a2a_formula_MB"], rel=1e-9)   # counted all-to-all = formula
+    routing = json.loads((tmp_path / "12_routing.json").read_text())
+    assert routing["per_step"] and all(r["max_over_mean"] >= 1 for r in routing["per_step"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
+    (["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
+    (["--capacity-factor", "-1"], "--capacity-factor must not be negative"),
+    (["--ep", "2", "--world-size", "3"], "--ep 2 does not divide the world size 3"),
+    (["--ep", "0"], "--ep must be at least 1"),
+])
+def test_bad_input_exits_2_with_one_line(argv, words):
+    assert words in refused("12_expert_parallel.py", *argv)
