@@ -94,15 +94,21 @@ class FSDP(nn.Module):
     whole-size gradients locally (no communication) until a synchronized backward.
     ``full_state_dict`` / ``load_full_state_dict`` and ``full_optim_state_dict`` /
     ``load_full_optim_state_dict`` save whole tensors and load them on any group size.
+    ``ignore``: parameters left out (never broadcast, sharded, gathered or reduced: a
+    mixture of experts' experts, distinct on every rank); clip_grad_norm_ counts them as
+    this rank's own, and their gradients are the caller's to reduce.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None):
+    def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None,
+                 ignore=()):
         super().__init__()
         self.module, self.compute_dtype, self.process_group = module, compute_dtype, process_group
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
+        ignored = {id(p) for p in ignore}
+        self._ignored = {name: p for name, p in module.named_parameters() if id(p) in ignored}
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
+            for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
                 dist.broadcast(t, src=src, group=process_group)
         if units is None:   # each module of a ModuleList, outermost ones only
             units = [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]
@@ -115,7 +121,7 @@ class FSDP(nn.Module):
         params, uses, names = {}, {}, {}   # by id(parameter): it, [(module, attribute)], its name
         for mod_name, mod in module.named_modules(remove_duplicate=False):
             for attr, p in mod._parameters.items():
-                if p is not None:
+                if p is not None and id(p) not in ignored:
                     params[id(p)] = p
                     uses.setdefault(id(p), []).append((mod, attr))
                     names.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
@@ -255,8 +261,9 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def gather_full_params(self) -> dict:
-        """{original parameter name: whole tensor}, on every rank (a collective)."""
-        out = {}
+        """{original parameter name: whole tensor}, on every rank (a collective); ignored
+        parameters as this rank holds them."""
+        out = {name: p.detach() for name, p in self._ignored.items()}
         for unit in self._units:
             out.update(unit.gather_whole())
         return out
@@ -293,8 +300,8 @@ class FSDP(nn.Module):
             groups.append({**{k: v for k, v in group.items() if k != "params"},
                            "params": [names[id(p)] for p in group["params"]]})
             for p in group["params"]:
-                unit, info = self._where[id(p)]
-                state[names[id(p)]] = {k: unit.gather_one(info, v) if torch.is_tensor(v) and v.dim() else v
+                unit, info = self._where.get(id(p), (None, None))   # (None: ignored, as this rank holds it)
+                state[names[id(p)]] = {k: unit.gather_one(info, v) if unit is not None and torch.is_tensor(v) and v.dim() else v
                                        for k, v in optimizer.state.get(p, {}).items()}
         if self.rank != 0:
             return {}
@@ -315,7 +322,7 @@ class FSDP(nn.Module):
             for p in group["params"]:
                 entry = full["state"].get(names[id(p)], {})
                 if entry:
-                    info = self._where[id(p)][1]
+                    info = self._where.get(id(p), (None, None))[1]
                     local["state"][index] = {k: (v.to(p.device) if info is None else info.slice(v.to(p.device)))
                                              if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
                 ids.append(index)

@@ -323,14 +323,17 @@ def tensor_parallel_lm(model: nn.Module, process_group=None) -> nn.Module:
     qkv projection and the MLP's first layer are column-parallel (heads and d_ff split over
     the group), the attention output and the MLP's second layer row-parallel. Embeddings,
     norms and the output head stay whole on every rank (replicated: their gradients come
-    out the same on every rank, so they need no communication)."""
+    out the same on every rank, so they need no communication). A block without the MLP's
+    two layers (a mixture of experts in their place, 12) keeps its MLP whole."""
     tp = dist.get_world_size(process_group)
     for block in model.blocks:
-        if block.n_heads % tp or block.ff_in.out_features % tp:
-            raise ValueError(f"{tp} ranks must divide the {block.n_heads} heads and d_ff {block.ff_in.out_features}")
+        mlp = hasattr(block, "ff_in")
+        if block.n_heads % tp or (mlp and block.ff_in.out_features % tp):
+            raise ValueError(f"{tp} ranks must divide the {block.n_heads} heads and d_ff")
         block.qkv = ColumnParallelLinear.from_linear(block.qkv, process_group,
                                                      rows=heads_by_rank(block.n_heads, block.head_dim, tp))
-        parallelize(block, {"proj": "row", "ff_in": "column", "ff_out": "row"}, process_group, sync=False)
+        parallelize(block, {"proj": "row", **({"ff_in": "column", "ff_out": "row"} if mlp else {})}, process_group,
+                    sync=False)
     sync_rng(process_group)
     return model
 

@@ -19,12 +19,19 @@ FSDP this is hybrid sharding), and runs 09's Pipeline over its pp group with --s
 (1f1b, interleaved with --chunks, or zb1). With --tie the output head shares the token
 embedding's weight, as GPT-2's does; under pipelining the first stage holds one copy and
 the last stage the other, and their gradients are summed over the two (Megatron-LM's
-embedding group) so both stay equal.
+embedding group) so both stay equal. With --ep the LM is 12's mixture of experts (a MoE in
+every block's MLP, --experts, --top-k) and each MoE's experts are split over ep of the data
+ranks (dp x fsdp, as torchtitan and Megatron-LM borrow expert parallelism from them): FSDP
+and DDP leave the experts alone, each expert's gradient is summed over its copies (the
+same place of the other ep groups); with tp every tp rank runs the same experts (the
+experts are not tensor-parallel). The MoEs train without 12's load-balancing loss here (a
+pipeline stage has no loss of its own to add it to; 12 verifies it).
 
 Run:
     python 10_nd_parallel.py --dp 2 --tp 2 --pp 2           # verify this mesh, count its bytes, time it
     python 10_nd_parallel.py --pp 2 --fsdp 2 --cp 2         # the sequence split over 2 ranks too
     python 10_nd_parallel.py --pp 2 --dp 2 --schedule interleaved --model-size mini
+    python 10_nd_parallel.py --pp 2 --dp 2 --ep 2           # 12's experts over the 2 data ranks
     python 10_nd_parallel.py                                # every mesh of the suite (make 10)
     python 10_nd_parallel.py --plan --model-size xxl --devices 64 --context-length 131072
     torchrun --standalone --nproc-per-node 8 10_nd_parallel.py --fsdp 2 --tp 2 --pp 2
@@ -139,6 +146,15 @@ class Mesh:
             lines.append([self.rank(**base, **dict(zip(axes, c)))
                           for c in itertools.product(*(range(self.shape[a]) for a in axes))])
         return self._new_groups(lines)
+
+    def partition(self, key):
+        """A new group of every set of ranks whose coordinates give the same ``key(coords)``
+        (collective; every rank the same key): this rank's. Groups the axes do not make, such
+        as an expert-parallel group inside the data ranks."""
+        lines = {}
+        for r in range(math.prod(self.shape.values())):
+            lines.setdefault(key(self.coords_of(r)), []).append(r)
+        return self._new_groups(list(lines.values()))
 # ---- end copy: Mesh ----
 
 
@@ -149,6 +165,7 @@ fsdp_mod = common.load_script(common.ROOT / "07_fsdp.py")
 tp_mod = common.load_script(common.ROOT / "08_tensor_parallel.py")
 pp_mod = common.load_script(common.ROOT / "09_pipeline_parallel.py")
 cp_mod = common.load_script(common.ROOT / "11_context_parallel.py")
+ep_mod = common.load_script(common.ROOT / "12_expert_parallel.py")
 
 
 class ParallelLM:
@@ -161,8 +178,8 @@ class ParallelLM:
     not with fsdp, whose reduce-scatters run in backward, before zb1's deferred W)."""
 
     def __init__(self, mesh, model, batch, microbatches, schedule="1f1b", bucket_mb=25.0, count_activations=False,
-                 chunks=1, cp_method="ring", **pipeline_options):
-        self.mesh = mesh
+                 chunks=1, cp_method="ring", ep=1, **pipeline_options):
+        self.mesh, self.ep = mesh, ep
         P, D, F, C, T = (mesh.size(a) for a in AXES)
         if schedule == "zb1" and F > 1:
             raise ValueError("zb1 defers the weights' gradients past FSDP's reduce-scatters: use 1f1b or interleaved")
@@ -172,14 +189,26 @@ class ParallelLM:
             tp_mod.tensor_parallel_lm(model, mesh.group("tp"))
         if C > 1:   # each rank its part of every sequence (11's zig-zag layout), attention across the cp group
             cp_mod.context_parallel_lm(model, mesh.group("cp"), cp_method, "zigzag")
+        self.experts, self.expert_copies = [], None
+        if ep > 1:  # 12's experts split over ep consecutive data ranks (dp x fsdp), copies at the same place of each
+            if (D * F) % ep or C > 1:
+                raise ValueError(f"ep {ep} takes its ranks from the {D * F} data ranks (no cp): it must divide them")
+            where = lambda c: (c["pp"], c["cp"], c["tp"])   # noqa: E731  (the ranks that hold the same layers)
+            self.ep_group = mesh.partition(lambda c: where(c) + ((c["dp"] * F + c["fsdp"]) // ep,))
+            copies = mesh.partition(lambda c: where(c) + ((c["dp"] * F + c["fsdp"]) % ep,))
+            self.expert_copies = copies if D * F > ep else None
+            for moe in (m for m in model.modules() if isinstance(m, ep_mod.MoE)):
+                moe.distribute(self.ep_group)
+            self.experts = ep_mod.expert_parameters(model)
         self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P, chunks)
-        self.fsdp = fsdp_mod.FSDP(self.stage, process_group=mesh.group("fsdp"),
-                                  units=list(self.stage.blocks.values())) if F > 1 else None
+        self.fsdp = fsdp_mod.FSDP(self.stage, process_group=mesh.group("fsdp"), units=list(self.stage.blocks.values()),
+                                  ignore=self.experts) if F > 1 else None
         module = self.fsdp or self.stage
         # the weights' data ranks: dp, and cp (its ranks see other tokens of the same sequences);
         # a group of its own even where it holds the same ranks as the cp group, whose traffic is attention's
         self.data_group = (mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp")) if D * C > 1 else None
-        self.module = ddp_mod.DDPBucketed(module, bucket_mb, process_group=self.data_group) if D * C > 1 else module
+        self.module = ddp_mod.DDPBucketed(module, bucket_mb, process_group=self.data_group,
+                                          ignore_parameters=self.experts) if D * C > 1 else module
         shape = (batch // self.replicas // microbatches, model.pos.num_embeddings // C, model.tok.embedding_dim)
         self.pipe = pp_mod.Pipeline(self.module, microbatches, pp_mod.lm_loss, schedule, mesh.group("pp"),
                                     activation_shape=shape, count_activations=count_activations and self._activation,
@@ -203,6 +232,8 @@ class ParallelLM:
         every element is counted once: dp replicas and tp ranks holding a parameter whole
         leave it to coordinate 0; FSDP's shards and tp slices are all distinct; the tied
         head on the last stage is the first stage's embedding again."""
+        if self.ep > 1 and ".experts." in name:   # distinct in an ep group, copied across ep groups and tp
+            return self.mesh.coord("tp") == 0 and self.replica // self.ep == 0
         if self.mesh.coord("dp") or self.mesh.coord("cp") or \
                 (tp_mod.split_owner(self.stage, name) is None and self.mesh.coord("tp")):
             return False
@@ -221,6 +252,8 @@ class ParallelLM:
             self.module.finish_gradient_synchronization()   # DDPBucketed, after the FSDP inside it
         if self.embed_group is not None and self.tied_copy.grad is not None:
             dist.all_reduce(self.tied_copy.grad, group=self.embed_group)   # the embedding's + the head's
+        if self.ep > 1:   # each expert summed over its copies, over the data ranks' count (12)
+            ep_mod.reduce_expert_gradients(self.stage, self.expert_copies, self.replicas)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -249,11 +282,25 @@ class ParallelLM:
         owner = tp_mod.split_owner(self.stage, name)
         return owner[0].local(whole, owner[1]) if owner else whole
 
+    def _all_experts(self, table: dict) -> dict:
+        """``table`` (by parameter name) with every expert's entry, gathered over the ep group."""
+        if self.ep == 1:
+            return table
+        mine = {n: v for n, v in table.items() if ".experts." in n}
+        to_cpu = lambda v: {k: to_cpu(x) for k, x in v.items()} if isinstance(v, dict) else \
+            (v.cpu() if torch.is_tensor(v) else v)  # noqa: E731
+        everyone = [None] * self.ep
+        dist.all_gather_object(everyone, {n: to_cpu(v) for n, v in mine.items()}, group=self.ep_group)
+        device = next(iter(self.params.values())).device
+        to_dev = lambda v: {k: to_dev(x) for k, x in v.items()} if isinstance(v, dict) else \
+            (v.to(device) if torch.is_tensor(v) else v)  # noqa: E731
+        return {**table, **{n: to_dev(v) for part in everyone for n, v in part.items()}}
+
     @torch.no_grad()
     def full_parameters(self) -> dict:
-        """This rank's stage's parameters whole, by name (collective over fsdp and tp)."""
+        """This rank's stage's parameters whole, by name (collective over fsdp, tp and ep)."""
         local = self.fsdp.gather_full_params() if self.fsdp else {n: p.detach() for n, p in self.params.items()}
-        return {n: self._tp_whole(n, t) for n, t in local.items()}
+        return self._all_experts({n: self._tp_whole(n, t) for n, t in local.items()})
 
     @torch.no_grad()
     def full_checkpoint(self, optimizer):
@@ -268,6 +315,10 @@ class ParallelLM:
         if self.mesh.coord("fsdp") == 0:   # its tp group holds the same places: gather the slices
             state = {n: {k: self._tp_whole(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
                      for n, s in state.items()}
+        if self.ep > 1:   # the experts' state from every rank of the ep group (FSDP left them out)
+            names = {id(p): n for n, p in self.params.items()}
+            mine = {names[id(p)]: dict(optimizer.state[p]) for p in self.experts if p in optimizer.state}
+            state = {**(state or {}), **self._all_experts(mine)}
         keep = all(self.mesh.coord(a) == 0 for a in ("dp", "fsdp", "cp", "tp"))   # one rank per stage
         mine = {"model": {n: t.cpu() for n, t in params.items()},
                 "optim": {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()},
@@ -366,10 +417,31 @@ def lm(dims, context, tie, seed, device="cpu"):
     return model
 
 
-def reference_step(model, optimizer, batch, max_norm=MAX_NORM) -> float:
-    """One process's step on the whole batch; returns the gradient norm it clipped by."""
+def moe_lm(dims, context, tie, seed, experts, top_k, device="cpu"):
+    """12's MoE LM (a MoE in every block, no capacity limit; the load-balancing loss left
+    to 12, which verifies it: a pipeline stage has no loss of its own to add it to)."""
+    model = ep_mod.build(dims, context, experts, top_k, 0.0, seed, device, aux_coef=0.0)
+    if tie:
+        model.head.weight = model.tok.weight
+    return model
+
+
+def routed_as(replicas, m):
+    """The groups a MoE mesh routes its tokens in: each replica's part of the batch, each
+    micro-batch of it (a MoE's routing depends on the tokens it sees together)."""
+    def groups(batch):
+        parts = [tuple(common.shard(t, r, replicas).chunk(m)[i] for t in batch) for r in range(replicas)
+                 for i in range(m)]
+        return parts
+    return groups
+
+
+def reference_step(model, optimizer, batch, max_norm=MAX_NORM, groups=None) -> float:
+    """One process's step on the whole batch (``groups``: the mean of its losses on those
+    parts, for a MoE); returns the gradient norm it clipped by."""
     optimizer.zero_grad(set_to_none=True)
-    model(*batch).backward()
+    parts = groups(batch) if groups else [batch]
+    (sum(model(*part) for part in parts) / len(parts)).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     return norm.item()
@@ -397,21 +469,26 @@ def compare(model: ParallelLM, ref, norms=()) -> dict:
 
 
 def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None, batch=None, schedule="1f1b",
-                chunks=2):
+                chunks=2, ep=1, saved_on=None):
     """Train the verification LM over ``shape`` and one process on the same global batches
     (AdamW, clipped at MAX_NORM); compare. ``checkpoint`` = (path, "save" | "resume", k):
     save after step k, or start from the file at step k (the reference still trains from
-    step 0)."""
+    step 0). ``ep`` > 1: 12's MoE LM, its experts over ep data ranks (the reference routes
+    each replica's micro-batches as they are routed; ``saved_on``: the mesh a resumed
+    checkpoint's steps ran on, routed as there)."""
     mesh, m = Mesh(shape), default_microbatches(shape)
     batch = batch or 2 * m * shape["dp"] * shape["fsdp"]
-    ref = lm(VERIFY_LM, VERIFY_T, tie, args.seed, ctx.device)
-    model = ParallelLM(mesh, copy.deepcopy(ref), batch, m, schedule, chunks=chunks_of(schedule, chunks))
+    ref = moe_lm(VERIFY_LM, VERIFY_T, tie, args.seed, MOE_EXPERTS, MOE_TOP_K, ctx.device) if ep > 1 else \
+        lm(VERIFY_LM, VERIFY_T, tie, args.seed, ctx.device)
+    model = ParallelLM(mesh, copy.deepcopy(ref), batch, m, schedule, chunks=chunks_of(schedule, chunks), ep=ep)
     opt, ref_opt = make_optimizer(model), torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     path, action, k = checkpoint or (None, None, None)
+    routed = lambda s: routed_as(s["dp"] * s["fsdp"], default_microbatches(s)) if ep > 1 else None  # noqa: E731
     norms = []
     for step in range(steps):
         x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, ctx.device)
-        norm = reference_step(ref, ref_opt, (x, y))
+        norm = reference_step(ref, ref_opt, (x, y), groups=routed(saved_on if action == "resume" and step < k
+                                                                    else shape))
         if action == "resume" and step < k:
             continue
         if action == "resume" and step == k:
@@ -444,6 +521,12 @@ SUITE = {8: [(mesh_of(pp=2, dp=2, tp=2), False, "1f1b"), (mesh_of(pp=2, fsdp=2, 
              (mesh_of(pp=2, cp=2), True, "1f1b"), (mesh_of(dp=2, cp=2), False, "1f1b")],
          6: [(mesh_of(dp=3, tp=2), False, "1f1b")]}
 SUITE_CHUNKS = 2
+# 12's experts on the data ranks (ep 2, 4 experts, top-2): dp x tp, dp 4 (each expert on 2
+# ranks), pp x dp, fsdp x tp (the experts not tensor-parallel: every tp rank runs the same
+# ones); and a checkpoint of dp 4 x tp 2 at ep 4 after 2 steps, resumed on dp 2 x tp 2 at ep 2.
+SUITE_EP = {4: [(mesh_of(dp=2, tp=2), 2), (mesh_of(dp=4), 2), (mesh_of(pp=2, dp=2), 2), (mesh_of(fsdp=2, tp=2), 2)]}
+EP_RESUME = ((mesh_of(dp=4, tp=2), 4), (mesh_of(dp=2, tp=2), 2), 2)
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 RESUME = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(pp=2, dp=2), 2)   # saved on, resumed on, after step
 RESUME_STEPS, RESUME_BATCH = 4, 16
 
@@ -454,12 +537,23 @@ def verify(ctx, args, cases, resume=None, chunks=SUITE_CHUNKS):
     its second, whichever has this world size."""
     out = {label(shape, tie, schedule, chunks): verify_mesh(ctx, args, shape, tie, schedule=schedule, chunks=chunks)
            for shape, tie, schedule in cases}
+    if resume is not None and resume[0] == "ep":   # one mesh with 12's experts (the command's --ep)
+        _, ep, shape, tie = resume
+        return {f"{label(shape, tie)}, ep {ep}": verify_mesh(ctx, args, shape, tie, ep=ep)}
+    for shape, ep in SUITE_EP.get(ctx.world_size, []) if resume is not None else []:
+        out[f"{label(shape)}, ep {ep}"] = verify_mesh(ctx, args, shape, ep=ep)
     if resume is not None:
         path, action = resume
         shape = RESUME[0] if action == "save" else RESUME[1]
         r = verify_mesh(ctx, args, shape, True, RESUME_STEPS, (path, action, RESUME[2]), RESUME_BATCH)
         if action == "resume":
             out[f"checkpoint of {label(RESUME[0], True)} after step {RESUME[2]}, resumed on {label(shape)}"] = r
+        (then, ep_then), (now, ep_now), k = EP_RESUME
+        shape, ep = (then, ep_then) if action == "save" else (now, ep_now)
+        r = verify_mesh(ctx, args, shape, False, RESUME_STEPS, (path + ".ep", action, k), RESUME_BATCH, ep=ep,
+                        saved_on=then)
+        if action == "resume":
+            out[f"checkpoint of {label(then)}, ep {ep_then} after step {k}, resumed on {label(now)}, ep {ep_now}"] = r
     return out
 
 
@@ -475,32 +569,43 @@ SENT = {"allreduce_": lambda n: 2 * (n - 1) / n, "_allgather_base_": lambda n: (
 
 
 def counted_bytes(model: ParallelLM, log) -> dict:
-    """Bytes this rank sent per axis, from count_collectives' log of one step."""
+    """Bytes this rank sent per axis, from count_collectives' log of one step (ep: the
+    bytes it put into the experts' all-to-alls, whose splits follow the router)."""
     mesh, axes = model.mesh, {}
     for a in AXES:
         axes[mesh.group(a).group_name] = (a, mesh.size(a))
     if model.data_group is not None:   # dp x cp: the weights' gradients
         axes[model.data_group.group_name] = ("dp", mesh.size("dp") * mesh.size("cp"))
+    if model.ep > 1:
+        axes[model.ep_group.group_name] = ("ep", None)
+        if model.expert_copies is not None:
+            axes[model.expert_copies.group_name] = ("ep copies", dist.get_world_size(model.expert_copies))
     if model.embed_group is not None:
         axes[model.embed_group.group_name] = ("tie", 2)
     axes[mesh.group().group_name] = ("clip", dist.get_world_size())
     out = {}
     for op, group, nbytes in log:
         axis, n = axes[group]
-        out[axis] = out.get(axis, 0.0) + nbytes * SENT[op](n)
+        out[axis] = out.get(axis, 0.0) + (nbytes if axis == "ep" else nbytes * SENT[op](n))
     return out
 
 
-def stage_layout(dims, context, shape, stage, tie, chunks=1):
+def stage_layout(dims, context, shape, stage, tie, chunks=1, ep=1, ep_rank=0, experts=None):
     """(name, whole shape, unit) of every parameter on ``stage`` (tp slices: the local
-    shape), from the model's dimensions alone (a model on the meta device)."""
+    shape), from the model's dimensions alone (a model on the meta device); ``ep`` > 1: 12's
+    MoE LM, with the experts of place ``ep_rank`` of its ep group only."""
     d, f, _, _ = dims
     T = shape["tp"]
     local = {"qkv.weight": lambda s: (s[0] // T, s[1]), "proj.weight": lambda s: (s[0], s[1] // T),
              "ff_in.weight": lambda s: (s[0] // T, s[1]), "ff_out.weight": lambda s: (s[0], s[1] // T)}
-    model = pp_mod.LMStage(lm(dims, context, tie, 0, "meta"), stage, shape["pp"], chunks)
+    experts = experts or MOE_EXPERTS
+    whole = moe_lm(dims, context, tie, 0, experts, 1, "meta") if ep > 1 else lm(dims, context, tie, 0, "meta")
+    model = pp_mod.LMStage(whole, stage, shape["pp"], chunks)
+    per = experts // ep
+    mine = lambda name: ".experts." not in name or \
+        ep_rank * per <= int(name.split(".experts.")[1].split(".")[0]) < (ep_rank + 1) * per  # noqa: E731
     out = []
-    for name, p in model.named_parameters():
+    for name, p in ((n, p) for n, p in model.named_parameters() if mine(n)):
         kind = name.split(".", 2)[-1]
         unit = name.split(".")[1] if name.startswith("blocks.") else None
         out.append((name, local[kind](tuple(p.shape)) if name.startswith("blocks.") and kind in local else tuple(p.shape),
@@ -508,7 +613,8 @@ def stage_layout(dims, context, shape, stage, tie, chunks=1):
     return out
 
 
-def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_method="ring") -> dict:
+def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_method="ring", ep=1, routed=None,
+                    experts=None) -> dict:
     """Bytes a rank at ``coords`` sends per step, by axis, in closed form (ring algorithms:
     an all-reduce of S bytes over n ranks sends 2(n-1)/n S, an all-gather or reduce-scatter
     of S (n-1)/n S). DP: an all-reduce of the rank's gradients (plus a has-gradient flag per
@@ -518,12 +624,19 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_me
     activations (b t d) per block and micro-batch. PP: one activation forward and one
     gradient back per micro-batch and chunk boundary (interleaved: v chunks a stage, v times
     the boundaries). CP: per block and micro-batch, 11's attention's exchanges of this rank's
-    K and V (attention_bytes), the gradients' all-reduce going over dp x cp. Tie: the two
-    copies' gradients summed. Clip: one number over the whole mesh."""
+    K and V (attention_bytes), the gradients' all-reduce going over dp x cp. EP (12's
+    experts on ep data ranks; ``routed``: the rows the step's MoE forwards kept and received,
+    summed): what this rank puts into the all-to-alls, 2 (kept + received) d floats and E
+    counts per forward; its experts' gradients all-reduced over their copies ("ep copies")
+    and left out of dp and fsdp. Tie: the two copies' gradients summed. Clip: one number
+    over the whole mesh."""
     d = dims[0]
     P, D, F, C, T = (shape[a] for a in AXES)
     s, n_ranks, b, context = coords["pp"], math.prod(shape.values()), batch // (D * F), context // C
-    layout = stage_layout(dims, context * C, shape, s, tie, chunks)
+    replica = coords["dp"] * F + coords["fsdp"]
+    experts = experts or MOE_EXPERTS
+    full = stage_layout(dims, context * C, shape, s, tie, chunks, ep, replica % ep, experts)
+    layout = [e for e in full if ".experts." not in e[0]] if ep > 1 else full
 
     def shard(shp):   # FSDP's shard of a parameter: its rows padded to a multiple of F
         rows, rest = (shp[0], math.prod(shp[1:])) if shp else (1, 1)
@@ -539,10 +652,16 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_me
         out["fsdp"] = sum(((2 * m if unit is not None else 1) * size + size + count) * (F - 1) * 4
                           for unit, (size, count) in units.items())
     blocks = len({unit for _, _, unit in layout if unit is not None})
-    if T > 1:
-        out["tp"] = blocks * 4 * b * context * d * 4 * 2 * (T - 1) / T
+    if T > 1:   # 4 all-reduces a block (attention's f and g, the MLP's); a MoE's experts are not split: 2
+        out["tp"] = blocks * (2 if ep > 1 else 4) * b * context * d * 4 * 2 * (T - 1) / T
     if C > 1:   # one micro-batch's K (or V) on this rank: b/m sequences, its tokens, its heads
         out["cp"] = blocks * m * cp_mod.attention_bytes(cp_method, C, b // m * context * d // T * 4)
+    if ep > 1:
+        out["ep"] = 2 * routed["rows"] * d * 4 + routed["forwards"] * experts * 8
+        copies = D * F // ep
+        if copies > 1:
+            out["ep copies"] = 2 * (copies - 1) / copies * 4 * sum(math.prod(shp) for n, shp, _ in full
+                                                                   if ".experts." in n)
     if P > 1:
         out["pp"] = b * context * d * 4 * (2 * chunks - (s == P - 1) - (s == 0))
         if tie and s in (0, P - 1):
@@ -613,21 +732,33 @@ def measured_memory(model: ParallelLM, optimizer) -> dict:
             "activations": model.pipe.peak_activation_bytes}
 
 
-def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks=1):
+def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks=1, ep=1):
     """One counted step of ``shape`` (after two to settle the buckets and the units' order):
     every rank's bytes per axis and memory, each beside its prediction."""
     mesh = Mesh(shape)
-    model = ParallelLM(mesh, lm(dims, args.context_length, tie, args.seed, ctx.device), batch, m, schedule,
-                       count_activations=True, chunks=chunks, cp_method=getattr(args, "cp_method", "ring"))
+    experts, top_k = getattr(args, "experts", None) or MOE_EXPERTS, getattr(args, "top_k", None) or MOE_TOP_K
+    whole = moe_lm(dims, args.context_length, tie, args.seed, experts, top_k, ctx.device) if ep > 1 else \
+        lm(dims, args.context_length, tie, args.seed, ctx.device)
+    model = ParallelLM(mesh, whole, batch, m, schedule, count_activations=True, chunks=chunks,
+                       cp_method=getattr(args, "cp_method", "ring"), ep=ep)
     opt = make_optimizer(model)
+    routed = {"rows": 0, "forwards": 0}   # every MoE forward of the counted step: rows kept and received
+
+    def tally(moe, inputs, output):
+        routed["rows"] += moe.stats["kept"] + moe.stats["arrived"]
+        routed["forwards"] += 1
     for step in range(3):
         x, y = common.lm_batch(batch, args.context_length, step, args.seed, ctx.device)
         model.pipe.peak_activation_bytes = 0
+        hooks = [moe.register_forward_hook(tally) for moe in model.stage.modules()
+                 if isinstance(moe, ep_mod.MoE)] if step == 2 else []
         with common.count_collectives() if step == 2 else contextlib.nullcontext() as counter:
             train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
+        for h in hooks:
+            h.remove()
     row = {"coords": mesh.coords, "counted": counted_bytes(model, counter.log),
            "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie, chunks,
-                                        getattr(args, "cp_method", "ring")),
+                                        getattr(args, "cp_method", "ring"), ep, routed, experts),
            "memory": measured_memory(model, opt),
            "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, m, schedule,
                                                 chunks)}
@@ -733,8 +864,9 @@ def benchmark(ctx, args, shapes, dims, trace=None):
         holder = {}
 
         def ours():
-            model = ParallelLM(Mesh(shape), lm(dims, args.context_length, False, args.seed, ctx.device), batch, m,
-                               schedule, chunks=chunks)
+            whole = moe_lm(dims, args.context_length, False, args.seed, args.experts, args.top_k, ctx.device) \
+                if args.ep > 1 else lm(dims, args.context_length, False, args.seed, ctx.device)
+            model = ParallelLM(Mesh(shape), whole, batch, m, schedule, chunks=chunks, ep=args.ep)
             opt = make_optimizer(model)
             holder.update(model=model, opt=opt)
             return lambda b, clock: train_step(model, opt, model.part(b), clock)
@@ -745,7 +877,8 @@ def benchmark(ctx, args, shapes, dims, trace=None):
         timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
         methods = {f"{name} (ours)": ours}
         # 09 says why torch's pipelining may not run; torch's context_parallel runs on CUDA only
-        if (shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type)) and shape["cp"] == 1:
+        if (shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type)) and shape["cp"] == 1 \
+                and args.ep == 1:   # torch has no expert parallelism
             methods[f"{name} (torch)"] = theirs
         got = common.time_methods(ctx, timing, methods, global_batch=True)
         tokens = batch * args.context_length
@@ -762,7 +895,7 @@ def benchmark(ctx, args, shapes, dims, trace=None):
             timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
         holder.clear()
         accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
-                           "ranks": account(ctx, args, shape, dims, batch, m, False, schedule, chunks)})
+                           "ranks": account(ctx, args, shape, dims, batch, m, False, schedule, chunks, args.ep)})
     return rows, accounting, timeline
 
 
@@ -896,15 +1029,18 @@ HARDWARE = {"v5p": {"memory_gb": 95.0, "flops": 4.6e14, "link": 2 * 9e10, "m_fsd
             "h100": {"memory_gb": 80.0, "flops": 989e12, "link": 450e9, "m_fsdp": 1, "m_tp": 1}}
 
 
-def plan_model(size):
-    """(d_model, d_ff, blocks, weights) of --model-size: xxl is the course's blocks of two
-    linears; the kit's LM counts the four linears of a block (embeddings and attention's
-    own math left out, as the course's accounting does)."""
+def plan_model(size, experts=1, top_k=1):
+    """(d_model, d_ff, blocks, weights, weights a token uses) of --model-size: xxl is the
+    course's blocks of two linears; the kit's LM counts the four linears of a block
+    (embeddings and attention's own math left out, as the course's accounting does). With
+    ``experts`` > 1 every block's MLP is a MoE of that many experts of the MLP's size, of
+    which a token uses ``top_k``."""
     if size == "xxl":
         d, f, n = XXL
-        return d, f, n, n * 2 * d * f
+        return d, f, n, n * 2 * d * f * experts, n * 2 * d * f * top_k if experts > 1 else n * 2 * d * f
     d, f, n, _ = common.MODEL_SIZES[size]
-    return d, f, n, n * (4 * d * d + 2 * d * f)
+    mlp = 2 * d * f
+    return d, f, n, n * (4 * d * d + mlp * experts), n * (4 * d * d + mlp * (top_k if experts > 1 else 1))
 
 
 def pipeline_bubble(P, m, schedule="1f1b", chunks=1) -> float:
@@ -914,17 +1050,22 @@ def pipeline_bubble(P, m, schedule="1f1b", chunks=1) -> float:
     return (P - 1) / (scale * m + P - 1)
 
 
-def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="1f1b", chunks=1) -> dict:
+def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="1f1b", chunks=1, active=None,
+               top_k=0) -> dict:
     """Per device, one step of ``tokens`` tokens over the mesh, in the course's (the Scaling
     Book's) model: bf16 weights, activations and communication; fp32 master weights,
     gradients and AdamW state (16 bytes a weight) sharded over fsdp, tp and pp; every
     collective moves its array once over its links at link x multiplicity; communication
     overlaps compute; the pipeline runs 4p micro-batches with ``schedule`` (interleaved: v
-    chunks a stage, v times the activations crossing stages). Seconds and bytes."""
-    P, D, F, C, T = (shape[a] for a in AXES)
+    chunks a stage, v times the activations crossing stages). A MoE (``active``: the weights
+    a token uses, ``top_k``): compute on the active weights, state and weight traffic on all
+    of them, and its experts' all-to-alls, k d values a token each way, twice. Seconds and
+    bytes."""
+    P, D, F, _, T = (shape[a] for a in AXES)
     b = tokens / (D * F)                                   # tokens one data replica (fsdp shard) sees
     C, W = hw["flops"], hw["link"]
-    out = {"compute_s": 6 * weights / (T * P) * b / C,
+    out = {"compute_s": 6 * (active or weights) / (T * P) * b / C,
+           "ep_s": 2 * 2 * 2 * b * top_k * d * n / P / W if top_k else 0.0,
            "fsdp_s": 3 * 2 * weights / (T * P) / (W * hw["m_fsdp"]) if F > 1 else 0.0,   # gather x2, reduce-scatter
            "tp_s": 2 * 2 * 2 * b * d * n / P / (W * hw["m_tp"]) if T > 1 else 0.0,      # 2 fwd + 2 bwd of b d bf16
            "dp_s": 2 * 2 * weights / (F * T * P) / W if D > 1 else 0.0,                  # all-reduce of bf16 grads
@@ -933,17 +1074,19 @@ def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="
            "activations_gb": act_fraction * b * (n / P) * 2 * (d + f / T) / 1e9,         # inputs of both linears
            "bubble": pipeline_bubble(P, 4 * P, schedule, chunks)}
     out["memory_gb"] = out["state_gb"] + out["activations_gb"]
-    out["step_s"] = max(out["compute_s"] / (1 - out["bubble"]), out["fsdp_s"], out["tp_s"], out["dp_s"], out["pp_s"])
+    out["step_s"] = max(out["compute_s"] / (1 - out["bubble"]), out["fsdp_s"], out["tp_s"], out["dp_s"], out["pp_s"],
+                        out["ep_s"])
     return out
 
 
-def compute_bound_tokens(hw, d, f, n, weights, shape, schedule="1f1b", chunks=1) -> float:
+def compute_bound_tokens(hw, d, f, n, weights, shape, schedule="1f1b", chunks=1, active=None, top_k=0) -> float:
     """The fewest tokens per step at which compute is at least every axis's communication
     (inf if an axis's traffic grows with the batch faster than its compute: tp, when
     d_ff / tp < alpha / M_tp)."""
-    one, two = (mesh_costs(hw, d, f, n, weights, shape, t, schedule=schedule, chunks=chunks) for t in (1.0, 2.0))
+    one, two = (mesh_costs(hw, d, f, n, weights, shape, t, schedule=schedule, chunks=chunks, active=active,
+                           top_k=top_k) for t in (1.0, 2.0))
     need = 0.0
-    for axis in ("fsdp_s", "tp_s", "dp_s", "pp_s"):
+    for axis in ("fsdp_s", "tp_s", "dp_s", "pp_s", "ep_s"):
         slope, fixed = two[axis] - one[axis], 2 * one[axis] - two[axis]
         per_token = one["compute_s"] - slope
         if one[axis] == 0:
@@ -960,7 +1103,9 @@ def plan(args) -> dict:
     hw = dict(HARDWARE[args.hardware])
     if args.device_memory:
         hw["memory_gb"] = args.device_memory
-    d, f, n, weights = plan_model(args.model_size)
+    experts, top_k = getattr(args, "experts", 1) or 1, getattr(args, "top_k", 1)
+    d, f, n, weights, active = plan_model(args.model_size, experts, top_k)
+    moe = {"active": active, "top_k": top_k if experts > 1 else 0}
     shapes = []
     for pp_, tp_ in itertools.product(range(1, args.devices + 1), repeat=2):
         if args.devices % (pp_ * tp_) or n % pp_ or f % tp_:
@@ -970,13 +1115,13 @@ def plan(args) -> dict:
     schedule = getattr(args, "schedule", "1f1b")
     chunks = chunks_of(schedule, getattr(args, "chunks", 1))
     shapes = [s for s in shapes if s["pp"] * chunks <= n]   # interleaved: a chunk holds at least a block
-    bounds = {label(s): compute_bound_tokens(hw, d, f, n, weights, s, schedule, chunks) for s in shapes}
+    bounds = {label(s): compute_bound_tokens(hw, d, f, n, weights, s, schedule, chunks, **moe) for s in shapes}
     finite = [t for t in bounds.values() if t < math.inf]
     meshes = []
     for shape in shapes:   # each at its compute-bound batch; one that never is, at the largest other one
         tokens = bounds[label(shape)]
         cost = mesh_costs(hw, d, f, n, weights, shape, tokens if tokens < math.inf else max(finite, default=0.0),
-                          schedule=schedule, chunks=chunks)
+                          schedule=schedule, chunks=chunks, **moe)
         meshes.append({"mesh": label(shape) or "one device", **shape, "bound_tokens": tokens,
                        "bound_tokens_per_device": tokens / args.devices, "fits": cost["memory_gb"] <= hw["memory_gb"],
                        **cost})
@@ -999,7 +1144,8 @@ def plan(args) -> dict:
         free = hw["memory_gb"] - pick["state_gb"]
         answers.update(context=L, sequence_gb=L * per_token / 1e9,
                        cp_needed=max(1, math.ceil(L * per_token / 1e9 / free)) if free > 0 else math.inf)
-    return {"hardware": hw, "model": {"d_model": d, "d_ff": f, "blocks": n, "weights": weights},
+    return {"hardware": hw, "model": {"d_model": d, "d_ff": f, "blocks": n, "weights": weights, "active": active,
+                                      "experts": experts, "top_k": top_k},
             "meshes": meshes, "pick": pick, "answers": answers}
 
 
@@ -1014,7 +1160,7 @@ def accounting_rows(accounting) -> tuple:
         for stage in range(job["shape"]["pp"]):
             ranks = [r for r in job["ranks"] if r["coords"]["pp"] == stage]
             first = ranks[0]
-            for axis in sorted(set(first["counted"]) | set(first["predicted"]), key=list(AXES + ("tie", "clip")).index):
+            for axis in sorted(set(first["counted"]) | set(first["predicted"]), key=list(AXES + ("ep", "ep copies", "tie", "clip")).index):
                 counted, predicted = first["counted"].get(axis, 0.0), first["predicted"].get(axis, 0.0)
                 traffic.append({"mesh": job["mesh"], "stage": stage, "axis": axis, "counted_MB": counted / 1e6,
                                 "predicted_MB": predicted / 1e6, "equal": abs(counted - predicted) <= 1e-6 * max(1, predicted),
@@ -1157,6 +1303,12 @@ def main(argv=None):
                                                       f"(09's; default 1f1b)")
     p.add_argument("--chunks", type=int, default=2, help="--schedule interleaved: chunks of blocks per stage")
     p.add_argument("--cp-method", choices=list(cp_mod.METHODS), default="ring", help="--cp: 11's attention (default ring)")
+    p.add_argument("--ep", type=int, default=1, help="12's experts split over this many data ranks (dp x fsdp; a MoE "
+                                                     "in every block)")
+    p.add_argument("--experts", type=int, default=None,
+                   help=f"--ep: experts per MoE (default {MOE_EXPERTS}); --plan: a MoE of that many experts in every "
+                        f"block's place of its MLP (default: dense)")
+    p.add_argument("--top-k", type=int, default=MOE_TOP_K, help="--ep, --plan: experts per token")
     p.add_argument("--peak-tflops", type=float, default=None, help="a device's peak, for MFU (default: known GPUs)")
     p.add_argument("--plan", action="store_true", help="list the meshes for --model-size on --devices; no workers")
     p.add_argument("--devices", type=int, default=64, help="--plan: how many devices")
@@ -1167,10 +1319,16 @@ def main(argv=None):
     p.add_argument("--plan-rows", type=int, default=20, help="--plan: rows of the table (all go to the JSON)")
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
+    first.experts = first.experts or (1 if first.plan else MOE_EXPERTS)
     if first.schedule not in SCHEDULE_NAMES:
         raise common.UsageError(f"unknown --schedule {first.schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
     if first.chunks < 1:
         raise common.UsageError(f"--chunks must be at least 1, got {first.chunks}")
+    if first.ep < 1 or first.experts < 1 or (first.experts > 1 and not 1 <= first.top_k <= first.experts):
+        raise common.UsageError(f"--ep and --experts must be at least 1 and --top-k between 1 and --experts: got "
+                                f"--ep {first.ep}, --experts {first.experts}, --top-k {first.top_k}")
+    if first.experts % first.ep:
+        raise common.UsageError(f"--ep {first.ep} does not divide --experts {first.experts}")
     if first.plan:
         first.model_size = first.model_size or "xxl"
         return report_plan(first)
@@ -1196,6 +1354,11 @@ def main(argv=None):
     if single and math.prod(shape.values()) != args.world_size:
         raise common.UsageError(f"the mesh {label(shape)} holds {math.prod(shape.values())} ranks but the world has "
                                 f"{args.world_size}")
+    if args.ep > 1:
+        replicas = shape["dp"] * shape["fsdp"]
+        if not single or replicas % args.ep or shape["cp"] > 1:
+            raise common.UsageError(f"--ep {args.ep} takes its ranks from a mesh's data ranks (dp x fsdp, no cp): "
+                                    + (f"{replicas} here" if single else "give a mesh") + ", which it must divide")
     if not single and args.schedule != "1f1b":
         raise common.UsageError(f"--schedule {args.schedule} without a mesh: the suite verifies its own schedules; "
                                 f"give a mesh (--pp 2 or more) to time this one")
@@ -1207,7 +1370,9 @@ def main(argv=None):
                    args.context_length, args.cp_method)
 
     if not args.no_verify:
-        if single:
+        if single and args.ep > 1:
+            jobs = [(args.world_size, [], ("ep", args.ep, shape, args.tie))]
+        elif single:
             jobs = [(args.world_size, [(shape, args.tie, args.schedule)], None)]
         else:
             folder = tempfile.mkdtemp(prefix="nd_checkpoint_")

@@ -28,7 +28,8 @@ def suite(world_size):
 
 
 CASES = [(w, nd.label(shape, tie, schedule, nd.SUITE_CHUNKS)) for w, cases in nd.SUITE.items()
-         for shape, tie, schedule in cases]
+         for shape, tie, schedule in cases] + \
+    [(w, f"{nd.label(shape)}, ep {ep}") for w, cases in nd.SUITE_EP.items() for shape, ep in cases]
 
 
 @pytest.mark.parametrize("world_size, case", CASES)
@@ -38,9 +39,11 @@ def test_every_mesh_trains_like_one_process(world_size, case):
 
 
 def test_a_checkpoint_saved_on_one_mesh_resumes_on_another():
-    [(case, r)] = [(k, v) for k, v in suite(4).items() if k.startswith("checkpoint")]
-    assert "pp 2 x fsdp 2 x tp 2 (tied)" in case and "resumed on pp 2 x dp 2" in case
-    assert r["ok"], f"{case}: max diff {r['max_diff']}"
+    cases = {k: v for k, v in suite(4).items() if k.startswith("checkpoint")}
+    assert set(cases) == {"checkpoint of pp 2 x fsdp 2 x tp 2 (tied) after step 2, resumed on pp 2 x dp 2",
+                          "checkpoint of dp 4 x tp 2, ep 4 after step 2, resumed on dp 2 x tp 2, ep 2"}
+    for case, r in cases.items():
+        assert r["ok"], f"{case}: max diff {r['max_diff']}"
 
 
 def test_the_checks_fail_without_the_tied_copies_sum_or_with_a_norm_counted_twice():
@@ -53,7 +56,8 @@ def test_the_checks_fail_without_the_tied_copies_sum_or_with_a_norm_counted_twic
 
 ACCOUNTED = [(nd.mesh_of(dp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "1f1b"), (nd.mesh_of(dp=2, fsdp=2), "1f1b"),
              (nd.mesh_of(pp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "interleaved"),
-             (nd.mesh_of(pp=2, tp=2), "zb1"), (nd.mesh_of(cp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, cp=2), "1f1b")]
+             (nd.mesh_of(pp=2, tp=2), "zb1"), (nd.mesh_of(cp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, cp=2), "1f1b"),
+             (nd.mesh_of(dp=4), "1f1b", 2), (nd.mesh_of(fsdp=2, tp=2), "1f1b", 2)]   # 12's experts over ep 2
 
 
 def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
@@ -66,10 +70,12 @@ def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
                 counted, predicted = r["counted"].get(axis, 0.0), r["predicted"].get(axis, 0.0)
                 assert counted == pytest.approx(predicted, rel=1e-9, abs=1e-9), (r["coords"], axis)
                 axes_seen |= {axis} if counted else set()
+            if "ep" in r["counted"]:
+                continue   # the memory formula is the dense LM's
             for k in ("params", "grads", "opt_state"):
                 assert r["memory"][k] == r["memory_predicted"][k], (r["coords"], k)
             assert r["memory"]["activations"] == pytest.approx(r["memory_predicted"]["activations"], rel=0.02)
-    assert axes_seen == {"dp", "fsdp", "tp", "pp", "cp", "tie", "clip"}
+    assert axes_seen == {"dp", "fsdp", "tp", "pp", "cp", "ep", "ep copies", "tie", "clip"}
     interleaved, one_f_one_b = jobs[4], jobs[1]   # pp 2 x fsdp 2: v chunks, v times the boundaries
     assert interleaved[0]["counted"]["pp"] == 3 * one_f_one_b[0]["counted"]["pp"]
 
@@ -136,6 +142,10 @@ def test_bad_input_exits_2_with_one_line():
     (["--dp", "2", "--schedule", "zb1"], "it needs --pp 2 or more"),
     (["--pp", "2", "--schedule", "gpipe"], "unknown --schedule 'gpipe'"),
     (["--schedule", "zb1"], "--schedule zb1 without a mesh"),
+    (["--dp", "3", "--tp", "2", "--ep", "2"], "--ep 2 takes its ranks from a mesh's data ranks"),
+    (["--dp", "2", "--cp", "2", "--ep", "2"], "--ep 2 takes its ranks from a mesh's data ranks"),
+    (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
+    (["--dp", "2", "--ep", "2", "--top-k", "5"], "--top-k between 1 and --experts"),
 ])
 def test_bad_input_is_refused_before_any_worker_starts(argv, words, monkeypatch):
     monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("a job started"))

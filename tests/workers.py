@@ -505,11 +505,11 @@ def nd_accounting(ctx, args, shapes):
     """10's account() on each (mesh, schedule) (the verification LM, the tied one at pp x tp)."""
     nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
     out = []
-    for shape, schedule in shapes:
+    for shape, schedule, *ep in shapes:
         m = nd.default_microbatches(shape)
         tie = shape["pp"] > 1 and shape["tp"] > 1
         out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m, tie, schedule,
-                              nd.chunks_of(schedule, 2)))
+                              nd.chunks_of(schedule, 2), *ep))
     return out
 
 
