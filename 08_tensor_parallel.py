@@ -111,6 +111,108 @@ def _gather(t, dim, group):
     return torch.cat(parts, dim=dim)
 
 
+# ---- sequence parallelism: between the split linears, each rank holds its part of the sequence
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_sequence(x, group):
+    """(b, t/T, ...) on each rank -> (b, t, ...) on every rank, the ranks' parts in order."""
+    n = dist.get_world_size(group)
+    x = x.transpose(0, 1).contiguous()
+    out = torch.empty(n * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+    _all_gather(out, x, group=group)
+    return out.transpose(0, 1)
+
+
+def _scatter_sequence_sum(x, group):
+    """(b, t, ...) partial sums on each rank -> this rank's part (b, t/T, ...) of their sum."""
+    n = dist.get_world_size(group)
+    x = x.transpose(0, 1).contiguous()
+    out = torch.empty(x.shape[0] // n, *x.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter(out, x, group=group)
+    return out.transpose(0, 1)
+
+
+def _my_part(x, group):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(n, dim=1)[r]
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """A whole sequence (the same on every rank) -> this rank's part; backward all-gathers
+    the parts' gradients, so what made it (the embeddings) gets its whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _my_part(x, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """The parts made whole again (before what needs the whole sequence: the final norm and
+    head, replicated); backward keeps this rank's part of the gradient (every rank's is the same)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_part(grad, ctx.group).contiguous(), None
+
+
+class _SequenceParallelInput(torch.autograd.Function):
+    """A column-parallel linear on a sequence-parallel input: the sequence all-gathered, then
+    multiplied; backward reduce-scatters the input's gradient back to the parts. The weight's
+    gradient needs the whole input: ``keep`` saves the gathered input (the bytes of TP's all-
+    reduces, the whole input kept), otherwise backward gathers it again (Megatron-LM's
+    choice: an all-gather more per layer, only this rank's part kept)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, keep):
+        ctx.group, ctx.has_bias, ctx.keep = group, bias is not None, keep
+        whole = _gather_sequence(x, group)
+        ctx.save_for_backward(whole if keep else x, weight)
+        return F.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = x if ctx.keep else _gather_sequence(x, ctx.group)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        return (_scatter_sequence_sum(grad.matmul(weight), ctx.group), g2.t().matmul(whole.reshape(-1, whole.shape[-1])),
+                g2.sum(0) if ctx.has_bias else None, None, None)
+
+
+class _SequenceParallelOutput(torch.autograd.Function):
+    """A row-parallel linear's partial outputs reduce-scattered to this rank's part of the
+    sequence; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _scatter_sequence_sum(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+def _sum_over(group):
+    """A parameter's gradient hook: the sum over ``group`` of what each rank's part gave."""
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+    return hook
+
+
 def _reduce_or_explain(y, group, seconds):
     """All-reduce ``y`` in place, waiting at most ``seconds``: outside autograd (evaluation
     under torch.no_grad()) a rank of the group that skipped this forward would otherwise
@@ -139,7 +241,12 @@ class ColumnParallelLinear(nn.Module):
     all-gathers it whole instead (a collective per layer). ``rows`` reorders the output
     features before slicing (to keep whole attention heads on one rank). Built directly,
     each rank initialises its slice as nn.Linear would, biases at zero: seed ranks apart.
+    ``sequence_parallel``: the input is this rank's part of the sequence (dimension 1), all-
+    gathered first (backward: reduce-scattered), as with sequence parallelism; backward
+    gathers it again for the weight's gradient unless ``keep_gathered`` (memory for bytes).
     """
+
+    sequence_parallel = keep_gathered = False
 
     def __init__(self, in_features, out_features, bias=True, process_group=None, gather_output=False,
                  rows=None, device=None, dtype=None):
@@ -164,6 +271,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
+        if self.sequence_parallel:
+            return _SequenceParallelInput.apply(x, self.weight, self.bias, self.process_group, self.keep_gathered)
         y = F.linear(_CopyToParallel.apply(x, self.process_group), self.weight, self.bias)
         return _GatherFromParallel.apply(y, self.process_group) if self.gather_output else y
 
@@ -193,9 +302,12 @@ class RowParallelLinear(nn.Module):
     rank's slice of the features (a ColumnParallelLinear's output); the partial outputs are
     all-reduced in forward (g), and the bias, whole on every rank, is added after. Under
     torch.no_grad() the all-reduce waits at most ``eval_timeout`` seconds, then says why.
+    ``sequence_parallel``: the partial outputs are reduce-scattered to this rank's part of
+    the sequence instead (backward: all-gathered).
     """
 
     eval_timeout = 300.0
+    sequence_parallel = False
 
     def __init__(self, in_features, out_features, bias=True, process_group=None, device=None, dtype=None):
         super().__init__()
@@ -219,7 +331,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        if torch.is_grad_enabled():
+        if self.sequence_parallel:
+            y = _SequenceParallelOutput.apply(y, self.process_group)
+        elif torch.is_grad_enabled():
             y = _ReduceFromParallel.apply(y, self.process_group)
         else:
             y = _reduce_or_explain(y, self.process_group, self.eval_timeout)
@@ -318,22 +432,45 @@ def heads_by_rank(n_heads: int, head_dim: int, tp: int) -> torch.Tensor:
     return torch.arange(3 * n_heads * head_dim).view(3, tp, n_heads // tp, head_dim).transpose(0, 1).reshape(-1)
 
 
-def tensor_parallel_lm(model: nn.Module, process_group=None) -> nn.Module:
+def tensor_parallel_lm(model: nn.Module, process_group=None, sequence_parallel=False, keep_gathered=False) -> nn.Module:
     """The kit's TransformerLM in tensor-parallel form, in place: in every block the fused
     qkv projection and the MLP's first layer are column-parallel (heads and d_ff split over
     the group), the attention output and the MLP's second layer row-parallel. Embeddings,
     norms and the output head stay whole on every rank (replicated: their gradients come
     out the same on every rank, so they need no communication). A block without the MLP's
-    two layers (a mixture of experts in their place, 12) keeps its MLP whole."""
+    two layers (a mixture of experts in their place, 12) keeps its MLP whole.
+
+    ``sequence_parallel`` (Korthikanti et al. 2022): between the split linears each rank
+    holds its part of the sequence (t/T tokens: the residual stream, the norms and what they
+    keep for backward). The first block takes this rank's part of the embeddings (backward:
+    all-gathered), each column layer all-gathers its input (backward: reduce-scatters), each
+    row layer reduce-scatters its output (backward: all-gathers), and the final norm gathers
+    its input whole (for itself and the head). The blocks' norms see this rank's
+    tokens only: a hook on each of their parameters sums the gradient over the group as
+    backward makes it (so any loop, accumulation included, sees the whole gradient).
+    ``keep_gathered``: see ColumnParallelLinear. Under a pipeline (09's LMStage) the stages
+    pass each tp rank's part of the sequence: a third of TP's bytes at tp 3, say."""
     tp = dist.get_world_size(process_group)
     for block in model.blocks:
         mlp = hasattr(block, "ff_in")
-        if block.n_heads % tp or (mlp and block.ff_in.out_features % tp):
-            raise ValueError(f"{tp} ranks must divide the {block.n_heads} heads and d_ff")
-        block.qkv = ColumnParallelLinear.from_linear(block.qkv, process_group,
-                                                     rows=heads_by_rank(block.n_heads, block.head_dim, tp))
+        if tp > 1:
+            block.qkv = ColumnParallelLinear.from_linear(block.qkv, process_group,
+                                                         rows=heads_by_rank(block.n_heads, block.head_dim, tp))
         parallelize(block, {"proj": "row", **({"ff_in": "column", "ff_out": "row"} if mlp else {})}, process_group,
                     sync=False)
+        if sequence_parallel and mlp:
+            for name in ("qkv", "proj", "ff_in", "ff_out"):
+                getattr(block, name).sequence_parallel = True
+                getattr(block, name).keep_gathered = keep_gathered
+            for p in list(block.ln1.parameters()) + list(block.ln2.parameters()):
+                p.register_hook(_sum_over(process_group))
+        elif sequence_parallel:
+            raise ValueError("sequence parallelism needs every block's MLP tensor-parallel (not a mixture of experts)")
+    if sequence_parallel and len(model.blocks):
+        model.blocks[0].register_forward_pre_hook(lambda mod, args: (_ScatterSequence.apply(args[0], process_group),
+                                                                     *args[1:]))
+        model.ln_f.register_forward_pre_hook(lambda mod, args: (_GatherSequence.apply(args[0], process_group),
+                                                                 *args[1:]))
     sync_rng(process_group)
     return model
 
@@ -435,25 +572,43 @@ def naive_tensor_parallel_lm(model, process_group=None):
     return model
 
 
-def torch_tensor_parallel_lm(model, mesh):
+def torch_tensor_parallel_lm(model, mesh, sequence_parallel=False):
     """The same split with torch.distributed.tensor.parallel: qkv's heads ordered by rank as
     for ours, then ColwiseParallel / RowwiseParallel on the same four layers. The replicated
     modules (embeddings, norms, head) get Replicate DTensor parameters, plain tensors in and
     out, as torch's TP examples have every parameter a DTensor: an optimizer's foreach path
-    (the default on CUDA) refuses a list that mixes DTensors and plain tensors."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    (the default on CUDA) refuses a list that mixes DTensors and plain tensors.
+    ``sequence_parallel``: torch's SequenceParallel style on the blocks' norms, the column
+    layers' input and the row layers' output sharded on the sequence (Shard(1)), the first
+    block's input made Shard(1) from the replicated embeddings and the last block's output
+    Replicate again (PrepareModuleInput / PrepareModuleOutput), as ours."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
     tp = mesh.size()
 
     def inputs_to_dtensor(module, inputs, mesh):
         return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if torch.is_tensor(t) else t
                      for t in inputs)
+    seq = {"input_layouts": Shard(1)} if sequence_parallel else {}
+    out = {"output_layouts": Shard(1)} if sequence_parallel else {}
     for block in model.blocks:
         with torch.no_grad():
             block.qkv.weight.copy_(block.qkv.weight[heads_by_rank(block.n_heads, block.head_dim, tp)])
-        parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
-                                         "ff_in": ColwiseParallel(), "ff_out": RowwiseParallel()})
-    for module in [model.tok, model.pos, model.ln_f, model.head] + [n for b in model.blocks for n in (b.ln1, b.ln2)]:
+        parallelize_module(block, mesh, {"qkv": ColwiseParallel(**seq), "proj": RowwiseParallel(**out),
+                                         "ff_in": ColwiseParallel(**seq), "ff_out": RowwiseParallel(**out),
+                                         **({"ln1": SequenceParallel(), "ln2": SequenceParallel()}
+                                            if sequence_parallel else {})})
+    replicated = [model.tok, model.pos, model.ln_f, model.head]
+    if sequence_parallel:
+        parallelize_module(model.blocks[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                     desired_input_layouts=(Shard(1),),
+                                                                     use_local_output=True))
+        parallelize_module(model.blocks[-1], mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                                       desired_output_layouts=Replicate()))
+    else:
+        replicated += [n for b in model.blocks for n in (b.ln1, b.ln2)]
+    for module in replicated:
         distribute_module(module, mesh, input_fn=inputs_to_dtensor, output_fn=lambda mod, out, mesh: out.to_local())
     return model
 
@@ -508,7 +663,7 @@ def toy_tp(model, group):
     return model
 
 
-VERIFY_LM = "micro"   # d_model 128, 4 heads, d_ff 512: splits over 2 and 4 ranks
+VERIFY_LM, VERIFY_T = "micro", 32   # d_model 128, 4 heads, d_ff 512, 32 tokens: splits over 2 and 4 ranks
 # AdamW divides by sqrt(v) + eps: with the default eps 1e-8, a gradient that nearly cancels
 # to zero turns the last-bit rounding of split matmuls into 1e-5 weight differences after a
 # few steps (measured: gradients agree to 5e-7 of their size). eps 1e-6 keeps the check on
@@ -547,22 +702,32 @@ def verify_model(ctx, args, build, convert, batches, tp_group, dp_group):
 
 def verify(ctx, args, tps):
     """At this world size, for each TP degree in ``tps`` (the rest of the ranks data
-    parallel): the toy MLP and the LM; and the naive all-gather TP over all ranks."""
-    results, steps, batch = {}, args.verify_steps, 8
+    parallel): the toy MLP and the LM; and the naive all-gather TP over all ranks. With
+    ``args.sp``: the LM with sequence parallelism too (and keeping the gathered inputs, at
+    TP over all ranks)."""
+    results, steps, batch, sp = {}, args.verify_steps, 8, getattr(args, "sp", False)
     g = torch.Generator().manual_seed(args.seed + 1)
     toy = [(torch.randn(batch, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
     toy = [(x.to(ctx.device), y.to(ctx.device)) for x, y in toy]
-    lm = [common.lm_batch(batch, 32, i, args.seed, ctx.device) for i in range(steps)]
-    build_lm = lambda: common.build_lm(VERIFY_LM, 32, ctx.device, args.seed)  # noqa: E731
+    lm = [common.lm_batch(batch, VERIFY_T, i, args.seed, ctx.device) for i in range(steps)]
+    build_lm = lambda: common.build_lm(VERIFY_LM, VERIFY_T, ctx.device, args.seed)  # noqa: E731
     for tp in tps:
         tp_group, dp_group = tp_dp_groups(ctx.world_size, tp)
         layout = f"TP {tp}" + (f" x DP {ctx.world_size // tp}" if tp < ctx.world_size else "")
         results[f"toy MLP, {layout}"] = verify_model(ctx, args, ToyMLP, toy_tp, toy, tp_group, dp_group)
         results[f"{VERIFY_LM} LM, {layout}"] = verify_model(ctx, args, build_lm, tensor_parallel_lm, lm,
                                                             tp_group, dp_group)
+        if sp:
+            results[f"{VERIFY_LM} LM, {layout}, sequence parallel"] = verify_model(
+                ctx, args, build_lm, lambda m, g: tensor_parallel_lm(m, g, sequence_parallel=True), lm,
+                tp_group, dp_group)
         if tp == ctx.world_size:
             results[f"{VERIFY_LM} LM, naive TP {tp} (all-gather per layer)"] = verify_model(
                 ctx, args, build_lm, naive_tensor_parallel_lm, lm, tp_group, dp_group)
+            if sp:
+                results[f"{VERIFY_LM} LM, TP {tp}, sequence parallel keeping the gathered inputs"] = verify_model(
+                    ctx, args, build_lm, lambda m, g: tensor_parallel_lm(m, g, sequence_parallel=True,
+                                                                        keep_gathered=True), lm, tp_group, dp_group)
     return results
 
 
@@ -590,15 +755,19 @@ def collective_ms(ctx, step, batch) -> float:
     return total
 
 
-def predicted_mb(args, world_size, tp, naive=False) -> float:
+def predicted_mb(args, world_size, tp, naive=False, sp=False, keep=False) -> float:
     """Bytes a rank communicates per step by the formula (nccl-tests sizes), in MB: per
     block, TP all-reduces b*t*d in forward twice and backward twice (naive: all-gathers
-    every layer's output, all-reduces every layer's input gradient); DP all-reduces the
+    every layer's output, all-reduces every layer's input gradient; SP: all-gathers and
+    reduce-scatters it ten times, eight with ``keep`` (torch's: the gathered inputs kept),
+    the ends gather it twice, the norms' gradients are all-reduced); DP all-reduces the
     gradients of what the rank holds, once."""
     d, f, n, _ = common.MODEL_SIZES[args.model_size]
     dp = world_size // tp
     tokens = args.batch_size // dp * args.context_length
     tp_bytes = 0 if tp == 1 else n * tokens * 4 * ((8 * d + 2 * f) if naive else 4 * d)
+    if sp:
+        tp_bytes = ((8 if keep else 10) * n + 2) * tokens * 4 * d + 2 * n * 4 * d
     held = common.lm_param_count(args.model_size, args.context_length) - n * (4 * d * d + 2 * d * f) * (1 - 1 / tp)
     return (tp_bytes + (held * 4 if dp > 1 else 0)) / 1e6
 
@@ -611,7 +780,7 @@ def benchmark(ctx, args, tps):
     build = lambda: common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)  # noqa: E731
     g_batch = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
 
-    def method(name, make_model, dp_group, tp, naive=False):
+    def method(name, make_model, dp_group, tp, naive=False, sp=False, keep=False):
         dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
 
         def make():
@@ -624,7 +793,7 @@ def benchmark(ctx, args, tps):
                 step(g_batch, common.StepClock(ctx.device))
             extra[name] = {"world_size": W, "tp": tp, "dp": W // tp, "param_MB": param_bytes(model) / 1e6,
                            "comm_ms": collective_ms(ctx, step, g_batch),
-                           "predicted_MB": predicted_mb(args, W, tp, naive)}
+                           "predicted_MB": predicted_mb(args, W, tp, naive, sp, keep)}
             return step
         return name, make
     methods = dict([method(f"DP {W} (DDPBucketed)", lambda: bucketed.DDPBucketed(build(), 25), dist.group.WORLD, 1)])
@@ -640,6 +809,11 @@ def benchmark(ctx, args, tps):
         methods.update([method(f"TP {W} (ours)", lambda t=tp_group: tensor_parallel_lm(build(), t), dp_group, tp),
                         method(f"TP {W} (torch parallelize_module)", lambda: torch_tensor_parallel_lm(build(), mesh),
                                dp_group, tp),
+                        *([method(f"TP {W} + SP (ours)", lambda t=tp_group: tensor_parallel_lm(
+                            build(), t, sequence_parallel=True), dp_group, tp, sp=True),
+                           method(f"TP {W} + SP (torch SequenceParallel)", lambda: torch_tensor_parallel_lm(
+                               build(), mesh, sequence_parallel=True), dp_group, tp, sp=True, keep=True)]
+                          if args.sp else []),
                         method(f"TP {W}, naive (all-gather per layer)",
                                lambda t=tp_group: naive_tensor_parallel_lm(build(), t), dp_group, tp, naive=True)])
     rows = common.time_methods(ctx, args, methods, global_batch=True)
@@ -647,10 +821,82 @@ def benchmark(ctx, args, tps):
         r.update(extra[r["method"]])
         r.pop("comm_share")
     by_name = {r["method"]: r for r in rows}
-    if f"TP {W} (ours)" in by_name:   # steps alternate, so compare them pair by pair
-        by_name[f"TP {W} (ours)"].update(common.vs_paired(by_name[f"TP {W} (ours)"],
-                                                          by_name[f"TP {W} (torch parallelize_module)"]))
+    for ours, theirs in ((f"TP {W} (ours)", f"TP {W} (torch parallelize_module)"),
+                         (f"TP {W} + SP (ours)", f"TP {W} + SP (torch SequenceParallel)")):
+        if ours in by_name:   # steps alternate, so compare them pair by pair
+            by_name[ours].update(common.vs_paired(by_name[ours], by_name[theirs]))
     return rows
+
+
+def activation_formula(args, tp, sp=False, keep=False) -> float:
+    """Bytes a rank keeps for backward through the blocks (float32), per token of its batch:
+    each norm keeps its input, its inverse RMS and their product (2d + 1), each linear its
+    input, attention (SDPA's fused kernel) q, k, v, its output (proj's input too) and log-sum-
+    exp (4d + h), the MLP GELU's input and output (2 d_ff). TP splits what lies between a
+    column and a row layer (4d + h + 2 d_ff) by tp and keeps the rest (6d + 2) whole on every
+    rank; SP splits everything by tp (keep: the qkv and ff_in inputs whole, 2d, instead of
+    this rank's parts). With the blocks' output (d; this rank's part under SP)."""
+    d, f, n, h = common.MODEL_SIZES[args.model_size]
+    split, whole = 4 * d + h + 2 * f, 6 * d + 2
+    per = (split + whole) / tp if sp and not keep else split / tp + (4 * d + 2) / tp + 2 * d if sp else \
+        split / tp + whole
+    return 4 * args.batch_size * args.context_length * (n * per + (d / tp if sp else d))
+
+
+def sent_formula(args, tp, sp=False, keep=False) -> float:
+    """Bytes a rank sends per step with TP over all ranks (ring collectives): TP all-reduces
+    b*t*d four times a block (2(T-1)/T of it each); SP all-gathers and reduce-scatters it
+    eight times a block ((T-1)/T each: the same bytes), ten without ``keep`` (the gathers
+    again in backward), and at the ends gathers the last block's output and the first's
+    input gradient; the norms' gradients (2 a block, d floats) are all-reduced."""
+    d, f, n, h = common.MODEL_SIZES[args.model_size]
+    act, share = 4 * args.batch_size * args.context_length * d, (tp - 1) / tp
+    if not sp:
+        return n * 4 * act * 2 * share
+    return ((8 if keep else 10) * n + 2) * act * share + n * 2 * 4 * d * 2 * share
+
+
+def sequence_parallel_accounting(ctx, args):
+    """With TP over every rank, with and without SP (ours and torch's), and one process: the
+    bytes the blocks keep for backward per rank (counted as autograd saves them, with the
+    blocks' output) beside activation_formula, and the bytes sent in a step, counted, beside
+    sent_formula."""
+    from torch.distributed.device_mesh import init_device_mesh
+    W, group, rows = ctx.world_size, dist.group.WORLD, []
+    mesh = init_device_mesh(ctx.device.type, (W,))
+    x, y = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
+    cases = [("one process", 1, lambda m: m, {}),
+             (f"TP {W} (ours)", W, lambda m: tensor_parallel_lm(m, group), {}),
+             (f"TP {W} + SP (ours)", W, lambda m: tensor_parallel_lm(m, group, sequence_parallel=True), {"sp": True}),
+             (f"TP {W} + SP, gathered inputs kept (ours)", W,
+              lambda m: tensor_parallel_lm(m, group, sequence_parallel=True, keep_gathered=True),
+              {"sp": True, "keep": True}),
+             (f"TP {W} (torch parallelize_module)", W, lambda m: torch_tensor_parallel_lm(m, mesh), None),
+             (f"TP {W} + SP (torch SequenceParallel)", W,
+              lambda m: torch_tensor_parallel_lm(m, mesh, sequence_parallel=True), None)]
+    for name, tp, convert, formula in cases:
+        model = convert(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+        h = model.tok(x) + model.pos(torch.arange(x.shape[1], device=ctx.device))
+        with common.saved_for_backward(exclude=model.parameters()) as saved:
+            for block in model.blocks:
+                h = block(h)
+        held = saved.bytes + h.numel() * h.element_size()   # and the blocks' output
+        del h
+        with common.count_collectives() as c:
+            model(x, y).backward()
+        row = {"method": name, "tp": tp, "act_MB": held / 1e6,
+               "act_formula_MB": None if formula is None else activation_formula(args, tp, **formula) / 1e6,
+               "sent_MB": common.sent_bytes(c.log) / 1e6,
+               "sent_formula_MB": None if formula is None else sent_formula(args, tp, **formula) / 1e6}
+        everyone = [None] * W
+        dist.all_gather_object(everyone, row)
+        rows.append({**row, **{k: max(e[k] for e in everyone) for k in ("act_MB", "sent_MB")}})
+        del model
+    return rows
+
+
+SP_HEADERS = ["method", "tp", "act_MB", "act_formula_MB", "sent_MB", "sent_formula_MB"]
+SP_NAME, SP_TITLE = "08_sequence_parallel", "Sequence parallelism: activation memory and bytes per rank"
 
 
 HEADERS = ["method", "world_size", "tp", "dp", "step_ms", "step_min_ms", "step_max_ms", "vs_torch", "vs_torch_min",
@@ -666,6 +912,9 @@ def main(argv=None):
     p.add_argument("--tp", nargs="+", type=int, default=None,
                    help="tensor-parallel degrees (default: every divisor > 1 of each world size); "
                         "the rest of the ranks are data parallel")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism too: verified at every TP degree, timed beside torch's "
+                        "SequenceParallel, its activation memory and bytes beside their formulas")
     p.set_defaults(batch_size=8)
     args = common.parse(p, argv)
     sizes = [args.world_size] if common.under_torchrun() else list(dict.fromkeys(
@@ -686,6 +935,10 @@ def main(argv=None):
             raise common.UsageError(f"--tp {t} must be at least 2 and divide a world size ({sizes})")
     checked = ([] if args.no_bench else [(f"the {heads} heads of {args.model_size}", heads), (f"its d_ff {f}", f)]) + \
         ([] if args.no_verify else [(f"the {vheads} heads of the verification LM ({VERIFY_LM})", vheads)])
+    if args.sp:   # each rank holds t/tp of every sequence
+        checked += ([] if args.no_bench else [(f"the sequence (--context-length {args.context_length})",
+                                               args.context_length)]) + \
+            ([] if args.no_verify else [(f"the verification LM's sequence ({VERIFY_T})", VERIFY_T)])
     for t in {t for ts in plan.values() for t in ts}:   # what this command runs, nothing else
         for what, n in checked:
             if n % t:
@@ -704,11 +957,22 @@ def main(argv=None):
         if common.is_reporter():
             table = common.save_results(args.out, NAME, rows, {**common.lm_settings(args), "world_size": sizes},
                                         headers=HEADERS, title=TITLE)
+    sp_rows = []
+    for w in sizes if args.sp else []:
+        sp_rows += common.launch(sequence_parallel_accounting, args, world_size=w)
+        if common.is_reporter():
+            sp_table = common.save_results(args.out, SP_NAME, sp_rows, {**common.lm_settings(args),
+                                                                        "world_size": sizes},
+                                           headers=SP_HEADERS, title=SP_TITLE)
     if common.is_reporter():
         print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, global batch {args.batch_size}x"
               f"{args.context_length}; times in ms, median [min, max] of {args.steps} steps; comm_ms: time the "
               f"collectives ran in one profiled step; MB per rank per step)\n{table}\n"
               f"wrote {args.out}/{NAME}.json and .md")
+        if sp_rows:
+            print(f"\n{SP_TITLE}\n(act_MB: bytes the blocks keep for backward on a rank, largest rank, counted as "
+                  f"autograd saves them; sent_MB: bytes a rank sends in a step, from the collectives counted; "
+                  f"each beside its formula)\n{sp_table}\nwrote {args.out}/{SP_NAME}.json and .md")
 
 
 if __name__ == "__main__":

@@ -459,13 +459,6 @@ def benchmark(ctx, args, methods, seq_lens):
     return rows
 
 
-# Bytes a rank sends in one call, per byte of the call's size (nccl-tests' sizes: all-gather
-# the output, reduce-scatter and all-to-all the input); a receive sends nothing.
-SENT = {"send": lambda n: 1.0, "recv_": lambda n: 0.0, "_allgather_base_": lambda n: (n - 1) / n,
-        "allgather_into_tensor_coalesced_": lambda n: (n - 1) / n, "_reduce_scatter_base_": lambda n: (n - 1) / n,
-        "alltoall_base_": lambda n: (n - 1) / n}
-
-
 def attention_bytes(method, cp, block) -> float:
     """Bytes a rank sends for one attention forward and backward, in closed form, for
     ``block`` bytes of this rank's K (or V, q, out). ring: K and V forward to the next rank
@@ -525,7 +518,7 @@ def one_attention(ctx, t, h, d, method):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if method == "one process" \
                     else context_parallel_attention(q, k, v, None, method, "zigzag")
             o.backward(dout)
-    sent = sum(nbytes * SENT.get(op, lambda n: 0.0)(cp) for op, _, nbytes in c.log)
+    sent = common.sent_bytes(c.log)
     block = q.numel() * q.element_size()
     row = {"seq_len": t, "method": method, "cp": 1 if method == "one process" else cp,
            "saved_MB": sum(saved.values()) / 1e6, "saved_formula_MB": saved_bytes(

@@ -112,6 +112,28 @@ def script_parser(doc: str, default_steps=10) -> argparse.ArgumentParser:
     return p
 
 
+DTYPES = {"float32": None, "bf16": torch.bfloat16}   # --dtype: bf16 runs forward and backward in autocast
+
+
+def add_dtype_flag(p: argparse.ArgumentParser):
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="bf16: forward and backward in bf16 autocast; master weights, gradient reduction and "
+                        "optimizer state stay float32; verified against one process under the same autocast and "
+                        "against float32's losses, and timed beside float32")
+
+
+def autocast(device, dtype="float32"):
+    """The context a forward runs in: bf16 autocast on ``device``'s type, or nothing."""
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=DTYPES[dtype]) if DTYPES.get(dtype) else contextlib.nullcontext()
+
+
+# bf16 against one process under the same autocast: what reordered bf16 sums leave
+BF16_TOL = {"rtol": 1e-2, "atol": 1e-3}
+# and its losses against float32 training's, each step of a short run
+BF16_LOSS_BOUND = 0.05
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -421,7 +443,7 @@ def _group_name(args) -> str | None:
     for a in args:
         if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
             return dist.ProcessGroup.unbox(a).group_name
-    return next((a for a in args if isinstance(a, str)), None)
+    return next((a for a in reversed(args) if isinstance(a, str)), None)   # (its reduce op comes first)
 
 
 class count_collectives(torch.utils._python_dispatch.TorchDispatchMode):
@@ -442,6 +464,58 @@ class count_collectives(torch.utils._python_dispatch.TorchDispatchMode):
             self.bytes += nbytes
             self.log.append((name, _group_name(args), nbytes))
         return func(*args, **(kwargs or {}))
+
+
+# Bytes a rank sends in one call of a ring collective over n ranks, per byte of its counted
+# size (all-gather: the output; reduce-scatter: the input); a receive sends nothing.
+SENT_SHARE = {"allreduce_": lambda n: 2 * (n - 1) / n, "_allgather_base_": lambda n: (n - 1) / n,
+              "allgather_": lambda n: (n - 1) / n, "allgather_into_tensor_coalesced_": lambda n: (n - 1) / n,
+              "_reduce_scatter_base_": lambda n: (n - 1) / n, "reduce_scatter_": lambda n: (n - 1) / n,
+              "alltoall_base_": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv_": lambda n: 0.0,
+              "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
+              "reduce_scatter_tensor": lambda n: (n - 1) / n}   # the last three: DTensor's functional ones
+
+
+def sent_bytes(log, sizes=None) -> float:
+    """Bytes this rank sent, from count_collectives' log: each call's size times its share
+    (SENT_SHARE) on its group's ranks (``sizes``: group name -> ranks, else looked up)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    total = 0.0
+    for op, group, nbytes in log:
+        n = (sizes or {}).get(group) or (_resolve_process_group(group).size() if group else dist.get_world_size())
+        total += nbytes * SENT_SHARE[op](n)
+    return total
+
+
+class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
+    """``with saved_for_backward(exclude=model.parameters()) as s:`` ... ``s.bytes``: the
+    bytes of the distinct storages autograd saves for backward inside the block (the
+    activation memory a backward will need; a DTensor by its local part), what ``exclude``
+    holds (the parameters) left out. Exact and deterministic, where live-byte counts on a
+    CPU also see other threads' frees."""
+
+    def __init__(self, exclude=()):
+        self.skip = {_storage(p).data_ptr() for p in exclude}
+        self.seen = {}
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+    def _pack(self, t):
+        storage = _storage(t)
+        if storage.data_ptr() not in self.skip:
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+
+def _storage(t):
+    return getattr(t, "_local_tensor", t).untyped_storage()
 
 
 def summarize(xs) -> dict:
@@ -587,8 +661,9 @@ class Block(nn.Module):
         self.ff_out = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x):
-        b, t, _ = x.shape   # heads from qkv's width: a tensor-parallel qkv gives this rank's heads
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        h = self.qkv(self.ln1(x))   # heads from its width: a tensor-parallel qkv gives this rank's heads
+        q, k, v = h.view(*h.shape[:2], 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)   # (and the whole sequence
+        # under sequence parallelism, where x is this rank's part)
         a = self.attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).flatten(2))
         return x + self.feed_forward(self.ln2(x))
@@ -674,7 +749,7 @@ def lm_settings(args) -> dict:
             "model_size": args.model_size, "d_model": d_model, "d_ff": d_ff, "n_layers": n_layers,
             "n_heads": n_heads, "n_params": lm_param_count(args.model_size, args.context_length),
             "batch_size": args.batch_size, "context_length": args.context_length,
-            "steps": args.steps, "warmup": args.warmup, "optimizer": "AdamW"}
+            "steps": args.steps, "warmup": args.warmup, "optimizer": "AdamW", "dtype": getattr(args, "dtype", "float32")}
 
 
 def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -938,7 +1013,11 @@ def _atomic_write(path: Path, write):
 def markdown_table(rows: list[dict], headers: list[str] | None = None) -> str:
     from tabulate import tabulate
     headers = headers or list(rows[0])
-    return tabulate([[r.get(h, "") for h in headers] for r in rows], headers=headers, tablefmt="github", floatfmt=".4g")
+
+    def cell(v):   # a list (one value per stage, say) with each number as the table's
+        return " ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in v) if isinstance(v, list) else v
+    return tabulate([[cell(r.get(h, "")) for h in headers] for r in rows], headers=headers, tablefmt="github",
+                    floatfmt=".4g")
 
 
 def save_results(out_dir, name: str, rows: list[dict], settings: dict, *, headers=None, title="",

@@ -13,7 +13,7 @@ _cache = {}
 def verification(world_size, tps):
     key = (world_size, tuple(tps))
     if key not in _cache:
-        _cache[key] = common.launch(tp.verify, verify_args(world_size), tps)
+        _cache[key] = common.launch(tp.verify, verify_args(world_size, sp=True), tps)
     return _cache[key]
 
 
@@ -22,6 +22,10 @@ def verification(world_size, tps):
     (4, [2, 4], "toy MLP, TP 4"), (4, [2, 4], "micro LM, TP 4"),
     (4, [2, 4], "toy MLP, TP 2 x DP 2"), (4, [2, 4], "micro LM, TP 2 x DP 2"),
     (2, [2], "micro LM, naive TP 2 (all-gather per layer)"), (4, [2, 4], "micro LM, naive TP 4 (all-gather per layer)"),
+    (2, [2], "micro LM, TP 2, sequence parallel"), (4, [2, 4], "micro LM, TP 4, sequence parallel"),
+    (4, [2, 4], "micro LM, TP 2 x DP 2, sequence parallel"),
+    (2, [2], "micro LM, TP 2, sequence parallel keeping the gathered inputs"),
+    (4, [2, 4], "micro LM, TP 4, sequence parallel keeping the gathered inputs"),
 ])
 def test_tensor_parallel_training_matches_one_process(world_size, tps, case):
     r = verification(world_size, tps)[case]
@@ -32,6 +36,13 @@ def test_without_the_backward_all_reduce_the_check_fails():
     import workers
     res = common.launch(workers.tp_without_backward_all_reduce, verify_args(2))
     assert not res["micro LM, TP 2"]["ok"] and res["micro LM, TP 2"]["max_diff"] > 1e-4
+
+
+def test_sequence_parallel_without_the_norms_gradient_sum_fails():
+    import workers
+    r = common.launch(workers.sp_without_norm_gradient_sum, verify_args(2, sp=True))
+    assert r["micro LM, TP 2"]["ok"]   # plain TP has no such sum
+    assert not r["micro LM, TP 2, sequence parallel"]["ok"] and r["micro LM, TP 2, sequence parallel"]["max_diff"] > 1e-4
 
 
 def test_one_rank_layers_are_the_linear_layers(one_rank):
@@ -58,26 +69,42 @@ def test_heads_by_rank_gives_each_rank_whole_heads_of_q_k_and_v():
 
 def test_script_counts_the_bytes_the_formula_predicts(tmp_path):
     p = run_inline("08_tensor_parallel.py", "--world-sizes", "2", "--model-size", "nano", "--steps", "1",
-                   "--warmup", "0", "--no-verify", "--out", str(tmp_path))
+                   "--warmup", "0", "--no-verify", "--sp", "--context-length", "32", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = {r["method"]: r for r in json.loads((tmp_path / "08_tensor_parallel.json").read_text())["rows"]}
     assert list(rows) == ["DP 2 (DDPBucketed)", "TP 2 (ours)", "TP 2 (torch parallelize_module)",
+                          "TP 2 + SP (ours)", "TP 2 + SP (torch SequenceParallel)",
                           "TP 2, naive (all-gather per layer)"]
     n_layers = common.MODEL_SIZES["nano"][2]
     for name, r in rows.items():
         assert r["comm_MB"] == pytest.approx(r["predicted_MB"], rel=1e-3), name   # counted = formula
         assert r["step_ms"] > 0 and r["comm_ms"] > 0
     assert rows["TP 2 (ours)"]["collectives"] == rows["TP 2 (torch parallelize_module)"]["collectives"] == 4 * n_layers
+    # SP: 4 gathers or scatters a block forward, 6 backward (2 gathers again), 2 norm sums, the 2 ends
+    assert rows["TP 2 + SP (ours)"]["collectives"] == 12 * n_layers + 2
     assert rows["TP 2, naive (all-gather per layer)"]["collectives"] == 8 * n_layers
     assert rows["TP 2 (ours)"]["param_MB"] < rows["DP 2 (DDPBucketed)"]["param_MB"]
-    ours = rows["TP 2 (ours)"]   # the paired ratio: step i of ours over step i of torch's
-    assert ours["vs_torch_min"] <= ours["vs_torch"] <= ours["vs_torch_max"]
+    for ours in (rows["TP 2 (ours)"], rows["TP 2 + SP (ours)"]):   # paired: step i of ours over step i of torch's
+        assert ours["vs_torch_min"] <= ours["vs_torch"] <= ours["vs_torch_max"]
+    sp = {r["method"]: r for r in json.loads((tmp_path / "08_sequence_parallel.json").read_text())["rows"]}
+    for name, r in sp.items():
+        if r["act_formula_MB"] is not None:   # ours and one process: counted = formula
+            assert r["act_MB"] == pytest.approx(r["act_formula_MB"], rel=1e-6), name
+            assert r["sent_MB"] == pytest.approx(r["sent_formula_MB"], rel=1e-6), name
+    one, tp2, sp2 = sp["one process"], sp["TP 2 (ours)"], sp["TP 2 + SP (ours)"]
+    keep = sp["TP 2 + SP, gathered inputs kept (ours)"]
+    assert sp2["act_MB"] < keep["act_MB"] < tp2["act_MB"] < one["act_MB"]
+    assert keep["sent_MB"] < sp2["sent_MB"]   # re-gathering costs bytes
+    # torch's SequenceParallel keeps the gathered inputs, as ours with keep (and gathers the last
+    # block's output there, where ours gathers it at the final norm)
+    assert keep["act_MB"] <= sp["TP 2 + SP (torch SequenceParallel)"]["act_MB"] <= 1.05 * keep["act_MB"]
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--tp", "3"], "--tp 3 must be at least 2 and divide a world size"),
     (["--world-sizes", "2", "--model-size", "nano", "--tp", "2", "4"], "must be at least 2 and divide"),
     (["--world-sizes", "4", "--model-size", "nano", "--tp", "4"], "does not divide the 2 heads of nano"),
+    (["--world-sizes", "4", "--sp", "--context-length", "30", "--tp", "4"], "does not divide the sequence"),
     (["--world-sizes", "6", "--tp", "6", "--batch-size", "12"], "does not divide the 4 heads of mini"),
     (["--world-sizes", "2", "4", "--batch-size", "6"], "does not divide into 4 ranks"),
 ])
