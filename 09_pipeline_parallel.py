@@ -47,6 +47,7 @@ results/09_timeline_{gpipe,1f1b,interleaved,zb1}.png.
 """
 
 import copy
+import hashlib
 import math
 
 import common
@@ -115,6 +116,25 @@ class LMStage(nn.Module):
 
 def lm_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def recompute(blocks, mode="full"):
+    """Activation recomputation, in place, on the kit's blocks (any modules with an
+    ``attention(q, k, v)`` attribute for "selective"): "full" keeps only each block's input
+    and runs its forward again in backward; "selective" only attention's core (softmax(q k^T)
+    v), the part Korthikanti et al. 2022 recompute: memory that grows with the sequence,
+    little work to redo (a fused kernel such as SDPA's flash already keeps only its output
+    and log-sum-exp); "none" leaves them. torch.utils.checkpoint, non-reentrant: under a
+    wrapper that frees parameters after forward (FSDP) only "selective" (no parameters)."""
+    from torch.utils.checkpoint import checkpoint
+    for block in blocks:
+        if mode == "full":
+            block.forward = lambda *a, f=block.forward: checkpoint(f, *a, use_reentrant=False)
+        elif mode == "selective":
+            block.attention = lambda q, k, v, f=block.attention: checkpoint(f, q, k, v, use_reentrant=False)
+        elif mode != "none":
+            raise ValueError(f"unknown recompute mode {mode!r}: none, full or selective")
+    return blocks
 
 
 # A schedule is each rank's order of actions (kind, chunk, micro-batch): F forward, B
@@ -316,7 +336,7 @@ class Pipeline:
 
     def _wire(self, t):
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
-        return t.to("cpu", copy=True) if self._staged else t
+        return t.to("cpu", copy=True) if self._staged else t.contiguous()   # (sends take dense tensors)
 
     def step(self, inputs=None, targets=None):
         m, device, last_virtual = self.m, next(self.module.parameters()).device, self.n_stages * self.chunks - 1
@@ -390,6 +410,9 @@ class Pipeline:
                                      for entry in stashes[key] for t in entry[2:]}.values())
                     live += held[key]
                 if v > 0:
+                    if x.grad is None:
+                        raise RuntimeError(f"stage {self.stage}: backward gave its input no gradient (micro-batch "
+                                           f"{i}): does the stage detach its input, or not use it?")
                     sends = [dist.P2POp(dist.isend, self._wire(x.grad), self.prev, self.group,
                                         tag=self._tag("B", v - 1, i))]
             else:
@@ -448,10 +471,12 @@ def tied_group(pipelines: list):
 def sum_tied_gradients(parameters, group):
     """A tied weight's two copies (the first stage's embedding, the last stage's head) add
     their gradients, so both step alike, as the one tensor of one process does. Call it
-    after backward (after a DDP wrapper's finish_gradient_synchronization)."""
+    after backward (after a DDP wrapper's finish_gradient_synchronization). A copy that
+    got no gradient adds zeros: both ranks always issue the all-reduce."""
     for p in parameters:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
 
 
 @torch.no_grad()
@@ -675,10 +700,12 @@ VERIFY_T, MAX_NORM = 16, 0.1    # clipped by the whole model's norm (the LM's is
 # differences within a few steps (as in 08); the check is on the pipeline, not on AdamW.
 
 
-def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch):
+def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch, mode="none"):
     """The LM, its head tied to its embedding, pipelined over ``n_stages`` ranks (the
     remaining ranks data-parallel replicas of each stage, DDPBucketed over each stage's
-    replicas), clipped by the global norm, against one process."""
+    replicas), clipped by the global norm, against one process; its blocks recomputed
+    (``mode``) or not. "digest": every rank's weights, hashed (recomputation must not
+    change a bit)."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     pipe_group, dp_group, tie_group = groups
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
@@ -687,6 +714,7 @@ def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch):
     ref = common.TransformerLM(d, f, n, h, context_length=VERIFY_T).to(ctx.device)
     ref.head.weight = ref.tok.weight
     stage = LMStage(copy.deepcopy(ref), dist.get_rank(pipe_group), n_stages, chunks)
+    recompute(stage.blocks.values(), mode)
     module = bucketed.DDPBucketed(stage, 0.01, process_group=dp_group) if dp_size > 1 else stage
     pipe = Pipeline(module, m, lm_loss, schedule, pipe_group, activation_shape=(batch // dp_size // m, VERIFY_T, d),
                     chunks=chunks)
@@ -708,16 +736,19 @@ def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch):
             torch.testing.assert_close(p, theirs[name])
         except AssertionError:
             ok = False
+    digest = hashlib.sha256(b"".join(mine[n].detach().cpu().numpy().tobytes() for n in sorted(mine))).hexdigest()
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff, "names": sorted(mine)})
+    dist.all_gather_object(everyone, {"ok": ok, "max_diff": diff, "names": sorted(mine), "digest": digest})
     covered = sorted(n for r in everyone for n in r["names"])   # each parameter on one stage of each replica
     return {"ok": all(r["ok"] for r in everyone) and covered == sorted(sorted(theirs) * dp_size),
-            "max_diff": max(r["max_diff"] for r in everyone)}
+            "max_diff": max(r["max_diff"] for r in everyone), "digest": [r["digest"] for r in everyone]}
 
 
-def verify(ctx, args, n_stages, microbatches, schedules, chunks):
+def verify(ctx, args, n_stages, microbatches, schedules, chunks, modes=("none",)):
     """Every schedule at each number of micro-batches it can run; with more ranks than
-    stages, each stage has data-parallel replicas."""
+    stages, each stage has data-parallel replicas. Each recompute mode of ``modes`` but
+    none: every schedule it runs (not full with zb1) at the largest m, its weights equal to
+    one process's and bit for bit to the same run without recomputation."""
     dp = ctx.world_size // n_stages
     pipe_group, dp_group, lines = pp_dp_groups(ctx.world_size, n_stages)
     groups = (pipe_group, dp_group, tied_group(lines))
@@ -731,7 +762,20 @@ def verify(ctx, args, n_stages, microbatches, schedules, chunks):
                 note = " (model parallelism: two halves)" if (n_stages, m, dp, schedule) == (2, 1, 1, "gpipe") else ""
                 name = f"{schedule}{f' v {v}' if v > 1 else ''}, {layout}, m {m}{note}"
                 out[name] = verify_case(ctx, args, groups, n_stages, m, schedule, v, batch)
+                if m != max(microbatches):
+                    continue
+                for mode in modes:
+                    if mode != "none" and recompute_runs(mode, schedule):
+                        r = verify_case(ctx, args, groups, n_stages, m, schedule, v, batch, mode)
+                        r["ok"] = r["ok"] and r["digest"] == out[name]["digest"]
+                        out[f"{name}, recompute {mode} (bit for bit as without)"] = r
     return out
+
+
+def recompute_runs(mode, schedule) -> bool:
+    """Full recomputation runs a block's forward again inside backward; zb1's split of
+    backward into B and W (weights' gradients from kept linear inputs) does not take it."""
+    return not (mode == "full" and schedule == "zb1")
 
 
 # ----------------------------------------------------------------------------------------
@@ -852,6 +896,83 @@ def one_microbatch(stage, chunk, mb, context, d, deferred):
     return act, sum(kept.values())
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def block_activation_bytes(d, f, h, tokens, mode="none") -> float:
+    """Bytes a block keeps for backward (float32) for ``tokens`` tokens: each norm its input,
+    inverse RMS and their product (2d + 1), each linear its input, attention (SDPA's fused
+    kernel) q, k, v, its output (the projection's input too) and log-sum-exp (4d + h), the
+    MLP's GELU input and output (2 d_ff): 10d + 2 d_ff + h + 2. "selective": the log-sum-
+    exp (h) no more (the output stays, as the projection's input); "full": the input (d)."""
+    per = {"none": 10 * d + 2 * f + h + 2, "selective": 10 * d + 2 * f + 2, "full": d}[mode]
+    return 4 * tokens * per
+
+
+def stage_activation_bytes(stage, d, f, h, mb, t, vocab, mode="none") -> float:
+    """One micro-batch's bytes through ``stage`` (every chunk) by the formula: its blocks,
+    and on the first stage the token and position ids the embeddings keep (int64), on the
+    last the final norm (2d + 1), the head's input (d), log-softmax's output (vocab) and the
+    targets (int64)."""
+    n = sum(hi - lo for lo, hi in stage.ranges)
+    total = n * block_activation_bytes(d, f, h, mb * t, mode)
+    if stage.first:
+        total += 8 * (mb * t + t)
+    if stage.last:
+        total += mb * t * (4 * (3 * d + 1 + vocab) + 8)
+    return total
+
+
+def recompute_accounting(ctx, args, m, modes):
+    """For each recompute mode, 1F1B over the world's stages with m micro-batches: one
+    micro-batch's activation bytes per stage (counted as autograd saves them) beside
+    stage_activation_bytes, the peak held during a counted step beside held_peak's formula
+    (1F1B holds p - stage micro-batches), and the step's time (alternating steps; the ratio
+    to none pair by pair: the forward run again)."""
+    d, f, _, h = common.MODEL_SIZES[args.model_size]
+    p, mb = ctx.world_size, args.batch_size // m
+    x, y = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
+
+    def build(mode):
+        stage = LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank, p)
+        recompute(stage.blocks.values(), mode)
+        return stage
+    rows = {}
+    for mode in modes:
+        stage = build(mode)
+        one = one_microbatch(stage, 0, mb, args.context_length, d, False)[0]
+        pipe = Pipeline(stage, m, lm_loss, "1f1b", activation_shape=(mb, args.context_length, d),
+                        count_activations=True)
+        pipe.step(x if pipe.first else None, y if pipe.last else None)
+        formula = stage_activation_bytes(stage, d, f, h, mb, args.context_length, common.VOCAB_SIZE, mode)
+        everyone = [None] * p
+        dist.all_gather_object(everyone, {"one": one, "formula": formula, "peak": pipe.peak_activation_bytes,
+                                          "peak_formula": held_peak(SCHEDULES["1f1b"](m, ctx.rank, p), [formula])})
+        rows[mode] = everyone
+
+    def method(mode):
+        def make():
+            stage = build(mode)
+            pipe = Pipeline(stage, m, lm_loss, "1f1b", activation_shape=(mb, args.context_length, d))
+            opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+            return lambda batch, clock: train_step(pipe, opt, batch, clock)
+        return make
+    timed = {r["method"]: r for r in common.time_methods(ctx, args, {mode: method(mode) for mode in modes},
+                                                         global_batch=True)}
+    out = []
+    for mode in modes:
+        stages = rows[mode]
+        row = {"recompute": mode, "stages": p, "microbatches": m,
+               "mb_act_MB": [s["one"] / 1e6 for s in stages], "mb_formula_MB": [s["formula"] / 1e6 for s in stages],
+               "peak_act_MB": [s["peak"] / 1e6 for s in stages],
+               "peak_formula_MB": [s["peak_formula"] / 1e6 for s in stages],
+               **{k: timed[mode][k] for k in ("step_ms", "step_min_ms", "step_max_ms", "stats")}}
+        if mode != "none" and "none" in timed:
+            row.update(common.vs_paired(timed[mode], timed["none"], key="vs_none"))
+        out.append(row)
+    return out
+
+
 def activation_memory(ctx, args, cases, chunks):
     """For each (m, schedule), on every stage: the peak bytes of activations held for
     backward in one counted step (exact: one step is enough) beside the schedule's formula
@@ -929,6 +1050,9 @@ HEADERS = ["method", "stages", "chunks", "microbatches", "step_ms", "step_min_ms
            "vs_torch_min", "vs_torch_max", "bubble", "theory", "peak_act_MB", "act_formula_MB", "p2p_MB",
            "p2p_formula_MB"]
 NAME, TITLE = "09_pipeline_parallel", "Pipeline schedules against torch.distributed.pipelining"
+RC_HEADERS = ["recompute", "stages", "microbatches", "mb_act_MB", "mb_formula_MB", "peak_act_MB", "peak_formula_MB",
+              "step_ms", "step_min_ms", "step_max_ms", "vs_none", "vs_none_min", "vs_none_max"]
+RC_NAME, RC_TITLE = "09_recompute", "Activation recomputation: memory per stage and time"
 
 
 def main(argv=None):
@@ -942,6 +1066,10 @@ def main(argv=None):
                    help=f"schedules, of {', '.join(SCHEDULES)} (default: all; interleaved only where the "
                         f"micro-batches are a multiple of the stages)")
     p.add_argument("--chunks", type=int, default=2, help="interleaved: chunks of layers per stage (v)")
+    p.add_argument("--recompute", nargs="+", default=["none"], choices=RECOMPUTE,
+                   help="activation recomputation of the blocks: verified bit for bit against none (every schedule "
+                        "at the largest m), and a table per mode: activation memory per stage beside the formula, "
+                        "step time beside none (1F1B at the largest m)")
     p.set_defaults(batch_size=8, context_length=64)
     args = common.parse(p, argv, cpu_size="mini8")   # mini's width, enough blocks to balance 4 stages
     n_layers = common.MODEL_SIZES[args.model_size][2]
@@ -953,6 +1081,11 @@ def main(argv=None):
         raise common.UsageError(f"--replicas must be at least 1, got {args.replicas}")
     if args.chunks < 1:
         raise common.UsageError(f"--chunks must be at least 1, got {args.chunks}")
+    modes = list(dict.fromkeys(args.recompute))
+    if "full" in modes and args.schedule and schedules == ["zb1"]:
+        raise common.UsageError("--recompute full with --schedule zb1: zb1's weight gradients come from each "
+                                "linear's kept input, which full recomputation does not keep; use selective or "
+                                "another schedule")
     stages = list(dict.fromkeys(args.stages or [s for s in (2, 4) if common.nccl_fits(args.backend, s * args.replicas)]))
     if not stages or not all(common.nccl_fits(args.backend, s * args.replicas) for s in stages):
         raise common.UsageError(f"a pipeline needs 2 or more ranks, and nccl a GPU per rank: {stages or [2]} stages x "
@@ -987,7 +1120,7 @@ def main(argv=None):
     if not args.no_verify:
         for s in stages:
             common.check_verification(common.launch(verify, args, s, args.microbatches, schedules, args.chunks,
-                                                    world_size=worlds[s]),
+                                                    modes, world_size=worlds[s]),
                                       f"{NAME}, {s} stages on {worlds[s]} ranks")
         if 2 in stages and worlds[2] == 2 and not common.under_torchrun():   # pipeline x data: 2 x 2
             if common.nccl_fits(args.backend, 4):
@@ -1017,6 +1150,19 @@ def main(argv=None):
               f"schedule on paper); peak_act_MB: activations held for backward, largest stage, beside the "
               f"schedule's formula; p2p_MB: bytes the busiest stage sends, beside the formula)\n{table}\n"
               f"wrote {args.out}/{NAME}.json and .md")
+    if rows and modes != ["none"]:
+        m, rc_rows = max(args.microbatches), []
+        for s in stages:
+            if worlds[s] == s:
+                rc_rows += common.launch(recompute_accounting, args, m, list(dict.fromkeys(["none"] + modes)),
+                                         world_size=s)
+        if common.is_reporter():
+            rc_table = common.save_results(args.out, RC_NAME, rc_rows, {**common.lm_settings(args), "world_size": stages},
+                                           headers=RC_HEADERS, title=RC_TITLE, note=block_activation_bytes.__doc__)
+            print(f"\n{RC_TITLE}\n({args.model_size} LM, 1F1B, m {m}; per stage: mb_act_MB one micro-batch's bytes "
+                  f"kept for backward, counted, beside the formula; peak_act_MB the most held in a step, beside "
+                  f"1F1B's; step times in ms over {args.steps} steps, vs_none: paired ratio)\n{rc_table}\n"
+                  f"wrote {args.out}/{RC_NAME}.json and .md")
     deepest = max(s for s in stages if worlds[s] == s) if rows else None
     if deepest:
         m = max(m for m in args.microbatches if all(runs(s, m, deepest) for s in schedules)) \

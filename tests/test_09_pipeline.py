@@ -18,7 +18,7 @@ def verification(world_size, n_stages, microbatches=(1, 4, 8)):
     key = (world_size, n_stages)
     if key not in _cache:
         _cache[key] = common.launch(pp.verify, verify_args(world_size), n_stages, list(microbatches),
-                                    list(pp.SCHEDULES), 2)
+                                    list(pp.SCHEDULES), 2, list(pp.RECOMPUTE))
     return _cache[key]
 
 
@@ -33,10 +33,31 @@ def test_every_stage_matches_one_process(world_size, n_stages, schedule, m):
         return   # interleaved needs m a multiple of p: not run (main refuses it when asked for)
     res = verification(world_size, n_stages)
     [(case, r)] = [(k, v) for k, v in res.items() if k.split(",")[0].split()[0] == schedule
-                   and k.split(", m ")[1].split()[0] == str(m)]
+                   and k.split(", m ")[1].split()[0] == str(m) and "recompute" not in k]
     assert r["ok"], f"{case}: max diff {r['max_diff']}"
     if (world_size, n_stages) == (4, 2):
         assert "2 replicas" in case   # pipeline x data: DDPBucketed over each stage's replicas
+
+
+@pytest.mark.parametrize("world_size, n_stages", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("schedule", list(pp.SCHEDULES))
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_changes_no_bit(world_size, n_stages, schedule, mode):
+    res = verification(world_size, n_stages)
+    cases = [k for k in res if k.startswith(schedule) and f"recompute {mode}" in k]
+    if not pp.recompute_runs(mode, schedule):
+        assert not cases
+        return
+    [case] = cases
+    assert ", m 8," in case and res[case]["ok"], f"{case}: max diff {res[case]['max_diff']}"
+    plain = res[case.split(", recompute")[0]]
+    assert res[case]["digest"] == plain["digest"]
+
+
+def test_a_recomputation_that_differs_from_the_forward_fails():
+    import workers
+    r = common.launch(workers.pipeline_recompute_perturbed, verify_args(2))
+    assert all(not v["ok"] for k, v in r.items() if "recompute full" in k) and any("recompute full" in k for k in r)
 
 
 ORDERS = [(s, p, m, v) for p in (2, 3, 4) for m in (1, 2, 3, 4, 6, 8) for s in pp.SCHEDULES
@@ -133,8 +154,16 @@ def test_a_failing_stage_ends_the_job_while_its_neighbour_waits_in_recv(tmp_path
 
 def test_script_writes_table_timelines_and_memory(tmp_path):
     p = run_inline("09_pipeline_parallel.py", "--stages", "2", "--microbatches", "1", "2", "--model-size", "mini",
-                   "--steps", "1", "--warmup", "0", "--no-verify", "--out", str(tmp_path))
+                   "--steps", "1", "--warmup", "0", "--no-verify", "--recompute", "selective", "full",
+                   "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
+    rc = {r["recompute"]: r for r in json.loads((tmp_path / "09_recompute.json").read_text())["rows"]}
+    assert list(rc) == ["none", "selective", "full"]
+    for mode, r in rc.items():   # one micro-batch: counted = formula (to a scalar); the 1F1B peak near it
+        assert r["mb_act_MB"] == pytest.approx(r["mb_formula_MB"], rel=1e-5), mode
+        assert r["peak_act_MB"] == pytest.approx(r["peak_formula_MB"], rel=0.01), mode
+        assert r["step_ms"] > 0 and (mode == "none" or r["vs_none_min"] <= r["vs_none"] <= r["vs_none_max"])
+    assert rc["full"]["mb_act_MB"][0] < rc["selective"]["mb_act_MB"][0] < rc["none"]["mb_act_MB"][0]
     rows = {r["method"]: r for r in json.loads((tmp_path / "09_pipeline_parallel.json").read_text())["rows"]}
     assert set(rows) == {"gpipe, m 1 (ours)", "gpipe, m 1 (torch)", "1f1b, m 1 (ours)", "zb1, m 1 (ours)",
                          "zb1, m 1 (torch)"} | {f"{s}, m 2 ({w})" for s in pp.SCHEDULES for w in ("ours", "torch")}
@@ -163,6 +192,7 @@ def test_script_writes_table_timelines_and_memory(tmp_path):
     (["--chunks", "0"], "--chunks must be at least 1"),
     (["--microbatches", "3"], "does not split into 1 x 3 micro-batches"),
     (["--replicas", "3"], "does not divide into 3 ranks"),
+    (["--recompute", "full", "--schedule", "zb1"], "--recompute full with --schedule zb1"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words):
     assert words in refused("09_pipeline_parallel.py", *argv)
