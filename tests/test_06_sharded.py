@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import common
 from conftest import load, run_inline, verification
 
 sharded = load("06_sharded_optimizer")
@@ -20,6 +21,35 @@ def test_sharded_optimizer_matches_unsharded_training(world_size, case):
         assert r["bitwise"]
     model, *_ = sharded._build(sharded.CASES[case], False)
     assert sum(r["owned"]) == len(list(model.parameters()))   # every parameter owned exactly once
+
+
+ZERO2 = [f"ZeRO-2: {c}" for c in CASES] + [f"ZeRO-2, DDP case: {c}" for c in common.VERIFY_CASES]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", ZERO2)
+def test_zero2_matches_unsharded_training(world_size, case):
+    r = verification("06_sharded_optimizer", world_size)[case]
+    assert r["ok"], f"{case} at {world_size} ranks: max diff {r['max_diff']}"
+    if case.startswith("ZeRO-2: "):
+        assert r["stale_grads"] == 0   # no whole gradient is ever left on a parameter
+        if world_size == 1:
+            assert r["bitwise"]
+
+
+def test_zero2_keeps_a_slice_of_the_gradients_and_reduce_scatters_during_backward():
+    from conftest import verify_args
+    import workers
+    r = common.launch(workers.zero2_during_backward, verify_args(2))
+    assert r["launched_in_backward"] >= 2 and r["whole_grads_after_backward"] == 0
+    assert r["slice_numel"] * 2 == r["padded_numel"] and r["pieces_cover"]
+
+
+def test_zero2_without_the_reduce_scatter_fails():
+    from conftest import verify_args
+    import workers
+    r = common.launch(workers.zero2_without_reduction, verify_args(2))
+    assert not r["ok"] and r["max_diff"] > 1e-4
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
@@ -74,20 +104,33 @@ def test_script_writes_memory_and_timing(tmp_path):
         assert plain["opt_state_MB"] == pytest.approx(2 * plain["params_MB"], rel=0.01)
         assert shard["opt_state_MB"] < 0.6 * plain["opt_state_MB"]
     assert mem["summary"]["opt_state_ratio"] <= mem["summary"]["opt_state_bar"]
+    stages = {r["method"]: r for r in json.loads((tmp_path / "06_zero_stages.json").read_text())["rows"]}
+    assert [r["stage"] for r in stages.values()] == [0, 1, 1, 2, 2, 2, 3, 3]
+    plain, one = stages["DDPBucketed + AdamW"], stages["DDPBucketed + ShardedOptimizer (ours)"]
+    two, three = stages["ShardedGradientOptimizer, 4 MB buckets (ours)"], stages["FSDP (07, ours)"]
+    # what each stage keeps between steps: optimizer state, then gradients, then parameters halved
+    assert one["opt_state_MB"] < 0.6 * plain["opt_state_MB"] and one["grads_MB"] == pytest.approx(plain["grads_MB"])
+    assert two["grads_MB"] < 0.6 * one["grads_MB"] and two["params_MB"] == pytest.approx(one["params_MB"])
+    assert three["params_MB"] < 0.6 * two["params_MB"]
+    for name, r in stages.items():
+        assert r["step_peak_MB"] > r["state_MB"] * 0.5 and r["step_ms"] > 0
+        if name in sharded.TWINS:
+            assert r["vs_torch_min"] <= r["vs_torch"] <= r["vs_torch_max"]
 
 
+@pytest.mark.parametrize("worker", ["resume_run", "resume_run_zero2"])
 @pytest.mark.parametrize("first, then", [(2, 4), (4, 2)])
-def test_a_consolidated_checkpoint_resumes_on_another_world_size(tmp_path, first, then):
-    import common
+def test_a_consolidated_checkpoint_resumes_on_another_world_size(tmp_path, first, then, worker):
     from conftest import verify_args
+    run = getattr(sharded, worker)
     path = str(tmp_path / "checkpoint.pt")
-    whole = common.launch(sharded.resume_run, verify_args(first), path, 0, 6, 3, 16)
+    whole = common.launch(run, verify_args(first), path, 0, 6, 3, 16)
     saved = torch.load(path, weights_only=False)
     assert saved["optim"]["consolidated"] and len(saved["optim"]["state"]) == len(whole)   # every parameter's state
-    resumed = common.launch(sharded.resume_run, verify_args(then), path, 3, 6, None, 16)
+    resumed = common.launch(run, verify_args(then), path, 3, 6, None, 16)
     for k in whole:
         torch.testing.assert_close(resumed[k], whole[k])
     saved["optim"]["state"] = {}   # the control: AdamW starting its moments again ends elsewhere
     torch.save(saved, path)
-    fresh = common.launch(sharded.resume_run, verify_args(then), path, 3, 6, None, 16)
+    fresh = common.launch(run, verify_args(then), path, 3, 6, None, 16)
     assert max((fresh[k] - whole[k]).abs().max().item() for k in whole) > 1e-4

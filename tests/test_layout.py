@@ -12,11 +12,11 @@ import common
 from conftest import refused, verify_args
 
 CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp": "DDPIndividualParameters",
-           "05_bucketed_ddp": "DDPBucketed", "06_sharded_optimizer": "ShardedOptimizer", "07_fsdp": "FSDP",
+           "05_bucketed_ddp": "DDPBucketed", "06_sharded_optimizer": "sharded optimizers", "07_fsdp": "FSDP",
            "08_tensor_parallel": "tensor-parallel layers", "09_pipeline_parallel": "pipeline parallelism",
            "10_nd_parallel": "Mesh", "11_context_parallel": "context-parallel attention",
            "12_expert_parallel": "mixture of experts"}
-MAIN_CLASS = {"tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline",   # several classes
+MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline",   # several classes
               "context-parallel attention": "_RingAttention", "mixture of experts": "MoE"}
 REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point"}   # 01's are functions
 
