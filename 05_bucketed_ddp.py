@@ -24,6 +24,7 @@ keeps what it measured; --time-box stops starting new sizes after that many seco
 """
 
 import argparse
+import copy
 import math
 import time
 
@@ -242,21 +243,27 @@ class _Bucket:
 # ---- end copy: DDPBucketed ----
 
 
-def train_step(model, optimizer, batch, clock, micro_batches=1, set_to_none=True, **forward_kwargs):
+def train_step(model, optimizer, batch, clock, micro_batches=1, set_to_none=True, dtype="float32",
+               **forward_kwargs):
     """One training step on this rank's part of the global batch, timed by phase. With
-    ``micro_batches`` > 1 the gradients accumulate, communicated once (at the last)."""
+    ``micro_batches`` > 1 the gradients accumulate, communicated once (at the last); with
+    ``dtype`` bf16 the forward runs in autocast (the gradients, float32 as the weights, are
+    reduced in float32). Returns the loss."""
     x, y = batch
     optimizer.zero_grad(set_to_none=set_to_none)
+    total = 0.0
     for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
         with model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
-            with clock.phase("forward"):
+            with clock.phase("forward"), common.autocast(x.device, dtype):
                 loss = model(xm, ym, **forward_kwargs) / micro_batches
+            total += loss.detach()
             with clock.phase("backward"):
                 loss.backward()
     with clock.phase("comm"):
         model.finish_gradient_synchronization()
     with clock.phase("optim"):
         optimizer.step()
+    return total
 
 
 # Bucket caps that split the plain toy model (12,328 bytes of gradients) into 1, 2 and 3
@@ -278,6 +285,81 @@ def verify(ctx, args, cases=None, group=None, caps=None):
                 train_step(model, optimizer, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
             results[f"{name} [{label}]"] = run.compare(model.module)
     return results
+
+
+def verify_bf16(ctx, args, group=None, steps=10):
+    """bf16 autocast on the micro LM: DDPBucketed's weights against one process under the
+    same autocast (common.BF16_TOL), and each step's loss (the group's mean) against one
+    float32 process's (within common.BF16_LOSS_BOUND). SGD with momentum: AdamW's division
+    by sqrt(v) turns bf16's rounding of near-zero gradients into steps of lr either way,
+    which no tolerance on the weights separates from a wrong method."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    batches = [common.lm_batch(4 * size, 16, i, args.seed, ctx.device) for i in range(steps)]
+    ref = common.build_lm("micro", 16, ctx.device, args.seed)
+    models = {"bf16": copy.deepcopy(ref), "fp32": copy.deepcopy(ref)}
+    model = DDPBucketed(copy.deepcopy(ref), 0.05, process_group=group)
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in {**models, "ddp": model}.items()}
+    losses = {"ddp": [], "fp32": []}
+    for x, y in batches:
+        for key, m in models.items():
+            opts[key].zero_grad()
+            with common.autocast(ctx.device, "bf16" if key == "bf16" else "float32"):
+                loss = m(x, y)
+            loss.backward()
+            opts[key].step()
+            if key == "fp32":
+                losses["fp32"].append(loss.item())
+        mine = train_step(model, opts["ddp"], (common.shard(x, rank, size), common.shard(y, rank, size)),
+                          common.StepClock(ctx.device), dtype="bf16")
+        dist.all_reduce(mine, group=group)
+        losses["ddp"].append(mine.item() / size)
+    diff, ok = 0.0, True
+    for (name, p), q in zip(models["bf16"].named_parameters(), model.module.parameters()):
+        diff = max(diff, (p.detach() - q.detach()).abs().max().item())
+        ok &= torch.allclose(q, p, **common.BF16_TOL)
+    gap = max(abs(a - b) for a, b in zip(losses["ddp"], losses["fp32"]))
+    everyone = [None] * size
+    dist.all_gather_object(everyone, {"ok": ok, "diff": diff}, group=group)
+    return {f"micro LM, bf16 autocast, against one process under the same autocast (rtol {common.BF16_TOL['rtol']}, "
+            f"atol {common.BF16_TOL['atol']})": {"ok": all(e["ok"] for e in everyone),
+                                                   "max_diff": max(e["diff"] for e in everyone)},
+            f"micro LM, bf16 autocast, each of {steps} losses within {common.BF16_LOSS_BOUND} of float32's":
+                {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}}
+
+
+def mixed_precision(ctx, args):
+    """DDPBucketed and torch DDP at 25 MB buckets, float32 and bf16 autocast, steps
+    alternating: time (each against torch's at its dtype, paired), bytes sent, and the
+    bytes autograd keeps for backward in one step (the activations)."""
+    def method(wrap, dtype):
+        def make():
+            model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            return lambda batch, clock: train_step(model, opt, batch, clock, dtype=dtype)
+        return make
+    names = {(w, d): f"{w} {d}" for w in ("DDPBucketed", "torch DDP") for d in ("float32", "bf16")}
+    wraps = {"DDPBucketed": lambda m: DDPBucketed(m, 25), "torch DDP": lambda m: torch_ddp(m, 25, ctx.device)}
+    rows = {r["method"]: r for r in common.time_methods(ctx, args, {n: method(wraps[w], d) for (w, d), n in
+                                                                  names.items()})}
+    x, y = (common.shard(t, ctx.rank, ctx.world_size) for t in
+            common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    for (w, d), n in names.items():
+        model = common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)
+        with common.saved_for_backward(exclude=model.parameters()) as saved, common.autocast(ctx.device, d):
+            loss = model(x, y)
+        del loss
+        rows[n].update(wrapper=w, dtype=d, act_MB=saved.bytes / 1e6)
+        if w == "DDPBucketed":
+            rows[n].update(common.vs_paired(rows[n], rows[f"torch DDP {d}"], "vs_torch_ddp"))
+    for d in ("float32", "bf16"):
+        rows[f"DDPBucketed {d}"]["vs_float32"] = common.vs_paired(rows[f"DDPBucketed {d}"],
+                                                                  rows["DDPBucketed float32"], "r")["r"]
+    return list(rows.values())
+
+
+MP_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_torch_ddp", "vs_torch_ddp_min", "vs_torch_ddp_max",
+              "vs_float32", "comm_MB", "act_MB"]
+MP_NAME, MP_TITLE = "05_mixed_precision", "bf16 autocast against float32, ours and torch DDP's"
 
 
 # ----------------------------------------------------------------------------------------
@@ -317,18 +399,19 @@ MODELS = {"lm": common.build_lm,                 # the kit's LM (RMSNorm, fused 
 
 
 def lm_method(ctx, args, wrap, n_buckets=None, model="lm"):
-    """make() for common.time_methods: the model wrapped by ``wrap``, AdamW, train_step."""
+    """make() for common.time_methods: the model wrapped by ``wrap``, AdamW, train_step (in
+    --dtype)."""
     def make():
         model_ = wrap(MODELS[model](args.model_size, args.context_length, ctx.device, args.seed))
-        return _stepper(model_, n_buckets)
+        return _stepper(model_, n_buckets, getattr(args, "dtype", "float32"))
     return make
 
 
-def _stepper(model, n_buckets):
+def _stepper(model, n_buckets, dtype="float32"):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(batch, clock):
-        train_step(model, optimizer, batch, clock)
+        train_step(model, optimizer, batch, clock, dtype=dtype)
         if n_buckets is not None:   # after the first step's rebuild
             n_buckets[:] = [len(model.buckets)]
     return step
@@ -455,6 +538,7 @@ def main(argv=None):
                    help="the kit's LM (lm) and a model of nn.TransformerEncoderLayer's of the same size (encoder)")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also time 04's per-parameter and 03's flat DDP (--no-baselines: the sweep only)")
+    common.add_dtype_flag(p)
     p.add_argument("--time-box", type=float, default=None,
                    help="seconds of benchmarking after which no further bucket size starts "
                         "(what ran is saved; the first size always runs)")
@@ -469,6 +553,8 @@ def main(argv=None):
     if not args.no_verify:   # the toy caps, and the first size asked for
         results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": caps[0], **TOY_CAPS})
         common.check_verification(results, f"{NAME} at {args.world_size} rank(s)")
+        if args.dtype == "bf16":
+            common.check_verification(common.launch(verify_bf16, args), f"{NAME}, bf16, at {args.world_size} rank(s)")
     if args.no_bench:
         return
 
@@ -493,6 +579,8 @@ def main(argv=None):
             common.save_results(args.out, NAME, rows, common.lm_settings(args), headers=HEADERS, title=TITLE,
                                 note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
     common.report_table(args, NAME, TITLE, rows, HEADERS, note)
+    if args.dtype == "bf16":
+        common.report_table(args, MP_NAME, MP_TITLE, common.launch(mixed_precision, args), MP_HEADERS)
     if not report:
         return
     if fit is None:   # the overhead model needs the LM's first job

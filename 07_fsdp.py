@@ -26,6 +26,7 @@ side. Writes results/07_fsdp.{json,md} and results/07_fsdp_memory.{json,md}.
 
 import copy
 import os
+import time
 
 import torch.nn.functional as F
 
@@ -78,6 +79,8 @@ class FSDP(nn.Module):
     (tied weights) belongs to the root unit. ``units``: the submodules to use as units
     (None: the default above). ``compute_dtype``: weights gathered, computed and reduced in
     it (float16, bfloat16); shards, their gradients and the optimizer state stay float32.
+    ``reduce_dtype``: the gradients reduced in it instead (float32 with a bfloat16
+    compute_dtype: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
     ``process_group``: the group to shard over (default: every rank). Every rank must run
     the same units in the same order.
 
@@ -100,9 +103,10 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None,
-                 ignore=()):
+                 ignore=(), reduce_dtype=None):
         super().__init__()
         self.module, self.compute_dtype, self.process_group = module, compute_dtype, process_group
+        self.reduce_dtype = reduce_dtype
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         ignored = {id(p) for p in ignore}
@@ -388,6 +392,7 @@ class _Unit:
             raise ValueError(f"an FSDP unit mixes parameter dtypes {sorted(map(str, dtypes))}: make them separate units")
         self.dtype, self.device = params[0].dtype, params[0].device
         self.compute_dtype = fsdp.compute_dtype or self.dtype
+        self.reduce_dtype = fsdp.reduce_dtype or self.compute_dtype
         self.names = [names[id(p)] for p in params]
         self.uses = [uses[id(p)] for p in params]
         self.infos, offset = [], 0   # a _ShardInfo per sharded parameter, None per replicated one
@@ -477,7 +482,7 @@ class _Unit:
         then reduce the gradients (asynchronously), or keep adding them up inside no_sync."""
         if self.fsdp._sync or self is not self.fsdp._root:
             self.reshard()
-        grads = [g if g is None else g.to(self.compute_dtype) for g in grads]
+        grads = [g if g is None else g.to(self.reduce_dtype) for g in grads]
         if self.pending is not None:   # accumulated under no_sync
             grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, self.pending)]
             self.pending = None
@@ -490,7 +495,7 @@ class _Unit:
         """Average the gradients over the group, dividing before the sum: the shards' by one
         reduce-scatter, the replicated ones (whole on every rank) by one all-reduce, each
         with a flag per parameter that says whether this rank had a gradient."""
-        ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.compute_dtype, "device": self.device}
+        ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.reduce_dtype, "device": self.device}
         had = torch.tensor([float(g is not None) for g in grads], **kw)
         out = whole = None
         if self.size:                  # this rank's shards, then the flags
@@ -503,7 +508,7 @@ class _Unit:
             send[:, self.size:] = had
             self.works.append(_reduce_scatter(out, send.div_(ws).view(-1), self.group, async_op=True))
         if self.whole_numel:           # the replicated gradients (and the flags, if no shard carries them)
-            whole = torch.cat([(g if g is not None else torch.zeros_like(p, dtype=self.compute_dtype)).reshape(-1)
+            whole = torch.cat([(g if g is not None else torch.zeros_like(p, dtype=self.reduce_dtype)).reshape(-1)
                                for g, p, info in zip(grads, self.params, self.infos) if info is None]
                               + ([] if self.size else [had]))
             self.works.append(dist.all_reduce(whole.div_(ws), group=self.group, async_op=True))
@@ -724,7 +729,42 @@ def verify(ctx, args, cases=None, group=None):
             case["dtype"] = low
             name = name.replace("float16", str(low).replace("torch.", ""))
         out[name] = verify_case(ctx, args, case, group)
+    if getattr(args, "dtype", "float32") == "bf16" and not cases:
+        out.update(verify_bf16(ctx, args, group))
     return out
+
+
+def verify_bf16(ctx, args, group=None, steps=10):
+    """--dtype bf16: FSDP with bf16 weights and float32 gradient reduction, on the LM
+    (SGD: see 05's verify_bf16), against one process computing in bf16 (LOW_PRECISION_TOL);
+    and each step's loss against one float32 process's (within common.BF16_LOSS_BOUND)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    case = {"model": "lm", "dtype": torch.bfloat16}
+    ref, batches = build_case(case, args, size, steps, ctx.device)
+    fp32 = copy.deepcopy(ref)
+    model = FSDP(copy.deepcopy(ref), torch.bfloat16, process_group=group, reduce_dtype=torch.float32)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fp32, model)]
+    gap = 0.0
+    for x, y in batches:
+        opts[0].zero_grad()
+        _reference_step(ref, x, y, torch.bfloat16)
+        opts[0].step()
+        opts[1].zero_grad()
+        loss = fp32(x, y)
+        loss.backward()
+        opts[1].step()
+        opts[2].zero_grad()
+        mine = model(common.shard(x, rank, size), common.shard(y, rank, size))
+        mine.backward()
+        model.finish_gradient_synchronization()
+        opts[2].step()
+        mine = mine.detach().float()
+        dist.all_reduce(mine, group=group)
+        gap = max(gap, abs(mine.item() / size - loss.item()))
+    same = compare_whole(ctx, model.gather_full_params(), ref, LOW_PRECISION_TOL, group)
+    return {"LM bfloat16, gradients reduced in float32, against one process in bfloat16": same,
+            f"LM bfloat16, gradients reduced in float32: each of {steps} losses within {common.BF16_LOSS_BOUND} of "
+            f"float32's": {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}}
 
 
 # ----------------------------------------------------------------------------------------
@@ -763,14 +803,19 @@ def resume_run_course_rule(ctx, args, path, start, stop, save_at, batch):
 # ----------------------------------------------------------------------------------------
 # Benchmark: memory and time against DDP, DDP + sharded optimizer and torch's FSDP2
 # ----------------------------------------------------------------------------------------
-def torch_fsdp2(model, ctx):
-    """torch's FSDP2 on the same units: fully_shard on every block, then on the root."""
+def torch_fsdp2(model, ctx, reshard_after_forward=None, **policy):
+    """torch's FSDP2 on the same units: fully_shard on every block, then on the root
+    (``reshard_after_forward`` False: the weights stay whole from forward to backward, as
+    ZeRO-2 keeps them; None: fully_shard's default, the root's stay; ``policy``: its other
+    arguments, mp_policy say)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    if reshard_after_forward is not None:
+        policy["reshard_after_forward"] = reshard_after_forward
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     model.no_sync = contextlib.nullcontext
     model.finish_gradient_synchronization = lambda: None   # FSDP2 has waited inside backward
     return model
@@ -780,10 +825,18 @@ def methods(args, ctx):
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
     dt = DTYPES[args.compute_dtype]
-    return {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None),
-            "DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25), sharded.make_optimizer("sharded")),
-            f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None),
-            "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None)}
+    out = {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None),
+           "DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25), sharded.make_optimizer("sharded")),
+           f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None),
+           "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None)}
+    if getattr(args, "dtype", "float32") == "bf16":   # the course's mixed precision, ours and FSDP2's policy
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        out.update({"FSDP (bf16, gradients reduced in float32) + AdamW": (
+                        lambda m: FSDP(m, torch.bfloat16, reduce_dtype=torch.float32), None),
+                    "torch FSDP2, MixedPrecisionPolicy(bf16, float32) + AdamW": (
+                        lambda m: torch_fsdp2(m, ctx, mp_policy=policy), None)})
+    return out
 
 
 def build(ctx, args, wrap, optimizer):
@@ -807,14 +860,18 @@ class StepPeak:
             with mem.step():
                 train_step(...)
         mem.peak                                     # bytes
+        mem.held                                     # bytes the step left alive (its activations, if
+                                                     # it is a forward without its backward)
     """
 
     def __init__(self, device, profile=True):
-        self.device, self.profile, self.peak, self.prof = device, profile, None, None
+        self.device, self.profile, self.peak, self.held, self.prof = device, profile, None, None, None
 
     def __enter__(self):
         if self.device.type == "cpu" and self.profile:
             import ctypes
+            import gc
+            gc.collect()   # an earlier model's cycles freed now, not inside the count
             from torch.profiler import ProfilerActivity, profile
             c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
             self.flag = ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage")
@@ -827,13 +884,19 @@ class StepPeak:
     def step(self):
         if self.device.type == "cpu":
             with torch.profiler.record_function("measured step"):
+                time.sleep(0.01)       # frees in gloo's threads land, then an allocation
+                torch.empty(1)         # records the total at the start (for self.held)
                 yield
+                time.sleep(0.01)
+                torch.empty(1)         # and at the end
             return
         common.sync(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        start = torch.cuda.memory_allocated(self.device)
         yield
         common.sync(self.device)
         self.peak = torch.cuda.max_memory_allocated(self.device)
+        self.held = torch.cuda.memory_allocated(self.device) - start
 
     def __exit__(self, *exc):
         if self.prof is None:
@@ -853,6 +916,7 @@ class StepPeak:
         before = [total for when, total, _ in allocs if when < mark.start_time_ns][-1:]   # the step starts there
         during = [total for when, total, _ in allocs if mark.start_time_ns <= when <= mark.end_time_ns]
         self.peak = max(before + during) - base
+        self.held = during[-1] - during[0]   # the two markers' totals
 
 
 def step_memory(ctx, make, batch, live=True, steps=2) -> dict:
@@ -898,6 +962,8 @@ def benchmark(ctx, args):
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
     rows[2].update(common.vs_paired(rows[2], rows[3]))   # FSDP over FSDP2, their steps alternating
+    if len(rows) > 4:                                     # and in bf16, over FSDP2 with the same policy
+        rows[4].update(common.vs_paired(rows[4], rows[5]))
     return rows
 
 
@@ -912,6 +978,7 @@ def main(argv=None):
     p = common.script_parser(__doc__)
     p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32",
                    help="dtype of gathered weights, communication and compute (master stays float32)")
+    common.add_dtype_flag(p)   # bf16: also FSDP's bf16 weights with float32 gradient reduction, beside FSDP2's
     args = common.parse(p, argv)
     if not args.no_verify:
         common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
@@ -924,7 +991,7 @@ def main(argv=None):
     # one job per method: fresh processes, so each peak belongs to that method alone; on the CPU
     # a second one reads the live tensors (the profiler's own memory would swell the first's RSS)
     mem = []
-    for i in range(4):
+    for i in range(len(methods(args, None))):
         rows = common.launch(memory_worker, args, i, args.device == "cuda")
         if args.device == "cpu":
             for row, live in zip(rows, common.launch(memory_worker, args, i, True)):
@@ -936,7 +1003,7 @@ def main(argv=None):
 
 def report_memory(args, mem):
     """The memory table, each method's peaks beside torch FSDP2's on the same rank."""
-    fsdp2 = {r["rank"]: r for r in mem if r["method"].startswith("torch FSDP2")}
+    fsdp2 = {r["rank"]: r for r in mem if r["method"].startswith("torch FSDP2 (fully_shard")}
     for r in mem:
         r["vs_fsdp2"] = r["step_peak_MB"] / fsdp2[r["rank"]]["step_peak_MB"]
         r["rss_vs_fsdp2"] = r["peak_rss_MB"] / fsdp2[r["rank"]]["peak_rss_MB"]

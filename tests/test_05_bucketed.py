@@ -93,9 +93,17 @@ def test_launch_order_is_identical_on_all_ranks_even_when_one_rank_lacks_a_gradi
 
 def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
     p = run_inline("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "0.1", "10",
-                   "--steps", "2", "--warmup", "1", "--verify-steps", "2", "--out", str(tmp_path))
+                   "--steps", "2", "--warmup", "1", "--verify-steps", "2", "--dtype", "bf16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "PASS" in p.stdout and "predicted best bucket" in p.stdout
+    assert "verify 05_bucketed_ddp, bf16, at 2 rank(s): PASS" in p.stdout   # same autocast, and float32's losses
+    mp = {r["method"]: r for r in json.loads((tmp_path / "05_mixed_precision.json").read_text())["rows"]}
+    assert set(mp) == {f"{w} {d}" for w in ("DDPBucketed", "torch DDP") for d in ("float32", "bf16")}
+    for d in ("float32", "bf16"):   # the gradients stay float32: the same bytes
+        assert mp[f"DDPBucketed {d}"]["comm_MB"] == pytest.approx(mp["DDPBucketed float32"]["comm_MB"])
+        assert mp[f"DDPBucketed {d}"]["act_MB"] == pytest.approx(mp[f"torch DDP {d}"]["act_MB"])
+        assert mp[f"DDPBucketed {d}"]["vs_torch_ddp_min"] <= mp[f"DDPBucketed {d}"]["vs_torch_ddp"]
+    assert json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["settings"]["dtype"] == "bf16"
     rows = json.loads((tmp_path / "05_bucketed_ddp.json").read_text())["rows"]
     ours = {(r["model"], r["bucket_mb"]): r for r in rows if r["method"].startswith("DDPBucketed")}
     torch_rows = {(r["model"], r["bucket_mb"]): r for r in rows if r["method"].startswith("torch DDP")}

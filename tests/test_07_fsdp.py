@@ -201,12 +201,22 @@ def test_fsdp_peak_of_live_tensors_stays_below_ddp_and_below_whole_parameters_an
         assert full["step_peak_MB"] < 2 * whole_mb + full["state_MB"]   # whole parameters + gradients + shards
 
 
+def test_bf16_weights_with_float32_reduction_match_one_process_and_float32_losses():
+    from conftest import verify_args
+    r = common.launch(fsdp.verify_bf16, verify_args(2))
+    assert len(r) == 2 and all(v["ok"] for v in r.values()), r
+
+
 def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
     p = run_inline("07_fsdp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2", "--warmup", "1",
-                   "--no-verify", "--out", str(tmp_path))
+                   "--no-verify", "--dtype", "bf16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "07_fsdp.json").read_text())["rows"]
-    assert [r["method"].split()[0] for r in rows] == ["DDP", "DDP", "FSDP", "torch"] and all(r["step_ms"] > 0 for r in rows)
+    assert [r["method"].split()[0] for r in rows] == ["DDP", "DDP", "FSDP", "torch", "FSDP", "torch"]
+    assert all(r["step_ms"] > 0 for r in rows)
+    low, low_torch = rows[4], rows[5]   # bf16 weights gathered, float32 gradients reduced: ours and FSDP2's policy
+    assert low["comm_MB"] == pytest.approx(low_torch["comm_MB"], rel=0.01) and low["comm_MB"] < 0.8 * rows[2]["comm_MB"]
+    assert low["vs_torch_min"] <= low["vs_torch"] <= low["vs_torch_max"]
     n_layers = common.MODEL_SIZES["nano"][2]
     ours, theirs = rows[2], rows[3]
     assert ours["collectives"] == 1 + 2 * n_layers + (n_layers + 1)   # gathers (root once), reduce-scatters per unit
