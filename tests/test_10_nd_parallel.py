@@ -60,6 +60,54 @@ ACCOUNTED = [(nd.mesh_of(dp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, fsdp=2), "1f1b"
              (nd.mesh_of(dp=4), "1f1b", 2), (nd.mesh_of(fsdp=2, tp=2), "1f1b", 2)]   # 12's experts over ep 2
 
 
+# 08's sequence parallelism, 09's recomputation and bf16 autocast on meshes of 4 ranks: each
+# against one process without them (bf16: under the same autocast), its bytes and memory (in
+# float32) beside the formulas.
+LEVERS = [(nd.mesh_of(pp=2, tp=2), "1f1b", {"sp": True, "recompute": "selective", "dtype": "bf16"}),
+          (nd.mesh_of(dp=2, tp=2), "1f1b", {"sp": True}), (nd.mesh_of(pp=2, tp=2), "1f1b", {"sp": True}),
+          (nd.mesh_of(cp=2, tp=2), "1f1b", {"sp": True}),
+          (nd.mesh_of(pp=2, tp=2), "interleaved", {"sp": True, "recompute": "full"}),
+          (nd.mesh_of(pp=2, dp=2), "1f1b", {"recompute": "full"}), (nd.mesh_of(dp=2, tp=2), "1f1b", {"recompute": "full"}),
+          (nd.mesh_of(fsdp=2, tp=2), "1f1b", {"recompute": "selective"}),
+          (nd.mesh_of(pp=2, fsdp=2), "1f1b", {"dtype": "bf16"})]
+
+
+def levers():
+    if "levers" not in _cache:
+        import workers
+        _cache["levers"] = common.launch(workers.nd_levers, verify_args(4, context_length=16), LEVERS)
+    return _cache["levers"]
+
+
+@pytest.mark.parametrize("i", range(len(LEVERS)))
+def test_the_memory_levers_train_like_one_process_and_count_as_predicted(i):
+    shape, schedule, lever = LEVERS[i]
+    name = nd.label(shape, False, schedule) + nd.lever_label(**lever)
+    verified, accounting = levers()
+    assert verified[name]["ok"], f"{name}: max diff {verified[name]['max_diff']}"
+    if lever.get("dtype") == "bf16":
+        assert verified[name]["loss_gap"] <= common.BF16_LOSS_BOUND
+        return
+    for r in accounting[name]:
+        for axis in set(r["counted"]) | set(r["predicted"]):
+            assert r["counted"].get(axis, 0.0) == pytest.approx(r["predicted"].get(axis, 0.0), rel=1e-9, abs=1e-9), \
+                (name, r["coords"], axis)
+        # (abs: the first stage's token ids are views of the whole global batch, whose storage
+        # the count takes once, whole: 4 KB here, beside full recomputation's few KB)
+        assert r["memory"]["activations"] == pytest.approx(r["memory_predicted"]["activations"], rel=0.02,
+                                                           abs=4096), name
+
+
+def test_sequence_parallelism_and_recomputation_lower_the_activations_they_should():
+    import workers
+    _, accounting = levers()
+    first = lambda rows: max(r["memory"]["activations"] for r in rows if r["coords"]["pp"] == 0)  # noqa: E731 (blocks only)
+    plain = common.launch(workers.nd_accounting, verify_args(4, context_length=16),
+                          [(nd.mesh_of(pp=2, tp=2), "1f1b"), (nd.mesh_of(pp=2, dp=2), "1f1b")])
+    assert first(accounting["pp 2 x tp 2, sequence parallel"]) < 0.8 * first(plain[0])
+    assert first(accounting["pp 2 x dp 2, recompute full"]) < 0.2 * first(plain[1])
+
+
 def test_bytes_each_axis_sends_equal_the_formula_and_memory_its_prediction():
     import workers
     jobs = common.launch(workers.nd_accounting, verify_args(4, context_length=16), ACCOUNTED)
@@ -146,6 +194,15 @@ def test_bad_input_exits_2_with_one_line():
     (["--dp", "2", "--cp", "2", "--ep", "2"], "--ep 2 takes its ranks from a mesh's data ranks"),
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
     (["--dp", "2", "--ep", "2", "--top-k", "5"], "--top-k between 1 and --experts"),
+    (["--dp", "2", "--sp"], "--sp splits the sequence over the tp ranks"),
+    (["--fsdp", "2", "--tp", "2", "--sp"], "--sp with --fsdp"),
+    (["--fsdp", "2", "--recompute", "full"], "--recompute full with --fsdp"),
+    (["--pp", "2", "--tp", "2", "--schedule", "zb1", "--sp"], "--sp with --schedule zb1"),
+    (["--pp", "2", "--schedule", "zb1", "--recompute", "full"], "--recompute full with --schedule zb1"),
+    (["--cp", "2", "--recompute", "selective"], "--recompute with --cp"),
+    (["--tp", "2", "--sp", "--context-length", "31"], "--sp gives each of the 2 cp x tp ranks"),
+    (["--sp"], "apply to one mesh"),
+    (["--dp", "2", "--ep", "2", "--dtype", "bf16"], "not verified with --ep"),
 ])
 def test_bad_input_is_refused_before_any_worker_starts(argv, words, monkeypatch):
     monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("a job started"))

@@ -158,6 +158,26 @@ def train_with_copied_regions(ctx, args, classes):
     return {name: train_with_copied_region(ctx, args, script, name) for script, name in classes.items()}
 
 
+def train_sharded_copy(ctx, args, mod, stage):
+    run = common.VerifyRun(ctx, args, {"opt": "adamw", "tied": True, "unused": True, "frozen": True})
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    if stage == 1:
+        wrapped = load_copy("02_naive_ddp", "NaiveDDP").NaiveDDP(run.model)
+        optimizer = mod.ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    else:
+        wrapped = run.model
+        optimizer = mod.ShardedGradientOptimizer(params, torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
+                                                 bucket_mb=0.002, module=run.model)
+    for step in range(run.steps):
+        x, y = run.batch(step)
+        optimizer.zero_grad()
+        wrapped(x, y, use_extra=run.step_options(step)["use_extra"]).backward()
+        if stage == 1:
+            wrapped.finish_gradient_synchronization()
+        optimizer.step()
+    return run.compare(run.model)
+
+
 def train_with_copied_region(ctx, args, script, name):
     """An ordinary training loop with the class from its copied region alone (the sharded
     optimizer under 02's copied NaiveDDP), against one process on the whole batches."""
@@ -172,15 +192,14 @@ def train_with_copied_region(ctx, args, script, name):
         return train_cp_copy(ctx, args, mod)
     if script == "12_expert_parallel":
         return train_moe_copy(ctx, args, mod)
+    if name == "sharded optimizers":   # stage 1 under 02's copied NaiveDDP, stage 2 alone
+        one, two = (train_sharded_copy(ctx, args, mod, stage) for stage in (1, 2))
+        return {"ok": one["ok"] and two["ok"], "max_diff": max(one["max_diff"], two["max_diff"])}
     case = {"opt": "adamw", "tied": True} if name == "FSDP" else {"opt": "adamw", "tied": True, "unused": True}
     run = common.VerifyRun(ctx, args, case)
     model = run.model
-    if name == "ShardedOptimizer":
-        wrapped = load_copy("02_naive_ddp", "NaiveDDP").NaiveDDP(model)
-        optimizer = mod.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-    else:
-        wrapped = getattr(mod, name)(model, *((1e-6,) if name == "DDPBucketed" else ()))
-        optimizer = run.optimizer(wrapped.parameters())
+    wrapped = getattr(mod, name)(model, *((1e-6,) if name == "DDPBucketed" else ()))
+    optimizer = run.optimizer(wrapped.parameters())
     for step in range(run.steps):
         x, y = run.batch(step)
         optimizer.zero_grad()
@@ -202,6 +221,83 @@ def tp_without_backward_all_reduce(ctx, args):
     tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
     tp._CopyToParallel.backward = staticmethod(lambda c, grad: (grad, None))
     return tp.verify(ctx, args, [ctx.world_size])
+
+
+def sp_without_norm_gradient_sum(ctx, args):
+    """The control for 08's sequence parallelism: the norms' gradients left as each rank's
+    part of the sequence made them (no sum over the group)."""
+    tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
+    tp._sum_over = lambda group: (lambda grad: grad)
+    return tp.verify(ctx, args, [ctx.world_size])
+
+
+def pipeline_recompute_perturbed(ctx, args):
+    """The control for 09's recomputation: a full recompute whose second run of each block
+    (the one in backward) sees its input slightly changed: its check must fail."""
+    pp = common.load_script(os.path.join(common.ROOT, "09_pipeline_parallel.py"))
+    real = pp.recompute
+
+    def perturbed(blocks, mode="full"):
+        blocks = list(blocks)
+        if mode == "full":
+            for block in blocks:
+                calls = [0]
+
+                def forward(x, f=block.forward, calls=calls):
+                    calls[0] += 1
+                    return f(x + 1e-2 * (calls[0] % 2 == 0))   # even calls: the recomputation
+                block.forward = forward
+        return real(blocks, mode)
+    pp.recompute = perturbed
+    return pp.verify(ctx, args, 2, [2], ["1f1b"], 1, ["none", "full"])
+
+
+def zero2_during_backward(ctx, args):
+    """06's ZeRO-2 on the toy model in small buckets: reduce-scatters issued while backward
+    runs, no whole gradient left on a parameter, each rank's slice half the padded bucket,
+    and the ranks' pieces covering every parameter once."""
+    sharded = common.load_script(os.path.join(common.ROOT, "06_sharded_optimizer.py"))
+    torch.manual_seed(0)
+    model = common.ToyModel(20, n_classes=10)
+    opt = sharded.ShardedGradientOptimizer(model.parameters(), torch.optim.SGD, bucket_mb=0.002, lr=0.1)
+    launched, real = [], sharded._GradBucket.launch
+
+    def counted(self):
+        launched.append(torch._C._current_graph_task_id() >= 0)   # inside backward's graph task
+        return real(self)
+    sharded._GradBucket.launch = counted
+    x, y = torch.randn(8, 20), torch.randint(0, 10, (8,))
+    model(common.shard(x, ctx.rank, 2), common.shard(y, ctx.rank, 2)).backward()
+    whole = sum(p.grad is not None for p in model.parameters())
+    opt.step()
+    covered = [None, None]
+    dist.all_gather_object(covered, [(n, opt.buckets[i].piece_range[p]) for i, b in enumerate(opt.buckets)
+                                     for n, p in model.named_parameters() if p in b.pieces])
+    per = {}
+    for n, r in covered[0] + covered[1]:
+        per.setdefault(n, []).append(r)
+    sizes = dict((n, p.numel()) for n, p in model.named_parameters())
+    cover = all(sum(b - a for a, b in per.get(n, [])) == sizes[n] for n in sizes)
+    b = opt.buckets[0]
+    return {"launched_in_backward": sum(launched), "whole_grads_after_backward": whole,
+            "slice_numel": b.k, "padded_numel": b.flat.numel(), "pieces_cover": cover}
+
+
+def zero2_without_reduction(ctx, args):
+    """The control for 06's ZeRO-2: its buckets' reduce-scatter replaced by keeping this
+    rank's own slice (no sum over the ranks): its check must fail."""
+    sharded = common.load_script(os.path.join(common.ROOT, "06_sharded_optimizer.py"))
+    real = dist.reduce_scatter_tensor
+
+    def local_only(out, inp, group=None, async_op=False):
+        r = dist.get_rank(group)
+        out.copy_(inp.view(dist.get_world_size(group), -1)[r])
+        return real(torch.empty_like(out), inp, group=group, async_op=async_op)
+    sharded.dist.reduce_scatter_tensor = local_only
+    try:
+        return sharded.verify_case(ctx, args, sharded.CASES["adamw"], stage=2)
+    finally:
+        sharded.dist.reduce_scatter_tensor = real
 
 
 class SmallMLP(torch.nn.Module):
@@ -511,6 +607,24 @@ def nd_accounting(ctx, args, shapes):
         out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m, tie, schedule,
                               nd.chunks_of(schedule, 2), *ep))
     return out
+
+
+def nd_levers(ctx, args, cases):
+    """10's verify_mesh on each (mesh, schedule, levers): {name: result}; and account() on
+    those that run in float32 (the formulas count float32): {name: every rank's row}."""
+    import argparse
+    nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
+    out, accounting = {}, {}
+    for shape, schedule, levers in cases:
+        name = nd.label(shape, False, schedule) + nd.lever_label(**levers)
+        out[name] = nd.verify_mesh(ctx, args, shape, schedule=schedule, **levers)
+        if levers.get("dtype", "float32") == "float32":
+            m = nd.default_microbatches(shape)
+            own = argparse.Namespace(**{**vars(args), "sp": levers.get("sp", False),
+                                        "recompute": levers.get("recompute", "none")})
+            accounting[name] = nd.account(ctx, own, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m,
+                                          False, schedule)
+    return out, accounting
 
 
 def nd_mesh_groups(ctx, args):
