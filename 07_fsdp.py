@@ -1003,15 +1003,18 @@ def main(argv=None):
 
 def report_memory(args, mem):
     """The memory table, each method's peaks beside torch FSDP2's on the same rank."""
-    fsdp2 = {r["rank"]: r for r in mem if r["method"].startswith("torch FSDP2 (fully_shard")}
-    for r in mem:
-        r["vs_fsdp2"] = r["step_peak_MB"] / fsdp2[r["rank"]]["step_peak_MB"]
-        r["rss_vs_fsdp2"] = r["peak_rss_MB"] / fsdp2[r["rank"]]["peak_rss_MB"]
+    fsdp2 = {(r["rank"], "bf16" in r["method"]): r for r in mem
+             if r["method"].startswith(("torch FSDP2 (fully_shard", "torch FSDP2, MixedPrecisionPolicy"))}
+    for r in mem:   # a bf16 method beside FSDP2 under the same policy
+        ref = fsdp2[r["rank"], "bf16" in r["method"]]
+        r["vs_fsdp2"] = r["step_peak_MB"] / ref["step_peak_MB"]
+        r["rss_vs_fsdp2"] = r["peak_rss_MB"] / ref["peak_rss_MB"]
     how = ("max_memory_allocated during a step" if args.device == "cuda" else
            "peak of live tensor bytes during a step, from every allocation and free torch.profiler recorded")
     note = (f"state = parameters + gradients + optimizer state after a step; step_peak = {how}; peak_rss = "
             f"the process's peak resident memory (allocator cache and runtime included); vs_fsdp2: over torch "
-            f"FSDP2's on the same rank. One job per method.")
+            f"FSDP2's on the same rank (a bf16 method: over FSDP2 with the same MixedPrecisionPolicy). One job per "
+            f"method.")
     table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
                                 title="FSDP against DDP and torch's FSDP2: memory per rank (MiB)", note=note)
     print(f"\nMemory per rank (MiB; {note})\n{table}\nwrote {args.out}/07_fsdp_memory.json and .md")

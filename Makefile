@@ -49,32 +49,39 @@ clean-results:
 04: $(STAMP)
 	$(PY) 04_overlap_ddp.py
 
-# 10 paired steps a setting (the script's default is 20): make all stays under 15 minutes
+# 10 paired steps a setting (the script's default is 20): make all stays under 15 minutes;
+# then bf16 autocast at 25 MB (verified, and beside float32, ours and torch DDP's)
 05: $(STAMP)
 	$(PY) 05_bucketed_ddp.py --steps 10
+	$(PY) 05_bucketed_ddp.py --steps 10 --dtype bf16 --bucket-mb 25 --models lm --no-baselines --out results/05_bf16
 
+# with its ZeRO stage table (stages 0 to 3, ours beside torch's)
 06: $(STAMP)
 	$(PY) 06_sharded_optimizer.py --steps 10
 
+# with bf16: FSDP reducing in float32 beside FSDP2's MixedPrecisionPolicy(bf16, float32)
 07: $(STAMP)
-	$(PY) 07_fsdp.py
+	$(PY) 07_fsdp.py --dtype bf16
 
 # 2 ranks (TP 2 against DP 2 and torch's TP): make all stays under 15 minutes on 2 cores.
 # The script's default adds 4 ranks (TP 4, TP 2 x DP 2), about 2 minutes more here:
 #   python 08_tensor_parallel.py --warmup 3 --out results/08_world_sizes_2_4
 08: $(STAMP)
-	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2
+	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2 --sp
 
 # 2 stages at m = 1 and 8, the bubble's two ends, every schedule (interleaved at m = 8 only:
-# groups of p): make all stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
+# groups of p), each recomputation mode (verified bit for bit, its memory and time): make all
+# stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --out results/09_stages_2_4
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 4 8 --steps 20 --no-verify --out results/09_schedules
 09: $(STAMP)
-	$(PY) 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --stages 2
+	$(PY) 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --stages 2 --recompute none selective full
 
-# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition, and the XXL plan
+# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition, and the XXL plan;
+# then the memory levers on one mesh (sequence parallelism, selective recomputation, bf16)
 10: $(STAMP)
 	$(PY) 10_nd_parallel.py --warmup 3
+	$(PY) 10_nd_parallel.py --warmup 3 --pp 2 --tp 2 --sp --recompute selective --dtype bf16 --out results/10_levers
 
 # cp 2: every method and layout verified, timed at 512 and 2048 tokens; the write-up adds cp 4:
 #   python 11_context_parallel.py --cp 4 --out results/11_cp_4
@@ -117,9 +124,15 @@ gpu-01: $(GPU_DEPS)
 	$(GPU_RUN) 01_allreduce_bench.py --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) \
 	    --world-sizes 1 2 4 6 --time-box 60 --out $(GPU_OUT)
 
-gpu-04 gpu-06 gpu-07: gpu-0%: $(GPU_DEPS)
+# 06 at XL: its ZeRO stage table (ZeRO-2 beside stages 1 and 3, torch's beside ours); 07 in
+# bf16 too (its FSDP reducing in float32 beside FSDP2's MixedPrecisionPolicy)
+gpu-04 gpu-06: gpu-0%: $(GPU_DEPS)
 	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_ONE)
 	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_TWO)
+
+gpu-07: $(GPU_DEPS)
+	$(GPU_RUN) 07_fsdp.py $(GPU_ONE) --dtype bf16
+	$(GPU_RUN) 07_fsdp.py $(GPU_TWO) --dtype bf16
 
 # 04's table times naive (02) and flat (03) DDP beside the overlapped one, on the same
 # ranks, so on the GPU 02 and 03 only verify themselves there
@@ -135,13 +148,15 @@ gpu-02 gpu-03: gpu-0%: $(GPU_DEPS)
 GPU_SWEEP_BOX ?= 400
 gpu-05: $(GPU_DEPS)
 	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_ONE) --steps 20
+	$(GPU_RUN) 05_bucketed_ddp.py $(subst nccl_1rank,nccl_1rank_bf16,$(GPU_ONE)) --steps 20 --dtype bf16 \
+	    --bucket-mb 25 --models lm --no-baselines
 	$(GPU_RUN) 05_bucketed_ddp.py $(GPU_TWO_LARGE) --no-baselines --time-box $(GPU_SWEEP_BOX)
 
 gpu-08: $(GPU_DEPS)
-	$(GPU_RUN) 08_tensor_parallel.py $(GPU_TWO_LARGE) --world-sizes 2
+	$(GPU_RUN) 08_tensor_parallel.py $(GPU_TWO_LARGE) --world-sizes 2 --sp
 
 gpu-09: $(GPU_DEPS)
-	$(GPU_RUN) 09_pipeline_parallel.py $(GPU_TWO) --stages 2
+	$(GPU_RUN) 09_pipeline_parallel.py $(GPU_TWO) --stages 2 --recompute none selective full
 
 # 8 ranks over gloo on the one GPU, the small LM: memory and MFU, not link speeds
 gpu-10: $(GPU_DEPS)
@@ -174,15 +189,23 @@ gpu-smoke: $(GPU_DEPS)
 	@for n in $(SMOKE); do s=$$(ls $$n*_*.py); case $$n in \
 	  01) echo "$$s all_ops --ops all --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) --world-sizes 1 2 \
 	        --sizes-mb 0.001 1 --iters 3 --warmup 1 --time-box 20";; \
-	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2";; \
+	  05|07) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
+	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)"; \
+	      echo "$$s bf16 --backend gloo --world-size 2 $(SMOKE_LM) --dtype bf16 $$(test $$n = 05 && \
+	        echo --bucket-mb 25 --models lm --no-baselines)";; \
+	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2"; \
+	      echo "$$s sp --backend gloo $(SMOKE_LM) --world-sizes 2 --sp";; \
 	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2 --schedule gpipe 1f1b"; \
 	      echo "$$s interleaved --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule interleaved"; \
-	      echo "$$s zb1 --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule zb1";; \
+	      echo "$$s zb1 --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule zb1"; \
+	      echo "$$s recompute --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule 1f1b \
+	        --recompute none selective full";; \
 	  11) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --cp 2 --seq-lens 256 --memory-lens 256";; \
 	  12) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --ep 1 --experts 4"; \
 	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --ep 2";; \
 	  10) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --dp 1"; \
-	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --pp 2";; \
+	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --pp 2"; \
+	      echo "$$s levers --backend gloo $(SMOKE_LM) --pp 2 --tp 2 --sp --recompute selective --dtype bf16";; \
 	  *)  echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
 	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)";; \
 	  esac; done | xargs -P $(SMOKE_JOBS) -L 1 sh -c 'job=$${1%.py}.$$2; script=$$1; shift 2; \

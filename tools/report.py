@@ -111,8 +111,13 @@ def h06(results):
 def h07(results):
     doc, mem = load("07_fsdp", results), load("07_fsdp_memory", results)
     ours = next(r for r in doc["rows"] if r["method"].startswith("FSDP"))
-    peak = max(r["vs_fsdp2"] for r in mem["rows"] if r["method"].startswith("FSDP"))
-    return f"vs FSDP2: step {spread(ours)}, live peak {x(peak)} ({where(doc)})"
+    peak = max(r["vs_fsdp2"] for r in mem["rows"] if r["method"].startswith("FSDP") and "bf16" not in r["method"])
+    text = f"vs FSDP2: step {spread(ours)}, live peak {x(peak)}"
+    bf16 = [r for r in doc["rows"] if r["method"].startswith("FSDP (bf16")]
+    if bf16:   # make all's run adds the mixed-precision pair
+        text += (f"; bf16 (float32 reduction) vs FSDP2's policy: step {spread(bf16[0])}, sent "
+                 f"{bf16[0]['comm_MB']:.0f} MB against float32's {ours['comm_MB']:.0f}")
+    return f"{text} ({where(doc)})"
 
 
 def h08(results):
@@ -135,8 +140,28 @@ def h10(results):
     return f"vs torch's composition: {lo:.2f}–{hi:.2f}× on {len(ours)} meshes ({where(doc)})"
 
 
+def h11(results):
+    doc, mem = load("11_context_parallel", results), load("11_memory", results)
+    t = max(r["seq_len"] for r in doc["rows"])
+    parts = [f"{r['method']} {x(r['vs_one_process'])}" for r in doc["rows"]
+             if r["seq_len"] == t and r["cp"] > 1]
+    n = max(r["seq_len"] for r in mem["rows"])
+    saved = {r["method"]: r["saved_MB"] for r in mem["rows"] if r["seq_len"] == n}
+    ring = next(v for k, v in saved.items() if k.startswith("ring"))
+    return (f"step at {t} tokens over one process's: {', '.join(parts)}; ring keeps {x(ring / saved['one process'])} "
+            f"one process's attention activations at {n} tokens ({where(doc)})")
+
+
+def h12(results):
+    doc = load("12_expert_parallel", results)
+    ep = next(r for r in doc["rows"] if r.get("vs_replicated") is not None)
+    rep = rows_by(doc)["MoE replicated (plain DP)"]
+    return (f"EP {ep['ep']} vs the replicated MoE: step {spread(ep, 'vs_replicated')}, experts' state "
+            f"{x(ep['experts_state_MB'] / rep['experts_state_MB'])} ({where(doc)})")
+
+
 HEADLINES = {"01": h01, "02": h02, "03": h03, "04": h04, "05": h05, "06": h06, "07": h07, "08": h08, "09": h09,
-             "10": h10}
+             "10": h10, "11": h11, "12": h12}
 
 
 def verified(script: str, results: Path = RESULTS) -> str:
