@@ -94,6 +94,7 @@ class MoE(nn.Module):
         loss = task_loss + 0.01 * moe.aux
         loss.backward()
         reduce_expert_gradients(model, replica_group, data_ranks)   # see there; other weights: any DDP
+        clip_grad_norm_(model, 1.0)          # if clipping: by the global norm (torch's sees only this rank's experts)
 
     Until distribute, every expert is local and nothing is sent: the one-process model.
     ``capacity_factor`` c > 0: an expert takes at most ceil(c k N / E) of this rank's N
@@ -199,6 +200,30 @@ def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=Non
         if replica_group is not None:
             dist.all_reduce(p.grad, group=replica_group)
         p.grad.div_(data_ranks)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, ep_group=None) -> torch.Tensor:
+    """Clip every gradient of ``model`` by the 2-norm of the whole model's gradients and
+    return that norm, as torch's does, where torch's would see only this rank's experts:
+    the replicated weights counted once, the experts' squares summed over the ep group
+    (default: the MoEs' own group; the copies in other ep groups are equal, counted once).
+    Call it after reduce_expert_gradients; every rank gets the same norm and factor."""
+    experts = {id(p) for p in expert_parameters(model)}
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    shared, mine = (torch.zeros((), dtype=torch.float64, device=params[0].grad.device) for _ in range(2))
+    for p in params:
+        (mine if id(p) in experts else shared).add_(p.grad.detach().double().pow(2).sum())
+    moe = next((m for m in model.modules() if isinstance(m, MoE) and m.distributed), None)
+    if moe is not None:
+        dist.all_reduce(mine, group=ep_group if ep_group is not None else moe.group)
+    total = (shared + mine).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total.float()
 
 
 def full_state_dict(model: nn.Module) -> dict:
@@ -312,8 +337,9 @@ def expert_parallel(model, ep_group, replica_group, bucket_mb=25.0):
     return wrapped
 
 
-def train_step(model, optimizer, batch, clock):
-    """One step on this rank's part of the global batch, timed by phase."""
+def train_step(model, optimizer, batch, clock, max_norm=None):
+    """One step on this rank's part of the global batch, timed by phase (``max_norm``:
+    gradients clipped by the global norm first)."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
     with clock.phase("forward"):      # per MoE: the counts, the tokens out, the outputs back
@@ -324,6 +350,8 @@ def train_step(model, optimizer, batch, clock):
         model.finish_gradient_synchronization()
         if hasattr(model, "replica_group"):   # expert parallel (a replicated MoE: DDP did all)
             reduce_expert_gradients(model.module, model.replica_group)
+    if max_norm is not None:
+        clip_grad_norm_(model, max_norm)
     with clock.phase("optim"):
         optimizer.step()
 
@@ -335,16 +363,22 @@ VERIFY_LM = (16, 32, 2, 2)   # d_model, d_ff (each expert's), blocks, heads
 VERIFY_T = 8
 
 
-def verify_case(ctx, args, groups, experts, top_k, capacity, aux_coef=0.01):
+MAX_NORM = 0.05   # the clipped case: below the verification LM's gradient norm, so every step clips
+
+
+def verify_case(ctx, args, groups, experts, top_k, capacity, aux_coef=0.01, clip=None):
     """The MoE LM with expert parallelism against one process that holds every expert and
     routes each rank's shard as that rank does (same capacity, drops and load-balancing
-    loss), trained alike (AdamW) for a few steps; also whether some expert got no token."""
+    loss), trained alike (AdamW) for a few steps; also whether some expert got no token.
+    ``clip``: both clipped by the global norm (one process with torch's clip), SGD so the
+    factor shows in every weight."""
     ep_group, replica_group = groups
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = build(VERIFY_LM, VERIFY_T, experts, top_k, capacity, args.seed, ctx.device, aux_coef)
     model = expert_parallel(copy.deepcopy(ref), ep_group, replica_group)
     # eps 1e-6 as in 08-11: sums split over ranks round differently, AdamW must not magnify it
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) if clip is None else
+            torch.optim.SGD(m.parameters(), lr=1.0) for m in (ref, model)]
     empty = False
     for step in range(args.verify_steps):
         x, y = common.lm_batch(2 * world, VERIFY_T, step, args.seed, ctx.device)
@@ -352,8 +386,11 @@ def verify_case(ctx, args, groups, experts, top_k, capacity, aux_coef=0.01):
         loss = sum(ref(*(common.shard(t, r, world) for t in (x, y))) for r in range(world)) / world
         empty |= any(0 in m.stats["tokens"] for m in ref.moes())   # (the last shard's routing)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         opts[0].step()
-        train_step(model, opts[1], tuple(common.shard(t, rank, world) for t in (x, y)), common.StepClock(ctx.device))
+        train_step(model, opts[1], tuple(common.shard(t, rank, world) for t in (x, y)), common.StepClock(ctx.device),
+                   MAX_NORM if clip else None)
         empty |= any(0 in m.stats["tokens"] for m in model.module.moes())
     theirs = dict(ref.named_parameters())
     ok, diff = True, 0.0
@@ -380,6 +417,9 @@ def verify(ctx, args, ep, cases):
         name = f"ep {ep}{f' x {reps} copies' if reps > 1 else ''}, {per} expert(s) a rank, top-{k}, " + \
             (f"capacity {c:g}" if c else "no dropping")
         out[name] = verify_case(ctx, args, groups, per * ep, k, c)
+    per, k, c = cases[-1]
+    if k <= per * ep:   # a loop that clips: by the global norm, the experts' squares over the ep group
+        out[f"{name}, clipped by the global norm (SGD)"] = verify_case(ctx, args, groups, per * ep, k, c, clip=True)
     return out
 
 
@@ -401,6 +441,19 @@ def control_wrong_group(ctx, args, ep):
         reduce_expert_gradients = right
 
 
+def control_torch_clip(ctx, args, ep):
+    """The control: the EP ranks clip with torch's clip_grad_norm_, each by the norm of its
+    own parameters (its experts only): must fail."""
+    global clip_grad_norm_
+    right = clip_grad_norm_
+    clip_grad_norm_ = lambda model, max_norm, ep_group=None: torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                                             max_norm)
+    try:
+        return verify_case(ctx, args, ep_groups(ctx.world_size, ep), 2 * ep, 2, 1.0, clip=True)
+    finally:
+        clip_grad_norm_ = right
+
+
 def checkpoint_case(ctx, args, path, action, ep, saved_world=None, steps=4, k=2):
     """Train the MoE LM at this ep; "save" after step k (whole tensors and AdamW's state),
     or "resume" from that file here (another ep and world) and end beside one process
@@ -409,7 +462,8 @@ def checkpoint_case(ctx, args, path, action, ep, saved_world=None, steps=4, k=2)
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = build(VERIFY_LM, VERIFY_T, 4, 2, 0.0, args.seed, ctx.device)
     model = expert_parallel(copy.deepcopy(ref), *ep_groups(world, ep))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) if clip is None else
+            torch.optim.SGD(m.parameters(), lr=1.0) for m in (ref, model)]
     for step in range(steps):
         x, y = common.lm_batch(8, VERIFY_T, step, args.seed, ctx.device)
         shards = saved_world if action == "resume" and step < k else world

@@ -191,8 +191,8 @@ gpu-smoke: $(GPU_DEPS)
 	        --sizes-mb 0.001 1 --iters 3 --warmup 1 --time-box 20";; \
 	  05|07) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
 	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)"; \
-	      echo "$$s bf16 --backend gloo --world-size 2 $(SMOKE_LM) --dtype bf16 $$(test $$n = 05 && \
-	        echo --bucket-mb 25 --models lm --no-baselines)";; \
+	      echo "$$s bf16 --backend gloo --world-size 2 $(SMOKE_LM) --dtype bf16$$(test $$n = 05 && \
+	        echo ' --bucket-mb 25 --models lm --no-baselines')";; \
 	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2"; \
 	      echo "$$s sp --backend gloo $(SMOKE_LM) --world-sizes 2 --sp";; \
 	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2 --schedule gpipe 1f1b"; \

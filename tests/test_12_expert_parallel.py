@@ -25,7 +25,8 @@ def verification(world_size, ep):
 @pytest.mark.parametrize("world_size, ep", [(2, 2), (4, 4), (4, 2)])
 def test_expert_parallel_training_equals_one_process(world_size, ep):
     res = verification(world_size, ep)
-    assert len(res) == len(ep_mod.VERIFY_CASES)
+    assert len(res) == len(ep_mod.VERIFY_CASES) + 1
+    assert any("clipped by the global norm" in name for name in res)
     for name, r in res.items():
         assert r["ok"], f"{name}: max diff {r['max_diff']}"
     if (world_size, ep) == (4, 2):
@@ -41,6 +42,12 @@ def test_some_step_leaves_an_expert_without_a_token():
 def test_expert_gradients_averaged_over_the_wrong_group_fail_the_check():
     res = common.launch(ep_mod.control_wrong_group, verify_args(4, verify_steps=3), 2)
     assert not any(r["ok"] for r in res.values())
+
+
+def test_torch_clip_on_a_rank_s_own_experts_fails_the_check():
+    """Each rank's norm covers only its experts: the ranks clip by different factors."""
+    r = common.launch(ep_mod.control_torch_clip, verify_args(2, verify_steps=3), 2)
+    assert not r["ok"], r
 
 
 def test_a_checkpoint_saved_at_one_ep_resumes_at_another():
