@@ -30,8 +30,10 @@ experts that routes each rank's shard as that rank does), then tables: step time
 and memory per rank of EP beside the same MoE replicated on every rank and a dense model
 with as many active parameters per token; tokens per expert, the load's max/mean and the
 share dropped; the all-to-all bytes counted beside the formula; the slowest rank's expert
-time beside the mean, with and without the load-balancing loss. Writes
-results/12_expert_parallel.{json,md}, 12_routing.{json,md}, 12_accounting.{json,md}.
+time beside the mean, with and without the load-balancing loss; the loss after training
+at each capacity factor beside the share it dropped. Writes
+results/12_expert_parallel.{json,md}, 12_routing.{json,md}, 12_accounting.{json,md},
+12_capacity.{json,md}.
 """
 
 import argparse
@@ -576,6 +578,42 @@ def benchmark(ctx, args, ep):
     return rows, routing_rows(everyone, E, ep, W), accounting(ctx, args, ep, groups)
 
 
+CAPACITIES = (0.0, 2.0, 1.25, 1.0, 0.5)
+
+
+def capacity_and_loss(ctx, args, ep, steps=40, batches=4):
+    """What dropping does to the loss: EP trained at each capacity factor of CAPACITIES
+    (0: no dropping) from the same weights on the same ``batches`` global batches, cycled
+    for ``steps`` AdamW steps (random tokens: the loss falls only as the model memorizes
+    them, which is what capacity limits); the last 4 steps' mean loss (the group's) and
+    the share of assignments dropped over the run."""
+    dims, W, t = common.MODEL_SIZES[args.model_size], ctx.world_size, args.context_length
+    groups, rows = ep_groups(W, ep), []
+    data = [common.lm_batch(args.batch_size, t, b, args.seed, ctx.device) for b in range(batches)]
+    for c in CAPACITIES:
+        model = expert_parallel(build(dims, t, args.experts, args.top_k, c, args.seed, ctx.device, args.aux_coef,
+                                      args.moe_every), *groups)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses, dropped = [], []
+        for step in range(steps):
+            x, y = (common.shard(v, ctx.rank, W) for v in data[step % batches])
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            loss.backward()
+            model.finish_gradient_synchronization()
+            reduce_expert_gradients(model.module, model.replica_group)
+            opt.step()
+            task = loss.detach() - args.aux_coef * sum(m.aux.detach() for m in model.module.moes())
+            dist.all_reduce(task)
+            losses.append(task.item() / W)
+            dropped += [m.stats["dropped"] for m in model.module.moes()]
+        share = torch.tensor(sum(dropped) / len(dropped), dtype=torch.float64)
+        dist.all_reduce(share)
+        rows.append({"capacity_factor": c, "steps": steps, "first_loss": losses[0],
+                     "last_loss": sum(losses[-4:]) / 4, "dropped": share.item() / W})
+    return rows
+
+
 def routing_rows(everyone, E, ep, W) -> list:
     """Per method with a MoE and per step: tokens per expert summed over the ranks of one ep
     group (every MoE layer), their max over mean, and the share of assignments dropped."""
@@ -661,6 +699,7 @@ def main(argv=None):
     if args.no_bench:
         return
     rows, routing, acc = common.launch(benchmark, args, ep)
+    capacity = common.launch(capacity_and_loss, args, ep)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
                     "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
@@ -682,12 +721,19 @@ def main(argv=None):
         t3 = common.save_results(args.out, "12_accounting", acc, settings,
                                  title="All-to-all bytes per step and rank, counted beside the formula",
                                  note=accounting.__doc__.replace("\n    ", " "))
+        t4 = common.save_results(args.out, "12_capacity", capacity, settings,
+                                 title="What dropping does to the loss: the task loss (without the balance term) "
+                                       "over the run, and the share of assignments dropped, by capacity factor",
+                                 note="EP from the same weights at each capacity factor (0: no dropping), 40 AdamW "
+                                      "steps cycling the same 4 global batches of random tokens (the loss falls only as "
+                                      "the model memorizes them, which capacity limits); last_loss: the mean of the last "
+                                      "4 steps; dropped: the share of assignments dropped over the run.")
         print(f"\n{TITLE}\n({args.model_size} LM with {args.experts} experts a MoE, top-{args.top_k}, capacity "
               f"{args.capacity_factor:g}, {args.world_size} x {args.backend}/{args.device}, global batch "
               f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps; "
               f"vs_replicated: paired ratio; state: parameters, gradients, AdamW per rank)\n{table}\n\n"
-              f"Routing\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n"
-              f"wrote {args.out}/{NAME}.*, 12_routing.*, 12_accounting.*")
+              f"Routing\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n\nCapacity and the loss\n{t4}\n"
+              f"wrote {args.out}/{NAME}.*, 12_routing.*, 12_accounting.*, 12_capacity.*")
 
 
 if __name__ == "__main__":

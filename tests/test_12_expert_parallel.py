@@ -87,6 +87,11 @@ def test_script_times_routes_and_counts(tmp_path):
         assert r["a2a_MB"] == pytest.approx(r["a2a_formula_MB"], rel=1e-9)   # counted all-to-all = formula
     routing = json.loads((tmp_path / "12_routing.json").read_text())
     assert routing["per_step"] and all(r["max_over_mean"] >= 1 for r in routing["per_step"])
+    capacity = {r["capacity_factor"]: r for r in json.loads((tmp_path / "12_capacity.json").read_text())["rows"]}
+    assert list(capacity) == list(ep_mod.CAPACITIES) and capacity[0.0]["dropped"] == 0
+    drops = [capacity[c]["dropped"] for c in sorted(c for c in capacity if c)]   # less room, more dropped
+    assert drops == sorted(drops, reverse=True) and drops[0] > 0
+    assert all(r["last_loss"] < r["first_loss"] for r in capacity.values())    # it trains at every capacity
 
 
 @pytest.mark.parametrize("argv, words", [
