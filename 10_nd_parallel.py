@@ -1493,7 +1493,7 @@ def main(argv=None):
     cases = [(shape, args.tie, args.schedule)] if single else [c for cases in SUITE.values() for c in cases]
     for s, _, sched in cases:
         check_mesh(s, dims, microbatches(args, s), args.batch_size, not args.no_verify,
-                   not args.no_bench and s in timed, sched, chunks_of(sched, args.chunks if single else SUITE_CHUNKS),
+                   not args.no_bench and s in timed and (single or sched == "1f1b"), sched, chunks_of(sched, args.chunks if single else SUITE_CHUNKS),
                    args.context_length, args.cp_method, args.sp)
 
     if not args.no_verify:
