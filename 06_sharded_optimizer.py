@@ -366,6 +366,10 @@ class ShardedGradientOptimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state_dict["inner"])
 
 
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor   # (older: *_tensor)
+
+
 class _GradBucket:
     """Parameters as views of one flat buffer (padded to world_size slices); this rank's
     slice of their gradients, summed over the group, and the pieces the optimizer steps."""
@@ -415,7 +419,7 @@ class _GradBucket:
             self.buffer = torch.zeros(self.k * self.world_size, dtype=self.grad.dtype, device=self.grad.device)
             self.given = torch.zeros_like(self.flags)
         out = torch.empty_like(self.grad)
-        self.work = (out, self.given, dist.reduce_scatter_tensor(out, self.buffer, group=self.group, async_op=True),
+        self.work = (out, self.given, _reduce_scatter(out, self.buffer, group=self.group, async_op=True),
                      dist.all_reduce(self.given, group=self.group, async_op=True))
         self.buffer, self.given = None, None   # freed once the collective is done with it
         self.remaining, self._seen = len(self.params), [False] * len(self.params)
@@ -436,8 +440,8 @@ class _GradBucket:
             piece.grad = self.grad[s:e] if self.flags[j] > 0 or piece.grad is not None else None
 
     def all_gather(self):
-        return dist.all_gather_into_tensor(self.flat, self.flat[self.rank * self.k:(self.rank + 1) * self.k].clone(),
-                                           group=self.group, async_op=True)
+        return _all_gather(self.flat, self.flat[self.rank * self.k:(self.rank + 1) * self.k].clone(),
+                           group=self.group, async_op=True)
 
     def clear(self, set_to_none=True):
         self.grad.zero_()

@@ -26,6 +26,7 @@ side. Writes results/07_fsdp.{json,md} and results/07_fsdp_memory.{json,md}.
 
 import copy
 import os
+import sys
 import time
 
 import torch.nn.functional as F
@@ -875,10 +876,28 @@ class StepPeak:
             from torch.profiler import ProfilerActivity, profile
             c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
             self.flag = ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage")
+            self._spend_the_warning()
             self.flag.value = True
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.__enter__()
         return self
+
+    def _spend_the_warning(self):
+        """c10 logs a warning the first time (then every 1000th) a block allocated before the
+        count is freed during it. Such frees are expected here and simply not counted (a
+        block a worker's setup allocated, freed by the collector inside the step), so the
+        one warning is spent on a block of our own, with this process's stderr silenced."""
+        block = torch.empty(16)
+        self.flag.value = True
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        try:
+            del block
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
 
     @contextlib.contextmanager
     def step(self):

@@ -122,7 +122,8 @@ def h07(results):
 
 def h08(results):
     doc = load("08_tensor_parallel", results)
-    parts = [f"TP {r['tp']} {spread(r)}" for r in doc["rows"] if r.get("vs_torch") is not None]
+    parts = [f"TP {r['tp']}{' + SP' if '+ SP' in r['method'] else ''} {spread(r)}" for r in doc["rows"]
+             if r.get("vs_torch") is not None]
     return f"vs torch TP: {', '.join(parts)} ({where(doc)})"
 
 
