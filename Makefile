@@ -2,6 +2,9 @@
 #            each, [k/N] and how long it took last time; after all, a summary table
 #            (results/SUMMARY.md), and the README's and docs/' tables and headlines refreshed.
 #            A script that fails does not stop the others; make all then exits 1 naming it.
+# make levers the memory levers' tables (bf16 in 05 and 07, sequence parallelism in 08,
+#            recomputation in 09, all of them on one mesh of 10), each verified first, into
+#            results/NN_*/ folders (about 5 minutes; not in `all`, which must stay under 15)
 # make test  runs the test suite
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
 # Each sets up .venv from requirements.txt first when it is missing or out of date.
@@ -11,7 +14,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -29,8 +32,10 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# 5 timed iterations a size (the script's default is 10; a 1 GB all-reduce at 6 ranks takes
+# 2.5 s here): make all stays under 15 minutes
 01: $(STAMP)
-	$(PY) 01_allreduce_bench.py
+	$(PY) 01_allreduce_bench.py --iters 5 --warmup 2
 
 # Every collective, ring and tree all-reduce from scratch (about 2 minutes; not in `all`,
 # which must stay under 15 minutes on 2 cores)
@@ -49,9 +54,7 @@ clean-results:
 04: $(STAMP)
 	$(PY) 04_overlap_ddp.py
 
-# 10 paired steps a setting (the script's default is 20): make all stays under 15 minutes.
-# The write-up's bf16 table (verified, and beside float32, ours and torch DDP's), 40 s more:
-#   python 05_bucketed_ddp.py --steps 10 --dtype bf16 --bucket-mb 25 --models lm --no-baselines --out results/05_bf16
+# 10 paired steps a setting (the script's default is 20): make all stays under 15 minutes
 05: $(STAMP)
 	$(PY) 05_bucketed_ddp.py --steps 10
 
@@ -59,29 +62,38 @@ clean-results:
 06: $(STAMP)
 	$(PY) 06_sharded_optimizer.py --steps 10
 
-# with bf16: FSDP reducing in float32 beside FSDP2's MixedPrecisionPolicy(bf16, float32)
 07: $(STAMP)
-	$(PY) 07_fsdp.py --dtype bf16
+	$(PY) 07_fsdp.py
 
 # 2 ranks (TP 2 against DP 2 and torch's TP): make all stays under 15 minutes on 2 cores.
 # The script's default adds 4 ranks (TP 4, TP 2 x DP 2), about 2 minutes more here:
 #   python 08_tensor_parallel.py --warmup 3 --out results/08_world_sizes_2_4
 08: $(STAMP)
-	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2 --sp
+	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2
 
 # 2 stages at m = 1 and 8, the bubble's two ends, every schedule (interleaved at m = 8 only:
-# groups of p), each recomputation mode (verified bit for bit, its memory and time): make all
-# stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
+# groups of p): make all stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --out results/09_stages_2_4
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 4 8 --steps 20 --no-verify --out results/09_schedules
 09: $(STAMP)
-	$(PY) 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --stages 2 --recompute none selective full
+	$(PY) 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --stages 2
 
-# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition, and the XXL plan.
-# The write-up's levers mesh (sequence parallelism, selective recomputation, bf16), 40 s more:
-#   python 10_nd_parallel.py --warmup 3 --pp 2 --tp 2 --sp --recompute selective --dtype bf16 --out results/10_levers
+# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition, and the XXL plan
 10: $(STAMP)
 	$(PY) 10_nd_parallel.py --warmup 3
+
+# The memory levers, each verified, then measured beside float32 / no lever and torch's twin:
+# bf16 autocast in 05 (25 MB buckets, ours and torch DDP) and 07 (FSDP reducing in float32
+# beside FSDP2's MixedPrecisionPolicy); sequence parallelism in 08 (beside torch's
+# SequenceParallel); each recomputation mode in 09 (2 stages, 1F1B, m 8); and all three on
+# one mesh of 10 (pp 2 x tp 2)
+levers: $(STAMP)
+	$(PY) 05_bucketed_ddp.py --steps 10 --dtype bf16 --bucket-mb 25 --models lm --no-baselines --out results/05_bf16
+	$(PY) 07_fsdp.py --dtype bf16 --out results/07_bf16
+	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2 --sp --out results/08_sp
+	$(PY) 09_pipeline_parallel.py --warmup 3 --microbatches 8 --stages 2 --schedule 1f1b \
+	    --recompute none selective full --out results/09_recompute
+	$(PY) 10_nd_parallel.py --warmup 3 --pp 2 --tp 2 --sp --recompute selective --dtype bf16 --out results/10_levers
 
 # cp 2: every method and layout verified, timed at 512 and 2048 tokens; the write-up adds cp 4:
 #   python 11_context_parallel.py --cp 4 --out results/11_cp_4

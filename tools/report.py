@@ -104,8 +104,15 @@ def h06(results):
     ratio = max(v / state[("plain", rank)] for (opt, rank), v in state.items() if opt == "sharded")
     r = rows_by(doc)
     ours, zero = r["ShardedOptimizer(AdamW)"], r["ZeroRedundancyOptimizer(AdamW)"]
-    return (f"optimizer state per rank {x(ratio)} unsharded; step {x(ours['step_ms'] / zero['step_ms'])} "
-            f"ZeroRedundancyOptimizer's ({where(doc)})")
+    text = (f"optimizer state per rank {x(ratio)} unsharded; step {x(ours['step_ms'] / zero['step_ms'])} "
+            f"ZeroRedundancyOptimizer's")
+    stages = load("06_zero_stages", results)
+    if stages:   # ZeRO-2 at 25 MB beside stage 1 (ours) and its torch twin
+        by = rows_by(stages)
+        z2, z1 = by["ShardedGradientOptimizer, 25 MB buckets (ours)"], by["DDPBucketed + ShardedOptimizer (ours)"]
+        text += (f"; ZeRO-2: state {x(z2['state_MB'] / z1['state_MB'])} and step peak "
+                 f"{x(z2['step_peak_MB'] / z1['step_peak_MB'])} stage 1's, step {spread(z2)} FSDP2 unresharded's")
+    return f"{text} ({where(doc)})"
 
 
 def h07(results):
@@ -113,8 +120,9 @@ def h07(results):
     ours = next(r for r in doc["rows"] if r["method"].startswith("FSDP"))
     peak = max(r["vs_fsdp2"] for r in mem["rows"] if r["method"].startswith("FSDP") and "bf16" not in r["method"])
     text = f"vs FSDP2: step {spread(ours)}, live peak {x(peak)}"
-    bf16 = [r for r in doc["rows"] if r["method"].startswith("FSDP (bf16")]
-    if bf16:   # make all's run adds the mixed-precision pair
+    mixed = load("07_bf16/07_fsdp", results)   # make levers: the mixed-precision pair
+    bf16 = [r for r in (mixed or {"rows": []})["rows"] if r["method"].startswith("FSDP (bf16")]
+    if bf16:
         text += (f"; bf16 (float32 reduction) vs FSDP2's policy: step {spread(bf16[0])}, sent "
                  f"{bf16[0]['comm_MB']:.0f} MB against float32's {ours['comm_MB']:.0f}")
     return f"{text} ({where(doc)})"
