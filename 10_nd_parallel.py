@@ -944,7 +944,7 @@ def benchmark(ctx, args, shapes, dims, trace=None):
     schedule, chunks = args.schedule, chunks_of(args.schedule, args.chunks)
     levers = {k: getattr(args, k, d) for k, d in (("sp", False), ("recompute", "none"), ("dtype", "float32"))}
     for shape in shapes:
-        m, name = microbatches(args, shape), label(shape, False, schedule, chunks)
+        m, name = microbatches(args, shape), label(shape, False, schedule, chunks) + lever_label(**levers)
         batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
         holder = {}
 
