@@ -464,8 +464,7 @@ def checkpoint_case(ctx, args, path, action, ep, saved_world=None, steps=4, k=2)
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = build(VERIFY_LM, VERIFY_T, 4, 2, 0.0, args.seed, ctx.device)
     model = expert_parallel(copy.deepcopy(ref), *ep_groups(world, ep))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) if clip is None else
-            torch.optim.SGD(m.parameters(), lr=1.0) for m in (ref, model)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
     for step in range(steps):
         x, y = common.lm_batch(8, VERIFY_T, step, args.seed, ctx.device)
         shards = saved_world if action == "resume" and step < k else world
