@@ -752,7 +752,7 @@ def verify(ctx, args, n_stages, microbatches, schedules, chunks, modes=("none",)
     dp = ctx.world_size // n_stages
     pipe_group, dp_group, lines = pp_dp_groups(ctx.world_size, n_stages)
     groups = (pipe_group, dp_group, tied_group(lines))
-    batch = 2 * math.lcm(*microbatches) * dp   # two sequences per micro-batch at the largest count
+    batch = math.lcm(*microbatches) * dp   # one sequence per micro-batch at the largest count
     layout = f"p {n_stages}" + (f" x {dp} replicas" if dp > 1 else "")
     out = {}
     for m in microbatches:

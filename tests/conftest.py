@@ -22,7 +22,7 @@ def load(script: str):
 
 def verify_args(world_size, **kw):
     ns = dict(world_size=world_size, backend="gloo", device="cpu", seed=0, data="random",
-              data_root=str(ROOT / "data"), verify_steps=5, timeout=60.0)
+              data_root=str(ROOT / "data"), verify_steps=4, timeout=60.0)
     ns.update(kw)
     return argparse.Namespace(**ns)
 

@@ -93,7 +93,8 @@ def test_launch_order_is_identical_on_all_ranks_even_when_one_rank_lacks_a_gradi
 
 def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
     p = run_inline("05_bucketed_ddp.py", "--world-size", "2", "--model-size", "nano", "--bucket-mb", "0.1", "10",
-                   "--steps", "2", "--warmup", "1", "--verify-steps", "2", "--dtype", "bf16", "--out", str(tmp_path))
+                   "--steps", "2", "--warmup", "1", "--verify-steps", "2", "--dtype", "bf16", "--context-length", "16",
+                   "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "PASS" in p.stdout and "predicted best bucket" in p.stdout
     assert "verify 05_bucketed_ddp, bf16, at 2 rank(s): PASS" in p.stdout   # same autocast, and float32's losses

@@ -93,7 +93,7 @@ def test_state_dict_belongs_to_one_rank(one_rank):
 
 def test_script_writes_memory_and_timing(tmp_path):
     p = run_inline("06_sharded_optimizer.py", "--world-size", "2", "--model-size", "nano", "--steps", "2",
-                   "--warmup", "1", "--no-verify", "--out", str(tmp_path))
+                   "--warmup", "1", "--no-verify", "--context-length", "16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "deprecated" not in p.stderr   # only the kit's own lines (torch >= 2.14 renamed two collectives)
     rows = json.loads((tmp_path / "06_sharded_optimizer.json").read_text())["rows"]

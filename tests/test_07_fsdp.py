@@ -211,7 +211,7 @@ def test_bf16_weights_with_float32_reduction_match_one_process_and_float32_losse
 
 def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
     p = run_inline("07_fsdp.py", "--world-size", "2", "--model-size", "nano", "--steps", "2", "--warmup", "1",
-                   "--no-verify", "--dtype", "bf16", "--out", str(tmp_path))
+                   "--no-verify", "--dtype", "bf16", "--context-length", "16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "07_fsdp.json").read_text())["rows"]
     assert [r["method"].split()[0] for r in rows] == ["DDP", "DDP", "FSDP", "torch", "FSDP", "torch"]

@@ -155,7 +155,7 @@ def test_a_failing_stage_ends_the_job_while_its_neighbour_waits_in_recv(tmp_path
 def test_script_writes_table_timelines_and_memory(tmp_path):
     p = run_inline("09_pipeline_parallel.py", "--stages", "2", "--microbatches", "1", "2", "--model-size", "mini",
                    "--steps", "1", "--warmup", "0", "--no-verify", "--recompute", "selective", "full",
-                   "--out", str(tmp_path))
+                   "--context-length", "32", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rc = {r["recompute"]: r for r in json.loads((tmp_path / "09_recompute.json").read_text())["rows"]}
     assert list(rc) == ["none", "selective", "full"]
