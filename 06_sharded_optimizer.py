@@ -146,29 +146,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         if state_dict.get("consolidated"):   # the whole state: keep what this rank owns now
-            params = [p for g in self.param_groups for p in g["params"]]
-            if [len(g["params"]) for g in state_dict["param_groups"]] != [len(g["params"]) for g in self.param_groups]:
-                raise ValueError("the saved parameter groups differ from this optimizer's")
-            index = {id(p): i for i, p in enumerate(params)}
-            inner, n = {"state": {}, "param_groups": []}, 0
-            for g, saved, inner_group in zip(self.param_groups, state_dict["param_groups"], self.optim.param_groups):
-                g.update({k: v for k, v in saved.items() if k != "params"})
-                ids = []
-                for p in inner_group["params"]:
-                    if index[id(p)] in state_dict["state"]:
-                        inner["state"][n] = state_dict["state"][index[id(p)]]
-                    ids.append(n)
-                    n += 1
-                inner["param_groups"].append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-            self.optim.load_state_dict(inner)
-            return
-        if (state_dict["rank"], state_dict["world_size"]) != (self.rank, self.world_size):
-            raise ValueError(f"this state is rank {state_dict['rank']} of {state_dict['world_size']}; "
-                             f"load each rank's own file (here rank {self.rank} of {self.world_size}), "
-                             f"or a consolidate_state_dict() one")
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
-            g.update(saved)
-        self.optim.load_state_dict(state_dict["inner"])
+            index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            _load_state(self, state_dict, lambda p: state_dict["state"].get(index[id(p)]))
+        else:
+            _load_state(self, state_dict)
 
     def owned_params(self, rank=None):
         return list(self._owned[self.rank if rank is None else rank])
@@ -336,34 +317,49 @@ class ShardedGradientOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         if state_dict.get("consolidated"):   # the whole state: keep this rank's slices
-            if [len(g["params"]) for g in state_dict["param_groups"]] != [len(g["params"]) for g in self.param_groups]:
-                raise ValueError("the saved parameter groups differ from this optimizer's")
-            params = [p for g in self.param_groups for p in g["params"]]
-            index = {p: i for i, p in enumerate(params)}
-            inner, n = {"state": {}, "param_groups": []}, 0
-            for g, saved, inner_group in zip(self.param_groups, state_dict["param_groups"], self.optim.param_groups):
-                g.update({k: v for k, v in saved.items() if k != "params"})
-                owner = {id(piece): (b, p) for b in self.buckets for p, piece in b.pieces.items()}
-                ids = []
-                for piece in inner_group["params"]:
-                    b, p = owner[id(piece)]
-                    st = state_dict["state"].get(index[p])
-                    if st:
-                        lo, hi = b.piece_range[p]
-                        inner["state"][n] = {k: v.reshape(-1)[lo:hi].clone() if torch.is_tensor(v) and v.dim() > 0
-                                             else v for k, v in st.items()}
-                    ids.append(n)
-                    n += 1
-                inner["param_groups"].append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-            self.optim.load_state_dict(inner)
-            return
-        if (state_dict["rank"], state_dict["world_size"]) != (self.rank, self.world_size):
+            index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            owner = {id(piece): (b, p) for b in self.buckets for p, piece in b.pieces.items()}
+
+            def piece_state(piece):
+                b, p = owner[id(piece)]
+                st = state_dict["state"].get(index[p])
+                if not st:
+                    return None
+                lo, hi = b.piece_range[p]
+                return {k: v.reshape(-1)[lo:hi].clone() if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in st.items()}
+            _load_state(self, state_dict, piece_state)
+        else:
+            _load_state(self, state_dict)
+
+
+def _load_state(opt, state_dict, saved_state=None):
+    """Both sharded optimizers' load_state_dict. ``saved_state`` (a consolidated state):
+    the saved state of each of the inner optimizer's parameters, or None; the groups'
+    hyperparameters come from the saved groups. Without it: this rank's own file."""
+    if saved_state is None:
+        if (state_dict["rank"], state_dict["world_size"]) != (opt.rank, opt.world_size):
             raise ValueError(f"this state is rank {state_dict['rank']} of {state_dict['world_size']}; load each "
-                             f"rank's own file (here rank {self.rank} of {self.world_size}), or a "
+                             f"rank's own file (here rank {opt.rank} of {opt.world_size}), or a "
                              f"consolidate_state_dict() one")
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+        for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
             g.update(saved)
-        self.optim.load_state_dict(state_dict["inner"])
+        opt.optim.load_state_dict(state_dict["inner"])
+        return
+    if [len(g["params"]) for g in state_dict["param_groups"]] != [len(g["params"]) for g in opt.param_groups]:
+        raise ValueError("the saved parameter groups differ from this optimizer's")
+    inner, n = {"state": {}, "param_groups": []}, 0
+    for g, saved, inner_group in zip(opt.param_groups, state_dict["param_groups"], opt.optim.param_groups):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+        ids = []
+        for p in inner_group["params"]:
+            st = saved_state(p)
+            if st is not None:
+                inner["state"][n] = st
+            ids.append(n)
+            n += 1
+        inner["param_groups"].append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+    opt.optim.load_state_dict(inner)
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
