@@ -502,11 +502,6 @@ def one_attention(ctx, t, h, d, method):
     tensors live in this function only, so none is freed inside the next one's count."""
     fsdp = common.load_script(common.ROOT / "07_fsdp.py")
     cp = ctx.world_size
-    saved = {}
-
-    def pack(x):
-        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
     with fsdp.StepPeak(ctx.device) as mem, common.count_collectives() as c:   # first: every free counted
         g = torch.Generator().manual_seed(t)
         q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
@@ -514,14 +509,14 @@ def one_attention(ctx, t, h, d, method):
             q, k, v, dout = (shard_sequence(x, ctx.rank, cp, "zigzag", dim=2) for x in (q, k, v, dout))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         with mem.step():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            with common.saved_for_backward() as saved:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if method == "one process" \
                     else context_parallel_attention(q, k, v, None, method, "zigzag")
             o.backward(dout)
     sent = common.sent_bytes(c.log)
     block = q.numel() * q.element_size()
     row = {"seq_len": t, "method": method, "cp": 1 if method == "one process" else cp,
-           "saved_MB": sum(saved.values()) / 1e6, "saved_formula_MB": saved_bytes(
+           "saved_MB": saved.bytes / 1e6, "saved_formula_MB": saved_bytes(
                method, 1 if method == "one process" else cp, 1, h, t, d) / 1e6,
            "peak_MB": mem.peak / 1e6, "sent_MB": sent / 1e6,
            "sent_formula_MB": 0.0 if method == "one process" else attention_bytes(method, cp, block) / 1e6}
