@@ -32,13 +32,12 @@ and ping-pong 1. With both from-scratch all-reduces timed, the alpha-beta model 
 (time = alpha x latency steps + bytes / beta) is fitted and the size where the ring
 overtakes the tree is given per rank count.
 
-Writes results/01_allreduce.{json,md}, _time.png, _busbw.png when only all_reduce runs,
-else results/01_collectives.* (plus _summary.{json,md}, one row per op and rank count,
+Writes <out>/01_allreduce.{json,md}, _time.png, _busbw.png when only all_reduce runs,
+else <out>/01_collectives.* (plus _summary.{json,md}, one row per op and rank count,
 and _ring_tree.png), rewritten after every configuration so that a killed run keeps what
 it measured.
 """
 
-import argparse
 import os
 import time
 
@@ -497,23 +496,22 @@ HEADERS = ["backend", "device", "ranks", "size_mb", "iters", "time_ms", "min_ms"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.KitParser(description=__doc__.split("\n\n")[0])
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     default_configs = ["gloo-cpu"] + (["nccl-cuda"] if n_gpus else [])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=default_configs,
-                   help=f"backend-device pairs (default here: {' '.join(default_configs)})")
+                   help="backend-device pairs")
     p.add_argument("--ops", nargs="+", default=["all_reduce"], metavar="OP",
-                   help=f"collectives to time: all, or any of {', '.join(OPS)} (default: all_reduce)")
-    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 6])
-    p.add_argument("--sizes-mb", nargs="+", type=float, default=None,
+                   help=f"collectives to time: all, or any of {', '.join(OPS)}")
+    p.add_argument("--world-sizes", nargs="+", type=common.COUNT, default=[2, 4, 6])
+    p.add_argument("--sizes-mb", nargs="+", type=common.number(float, above=0), default=None,
                    help="default: 1 10 100 1000 for all_reduce alone, else 0.001 0.01 0.1 1 10 100")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations per size (at least 1)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--time-box", type=float, default=300.0,
+    p.add_argument("--iters", type=common.COUNT, default=10, help="timed iterations per size")
+    p.add_argument("--warmup", type=common.COUNT0, default=5, help="untimed iterations per size first")
+    p.add_argument("--time-box", type=common.SECONDS, default=300.0,
                    help="seconds per configuration and op; past it a size stops after its current iteration")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--out", default=str(common.ROOT / "results"))
+    p.add_argument("--timeout", type=common.SECONDS, default=600.0, help="seconds a collective may wait")
+    p.add_argument("--out", default=common.DEFAULT_OUT, help="folder for results (make all writes results/)")
     p.add_argument("--name", default=None, help="results file stem (default: 01_allreduce for all_reduce "
                                                 "alone, else 01_collectives)")
     args = p.parse_args(argv)
@@ -523,12 +521,8 @@ def main(argv=None):
     args.name = args.name or ("01_allreduce" if alone else "01_collectives")
     args.configs = list(dict.fromkeys(args.configs))   # each once, in the order given
     args.world_sizes = list(dict.fromkeys(args.world_sizes))
-    if any(ws < 1 for ws in args.world_sizes):
-        raise common.UsageError(f"--world-sizes must all be at least 1, got {args.world_sizes}")
-    if any(not s > 0 for s in args.sizes_mb):
-        raise common.UsageError(f"--sizes-mb must all be positive, got {args.sizes_mb}")
-    if args.iters < 1 or args.warmup < 0 or not args.time_box > 0:
-        raise common.UsageError("--iters must be at least 1, --warmup at least 0, --time-box positive")
+    if any(c.startswith("gloo") for c in args.configs):
+        common.check_ranks(max(args.world_sizes), "gloo", "--world-sizes")
     common.check_out(args.out)
     if common.under_torchrun():
         args.world_sizes = [int(os.environ["WORLD_SIZE"])]
@@ -547,9 +541,7 @@ def main(argv=None):
         try:
             got = common.launch(bench_worker, args, ops, world_size=ws, backend=backend, device=device)
         except common.LaunchError as e:
-            lines = str(e).strip().splitlines()   # first line: which rank; last: its exception
-            failed.append(f"{backend}+{device} at {ws} ranks failed: {lines[0]}"
-                          + (f" {lines[-1].strip()}" if len(lines) > 1 else ""))
+            failed.append(f"{backend}+{device} at {ws} ranks failed: {str(e).splitlines()[0]}")   # rank and error
             print(f"{backend}+{device} at {ws} ranks failed: {e}")
             continue
         if not report:

@@ -12,7 +12,7 @@ Run:
 
 Prints PASS/FAIL for each verification case (weights against single-process training on
 the same global batch), then a table of step time and gradient-communication time.
-Writes results/02_naive_ddp.{json,md}.
+Writes <out>/02_naive_ddp.{json,md}.
 """
 
 import common

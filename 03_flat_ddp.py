@@ -11,7 +11,7 @@ Run:
 
 Prints PASS/FAIL per verification case, then a table of naive (per-parameter) and flat DDP
 measured in the same run: step time, communication time and share, collectives per step.
-Writes results/03_flat_ddp.{json,md}.
+Writes <out>/03_flat_ddp.{json,md}.
 """
 
 import common

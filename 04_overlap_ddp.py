@@ -10,8 +10,8 @@ Prints PASS/FAIL per verification case, then naive, flat and overlapped DDP meas
 the same run: step time and *exposed* communication (the time spent waiting in
 finish_gradient_synchronization after backward returns). Then it profiles one step of
 naive and of overlapped DDP with torch.profiler and draws each as a timeline.
-Writes results/04_overlap_ddp.{json,md}, results/04_timeline_naive.png and
-results/04_timeline_overlap.png.
+Writes <out>/04_overlap_ddp.{json,md}, <out>/04_timeline_naive.png and
+<out>/04_timeline_overlap.png.
 """
 
 import common

@@ -18,7 +18,7 @@ median of the paired steps' ratios, with their min and max) and plain training w
 processes, measured interleaved step by step on CPU; vs_plain is each wrapper's cost over
 plain training), plus per-parameter (04) and flat (03) DDP as the two ends. Then it fits the all-reduce cost t = o + bytes/w
 and prints the bucket size the overhead model predicts beside the measured best.
-Writes results/05_bucketed_ddp.{json,md} and results/05_bucket_sweep.png. Each bucket size
+Writes <out>/05_bucketed_ddp.{json,md} and <out>/05_bucket_sweep.png. Each bucket size
 is its own job (fresh processes) and the table is rewritten after each, so a run cut short
 keeps what it measured; --time-box stops starting new sizes after that many seconds.
 """
@@ -531,7 +531,7 @@ NAME, TITLE = "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same buc
 
 def main(argv=None):
     p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
-    p.add_argument("--bucket-mb", nargs="+", type=float, default=[1, 10, 100],
+    p.add_argument("--bucket-mb", nargs="+", type=common.number(float, above=0), default=[1, 10, 100],
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit; on the 33 MB mini "
                         "models 100 already holds all but the first 1 MB in one bucket)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
@@ -539,14 +539,10 @@ def main(argv=None):
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also time 04's per-parameter and 03's flat DDP (--no-baselines: the sweep only)")
     common.add_dtype_flag(p)
-    p.add_argument("--time-box", type=float, default=None,
+    p.add_argument("--time-box", type=common.SECONDS, default=None,
                    help="seconds of benchmarking after which no further bucket size starts "
                         "(what ran is saved; the first size always runs)")
     args = common.parse(p, argv)
-    if any(not b > 0 for b in args.bucket_mb):
-        raise common.UsageError(f"--bucket-mb must be positive, got {args.bucket_mb}")
-    if args.time_box is not None and not args.time_box > 0:
-        raise common.UsageError(f"--time-box must be positive, got {args.time_box}")
     caps = list(dict.fromkeys(args.bucket_mb))   # each size once
     report = common.is_reporter()
 

@@ -17,7 +17,7 @@ init, before the optimizer step, after it) broken into parameters, gradients, op
 state and other, with and without sharding; then time per iteration for plain AdamW,
 ShardedOptimizer(AdamW) and torch's ZeroRedundancyOptimizer(AdamW), measured side by side;
 then ZeRO's stages 1, 2 and 3 on one table (state kept, peak during a step, time), each of
-ours beside torch's twin. Writes results/06_sharded_memory, 06_sharded_optimizer and
+ours beside torch's twin. Writes <out>/06_sharded_memory, 06_sharded_optimizer and
 06_zero_stages (.json and .md).
 """
 

@@ -21,7 +21,7 @@ Run:
 Prints PASS/FAIL per verification case, then step time and per-rank memory (parameters,
 gradients, optimizer state, peak) for DDP (05's DDPBucketed), DDP with the sharded
 optimizer (06), FSDP and torch's FSDP2 (fully_shard on the same units), measured side by
-side. Writes results/07_fsdp.{json,md} and results/07_fsdp_memory.{json,md}.
+side. Writes <out>/07_fsdp.{json,md} and <out>/07_fsdp_memory.{json,md}.
 """
 
 import copy

@@ -40,7 +40,7 @@ against one process), then per world size a table: step time, time the collectiv
 bytes communicated per step (counted) beside the formula's, collectives per step and
 parameter memory per rank, for data parallelism alone, our TP, torch's TP
 (ColwiseParallel/RowwiseParallel on the same model), the naive all-gather TP and TP x DP.
-Writes results/08_tensor_parallel.{json,md}.
+Writes <out>/08_tensor_parallel.{json,md}.
 """
 
 import copy
@@ -905,20 +905,26 @@ NAME, TITLE = "08_tensor_parallel", "Tensor parallelism against data parallelism
 
 
 def main(argv=None):
-    p = common.script_parser(__doc__)
-    p.add_argument("--world-sizes", nargs="+", type=int, default=None,
+    p = common.script_parser(__doc__, world="see --world-sizes")
+    p.add_argument("--world-sizes", nargs="+", type=common.number(int, 2), default=None,
                    help="one job per world size (default: 2 4, with NCCL those this machine has GPUs for; "
-                        "ignored under torchrun: its world size)")
-    p.add_argument("--tp", nargs="+", type=int, default=None,
+                        "--world-size N: N alone; under torchrun: its world size)")
+    p.add_argument("--tp", nargs="+", type=common.number(int, 2), default=None,
                    help="tensor-parallel degrees (default: every divisor > 1 of each world size); "
                         "the rest of the ranks are data parallel")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism too: verified at every TP degree, timed beside torch's "
                         "SequenceParallel, its activation memory and bytes beside their formulas")
     p.set_defaults(batch_size=8)
-    args = common.parse(p, argv)
+    first = p.parse_args(argv)
+    if first.world_size is not None and first.world_sizes and not common.under_torchrun():
+        raise common.UsageError("--world-size and --world-sizes both given: --world-size N is --world-sizes N")
+    args = common.parse(p, argv, world=lambda a: a.world_size or max(a.world_sizes or [2]), batch_unit=lambda a: None)
     sizes = [args.world_size] if common.under_torchrun() else list(dict.fromkeys(
+        [first.world_size] if first.world_size else
         args.world_sizes or [w for w in (2, 4) if common.nccl_fits(args.backend, w)]))
+    for w in sizes:
+        common.check_ranks(w, args.backend, "--world-sizes")
     if not sizes or not all(common.nccl_fits(args.backend, w) for w in sizes):
         raise common.UsageError(f"tensor parallelism needs 2 or more ranks, and nccl a GPU per rank: "
                                 f"world sizes {sizes or [2]} but {common.gpu_count()} GPU(s) here; {common.NCCL_HINT}")

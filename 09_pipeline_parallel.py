@@ -42,8 +42,8 @@ schedule and number of micro-batches beside torch.distributed.pipelining on the 
 stages (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and ScheduleInterleaved-
 ZeroBubble with one stage per rank for zb1), the measured bubble beside the schedule's on
 paper, peak activation memory and point-to-point bytes per stage beside their formulas.
-Writes results/09_pipeline_parallel.{json,md} and a timeline per schedule,
-results/09_timeline_{gpipe,1f1b,interleaved,zb1}.png.
+Writes <out>/09_pipeline_parallel.{json,md} and a timeline per schedule,
+<out>/09_timeline_{gpipe,1f1b,interleaved,zb1}.png.
 """
 
 import copy
@@ -1056,31 +1056,50 @@ RC_NAME, RC_TITLE = "09_recompute", "Activation recomputation: memory per stage 
 
 
 def main(argv=None):
-    p = common.script_parser(__doc__)
-    p.add_argument("--stages", nargs="+", type=int, default=None,
-                   help="pipeline depths, one job each (default: 2 4, with NCCL those this machine has GPUs for)")
-    p.add_argument("--replicas", type=int, default=1,
+    # mini's width, enough blocks to balance 4 stages
+    p = common.script_parser(__doc__, cpu_size="mini8", world="--stages x --replicas",
+                             batch="--replicas x the least common multiple of 8 and the micro-batch counts; "
+                                   "a replica cuts its part into micro-batches")
+    p.add_argument("--stages", nargs="+", type=common.number(int, 2), default=None,
+                   help="pipeline depths, one job each (default: 2 4, with NCCL those this machine has GPUs for; "
+                        "with --world-size W: W / --replicas)")
+    p.add_argument("--replicas", type=common.COUNT, default=1,
                    help="data-parallel replicas of every stage (world size = stages x replicas)")
-    p.add_argument("--microbatches", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--microbatches", nargs="+", type=common.COUNT, default=None,
+                   help="micro-batches a step, one row each (default: 1 2 4 8; with --schedule interleaved, the "
+                        "stages' least common multiple and twice that, the groups of p it needs)")
     p.add_argument("--schedule", nargs="+", default=None,
                    help=f"schedules, of {', '.join(SCHEDULES)} (default: all; interleaved only where the "
                         f"micro-batches are a multiple of the stages)")
-    p.add_argument("--chunks", type=int, default=2, help="interleaved: chunks of layers per stage (v)")
+    p.add_argument("--chunks", type=common.COUNT, default=2, help="interleaved: chunks of layers per stage (v)")
     p.add_argument("--recompute", nargs="+", default=["none"], choices=RECOMPUTE,
                    help="activation recomputation of the blocks: verified bit for bit against none (every schedule "
                         "at the largest m), and a table per mode: activation memory per stage beside the formula, "
                         "step time beside none (1F1B at the largest m)")
-    p.set_defaults(batch_size=8, context_length=64)
-    args = common.parse(p, argv, cpu_size="mini8")   # mini's width, enough blocks to balance 4 stages
+    p.set_defaults(context_length=64)
+    first = p.parse_args(argv)
+    if first.world_size is not None and not common.under_torchrun():
+        if first.world_size % first.replicas:
+            raise common.UsageError(f"--world-size {first.world_size} is not a multiple of --replicas {first.replicas}: "
+                                    f"the world is stages x replicas")
+        wrong = [s for s in first.stages or [] if s * first.replicas != first.world_size]
+        if wrong:
+            raise common.UsageError(f"--world-size {first.world_size} but --stages {wrong[0]} x --replicas "
+                                    f"{first.replicas} is {wrong[0] * first.replicas} ranks: leave --world-size out "
+                                    f"or match it")
+        if first.world_size // first.replicas < 2:
+            raise common.UsageError(f"--world-size {first.world_size} leaves {first.world_size // first.replicas} "
+                                    f"stage(s) a replica: a pipeline needs 2 or more")
+    args = common.parse(p, argv, world=lambda a: a.world_size or max(a.stages or [2]) * a.replicas,
+                        batch_unit=lambda a: None, world_flag="--world-size" if first.world_size else
+                        "--stages x --replicas")
+    if first.world_size is not None and not common.under_torchrun():
+        args.stages = args.stages or [first.world_size // args.replicas]
     n_layers = common.MODEL_SIZES[args.model_size][2]
     unknown = [s for s in args.schedule or [] if s not in SCHEDULES]
     if unknown:
         raise common.UsageError(f"unknown --schedule {unknown[0]!r}: choose from {', '.join(SCHEDULES)}")
     schedules = list(dict.fromkeys(args.schedule or SCHEDULES))
-    if args.replicas < 1:
-        raise common.UsageError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.chunks < 1:
-        raise common.UsageError(f"--chunks must be at least 1, got {args.chunks}")
     modes = list(dict.fromkeys(args.recompute))
     if "full" in modes and args.schedule and schedules == ["zb1"]:
         raise common.UsageError("--recompute full with --schedule zb1: zb1's weight gradients come from each "
@@ -1090,6 +1109,13 @@ def main(argv=None):
     if not stages or not all(common.nccl_fits(args.backend, s * args.replicas) for s in stages):
         raise common.UsageError(f"a pipeline needs 2 or more ranks, and nccl a GPU per rank: {stages or [2]} stages x "
                                 f"{args.replicas} replicas but {common.gpu_count()} GPU(s) here; {common.NCCL_HINT}")
+    for s in stages:
+        common.check_ranks(s * args.replicas, args.backend, f"--stages {s} x --replicas {args.replicas}")
+    if args.microbatches is None:   # what the schedules asked for can run
+        group = math.lcm(*stages)
+        args.microbatches = [group, 2 * group] if args.schedule and "interleaved" in schedules else [1, 2, 4, 8]
+    if args.batch_size is None:
+        args.batch_size = args.replicas * math.lcm(8, *args.microbatches)
     if common.under_torchrun():   # the world is given: every depth must divide it
         bad = [s for s in stages if args.world_size % s]
         if bad:

@@ -41,9 +41,9 @@ process trained on the same global batches with AdamW clipped by the global norm
 bytes each axis sends per step counted beside the closed-form prediction, the memory per
 rank beside its prediction, and step time and tokens/s per rank beside torch's own
 composition (init_device_mesh + fully_shard + parallelize_module + pipelining; none with a
-cp axis: torch's context_parallel runs on CUDA only). Writes results/10_nd_parallel.{json,
+cp axis: torch's context_parallel runs on CUDA only). Writes <out>/10_nd_parallel.{json,
 md}, 10_accounting.{json,md}, 10_memory.{json,md}, 10_timeline.png; --plan writes
-results/10_plan.{json,md}.
+<out>/10_plan.{json,md}.
 """
 
 import argparse
@@ -1307,12 +1307,6 @@ def report_plan(args):
     if args.model_size not in common.MODEL_SIZES and args.model_size != "xxl":
         raise common.UsageError(f"unknown --model-size {args.model_size!r}: choose xxl or one of "
                                 f"{', '.join(common.MODEL_SIZES)}")
-    if args.devices < 1:
-        raise common.UsageError(f"--devices must be at least 1, got {args.devices}")
-    if args.device_memory is not None and not args.device_memory > 0:
-        raise common.UsageError(f"--device-memory must be a positive number of GB, got {args.device_memory:g}")
-    if any(t < 0 for t in args.act_tokens) or args.plan_rows < 1:
-        raise common.UsageError("--act-tokens must not be negative and --plan-rows must be at least 1")
     common.check_out(args.out)
     out = plan(args)
     hw, a, pick = out["hardware"], out["answers"], out["pick"]
@@ -1383,12 +1377,16 @@ def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b"
         if h % T or f % T:
             raise common.UsageError(f"--tp {T} does not divide {whose} {h} heads and d_ff {f}: choose --tp (or "
                                     f"--model-size) so that it does")
+        fix = ("use --cp 2, 4 or 8 (or --no-verify, the benchmark alone)" if whose == "the verification LM's"
+               else f"use a --context-length that is a multiple of {2 * C}")
         if C > 1 and t is not None and t % (2 * C):
             raise common.UsageError(f"--cp {C} cuts each sequence into {2 * C} chunks (11's zig-zag): {whose} "
-                                    f"context of {t} does not divide; use a multiple of {2 * C}")
+                                    f"{t} tokens do not; {fix}")
         if sp and t is not None and t % (C * T):
+            fix = ("choose --cp x --tp dividing 16 (or --no-verify, the benchmark alone)" if whose ==
+                   "the verification LM's" else f"use a --context-length that is a multiple of {C * T}")
             raise common.UsageError(f"--sp gives each of the {C * T} cp x tp ranks its part of a sequence: {whose} "
-                                    f"context of {t} does not divide; use a multiple of {C * T}")
+                                    f"{t} tokens do not divide; {fix}")
         if C > 1 and cp_method == "ulysses" and (h // T) % C:
             raise common.UsageError(f"--cp-method ulysses splits {whose} {h // T} heads per tp rank over --cp {C}: "
                                     f"it must divide them")
@@ -1396,8 +1394,6 @@ def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b"
             what = f"--pp {P} x --chunks {chunks} is more chunks" if chunks > 1 else f"--pp {P} is more stages"
             raise common.UsageError(f"{what} than {whose} {n} blocks: use fewer" +
                                     (", or a --model-size with more blocks" if whose == "the model's" else ""))
-    if m < 1:
-        raise common.UsageError(f"--microbatches must be at least 1, got {m}")
     if schedule == "interleaved" and m % P:
         raise common.UsageError(f"--schedule interleaved needs micro-batches in groups of the {P} stages: "
                                 f"--microbatches {m} is not a multiple of {P}")
@@ -1408,53 +1404,52 @@ def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b"
 
 
 def main(argv=None):
-    p = common.script_parser(__doc__)
+    p = common.script_parser(__doc__, cpu_size="micro", world="the mesh's ranks (the product of the axes); the suite: "
+                                                            "4, 6 and 8", batch="on GPU: 4, on CPU: 2, a multiple of "
+                                                            "the data ranks x the micro-batches")
     for axis, what in (("dp", "data-parallel replicas"), ("fsdp", "FSDP shards"), ("tp", "tensor-parallel ranks"),
                        ("pp", "pipeline stages"), ("cp", "context-parallel ranks (each sequence split over them)")):
-        p.add_argument(f"--{axis}", type=int, default=None, help=f"{what} (default 1; no axis given: the suite)")
+        p.add_argument(f"--{axis}", type=common.COUNT, default=None,
+                       help=f"{what} (default: 1; no axis given: the suite)")
     p.add_argument("--tie", action="store_true", help="the output head shares the token embedding's weight")
-    p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp, 1 without pipeline)")
-    p.add_argument("--schedule", default="1f1b", help=f"the pipeline's schedule, of {', '.join(SCHEDULE_NAMES)} "
-                                                      f"(09's; default 1f1b)")
-    p.add_argument("--chunks", type=int, default=2, help="--schedule interleaved: chunks of blocks per stage")
-    p.add_argument("--cp-method", choices=list(cp_mod.METHODS), default="ring", help="--cp: 11's attention (default ring)")
-    p.add_argument("--ep", type=int, default=1, help="12's experts split over this many data ranks (dp x fsdp; a MoE "
-                                                     "in every block)")
-    p.add_argument("--experts", type=int, default=None,
-                   help=f"--ep: experts per MoE (default {MOE_EXPERTS}); --plan: a MoE of that many experts in every "
+    p.add_argument("--microbatches", type=common.COUNT, default=None,
+                   help="per step (default: 2 x pp, 1 without pipeline)")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b", help="the pipeline's schedule (09's)")
+    p.add_argument("--chunks", type=common.COUNT, default=2, help="--schedule interleaved: chunks of blocks per stage")
+    p.add_argument("--cp-method", choices=list(cp_mod.METHODS), default="ring", help="--cp: 11's attention")
+    p.add_argument("--ep", type=common.COUNT, default=1, help="12's experts split over this many data ranks "
+                                                             "(dp x fsdp; a MoE in every block)")
+    p.add_argument("--experts", type=common.COUNT, default=None,
+                   help=f"--ep: experts per MoE (default: {MOE_EXPERTS}); --plan: a MoE of that many experts in every "
                         f"block's place of its MLP (default: dense)")
-    p.add_argument("--top-k", type=int, default=MOE_TOP_K, help="--ep, --plan: experts per token")
+    p.add_argument("--top-k", type=common.COUNT, default=MOE_TOP_K, help="--ep, --plan: experts per token")
     p.add_argument("--sp", action="store_true", help="08's sequence parallelism over --tp (with a mesh; --plan too)")
     p.add_argument("--recompute", choices=pp_mod.RECOMPUTE, default="none",
                    help="09's activation recomputation of the blocks (with a mesh; --plan too)")
     common.add_dtype_flag(p)
-    p.add_argument("--peak-tflops", type=float, default=None, help="a device's peak, for MFU (default: known GPUs)")
+    p.add_argument("--peak-tflops", type=common.number(float, above=0), default=None,
+                   help="a device's peak, for MFU (default: known GPUs)")
     p.add_argument("--plan", action="store_true", help="list the meshes for --model-size on --devices; no workers")
-    p.add_argument("--devices", type=int, default=64, help="--plan: how many devices")
+    p.add_argument("--devices", type=common.COUNT, default=64, help="--plan: how many devices")
     p.add_argument("--hardware", choices=list(HARDWARE), default="v5p", help="--plan: the device's figures")
-    p.add_argument("--device-memory", type=float, default=None, help="--plan: GB per device (default: the hardware's)")
-    p.add_argument("--act-tokens", nargs="+", type=int, default=[0, 4096],
+    p.add_argument("--device-memory", type=common.number(float, above=0), default=None,
+                   help="--plan: GB per device (default: the hardware's)")
+    p.add_argument("--act-tokens", nargs="+", type=common.COUNT0, default=[0, 4096],
                    help="--plan, question (b): tokens of activations per device")
-    p.add_argument("--plan-rows", type=int, default=20, help="--plan: rows of the table (all go to the JSON)")
+    p.add_argument("--plan-rows", type=common.COUNT, default=20, help="--plan: rows of the table (all go to the JSON)")
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
-    first.experts = first.experts or (1 if first.plan else MOE_EXPERTS)
-    if first.schedule not in SCHEDULE_NAMES:
-        raise common.UsageError(f"unknown --schedule {first.schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
-    if first.chunks < 1:
-        raise common.UsageError(f"--chunks must be at least 1, got {first.chunks}")
-    if first.ep < 1 or first.experts < 1 or (first.experts > 1 and not 1 <= first.top_k <= first.experts):
-        raise common.UsageError(f"--ep and --experts must be at least 1 and --top-k between 1 and --experts: got "
-                                f"--ep {first.ep}, --experts {first.experts}, --top-k {first.top_k}")
+    first.experts = first.experts if first.experts is not None else (1 if first.plan else MOE_EXPERTS)
+    if first.experts > 1 and first.top_k > first.experts:
+        raise common.UsageError(f"--top-k {first.top_k} must be at most --experts {first.experts}")
     if first.experts % first.ep:
-        raise common.UsageError(f"--ep {first.ep} does not divide --experts {first.experts}")
+        raise common.UsageError(f"--ep {first.ep} does not divide --experts {first.experts}: each of its ranks holds "
+                                f"experts/ep; use a multiple of {first.ep}")
     if first.plan:
         first.model_size = first.model_size or "xxl"
         return report_plan(first)
     single = any(getattr(first, a) is not None for a in AXES)
     shape = mesh_of(**{a: getattr(first, a) if getattr(first, a) is not None else 1 for a in AXES})
-    if any(k < 1 for k in shape.values()):
-        raise common.UsageError(f"every axis must be at least 1: {', '.join(f'--{a} {k}' for a, k in shape.items())}")
     if first.world_size is not None and not common.under_torchrun():
         if not single:
             raise common.UsageError(f"--world-size {first.world_size} without a mesh: the suite runs meshes of 4, 6 "
@@ -1462,10 +1457,8 @@ def main(argv=None):
         if first.world_size != math.prod(shape.values()):
             raise common.UsageError(f"--world-size {first.world_size} but the mesh {label(shape)} holds "
                                     f"{math.prod(shape.values())} ranks: leave --world-size out or match it")
-    if first.peak_tflops is not None and not first.peak_tflops > 0:
-        raise common.UsageError(f"--peak-tflops must be positive, got {first.peak_tflops}")
-    args = common.parse(p, argv, cpu_size="micro", world=lambda a: math.prod(shape.values()) if single else max(SUITE),
-                        batch_unit=lambda a: None)
+    args = common.parse(p, argv, world=lambda a: math.prod(shape.values()) if single else max(SUITE),
+                        batch_unit=lambda a: None, world_flag=f"the mesh {label(shape)}" if single else "the suite")
     dims = common.MODEL_SIZES[args.model_size]
     if common.under_torchrun() and not single:
         raise common.UsageError("under torchrun give the mesh (--dp, --fsdp, --tp, --pp): the suite needs several "
@@ -1475,9 +1468,16 @@ def main(argv=None):
                                 f"{args.world_size}")
     if args.ep > 1:
         replicas = shape["dp"] * shape["fsdp"]
-        if not single or replicas % args.ep or shape["cp"] > 1:
-            raise common.UsageError(f"--ep {args.ep} takes its ranks from a mesh's data ranks (dp x fsdp, no cp): "
-                                    + (f"{replicas} here" if single else "give a mesh") + ", which it must divide")
+        if not single:
+            raise common.UsageError(f"--ep {args.ep} takes its ranks from a mesh's data ranks (dp x fsdp): give a mesh")
+        if shape["cp"] > 1:
+            raise common.UsageError(f"--ep with --cp: the experts' all-to-all is not composed with context "
+                                    f"parallelism here; leave one of them out")
+        if replicas % args.ep:
+            raise common.UsageError(f"--ep {args.ep} takes its ranks from the mesh's data ranks (dp x fsdp), "
+                                    f"{replicas} here, which it must divide: use --ep "
+                                    f"{' or '.join(str(e) for e in range(2, replicas + 1) if replicas % e == 0) or 1}"
+                                    f" or more data ranks")
     if not single and args.schedule != "1f1b":
         raise common.UsageError(f"--schedule {args.schedule} without a mesh: the suite verifies its own schedules; "
                                 f"give a mesh (--pp 2 or more) to time this one")

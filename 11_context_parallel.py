@@ -30,13 +30,14 @@ and 4 in the tests; LM training against one process), then tables: step time and
 per rank of each method beside one process across sequence lengths; one attention's saved
 and peak memory per rank beside the formula, and the bytes it sends (per layer and step)
 counted beside the closed form; each rank's ring attention time in the contiguous and
-zig-zag layouts. Writes results/11_context_parallel.{json,md}, 11_memory.{json,md} and
-11_balance.{json,md}, and results/11_timeline.png (one ring step: compute and waiting per
+zig-zag layouts. Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
+11_balance.{json,md}, and <out>/11_timeline.png (one ring step: compute and waiting per
 rank).
 """
 
 import argparse
 import copy
+import os
 
 import common
 
@@ -329,7 +330,9 @@ def verify_attention(ctx, args, methods, group=None, control=False):
                             context_parallel_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], group, method, layout)
                             out[name + " (must refuse)"] = {"ok": False, "max_diff": float("inf")}
                         except ValueError:
-                            out[name + " (refused: cp does not divide the heads)"] = {"ok": True, "max_diff": 0.0}
+                            out[name + " (refused: cp does not divide the heads)"] = {
+                                "ok": True, "max_diff": 0.0, "skip": f"ulysses: cp {cp} does not divide {heads} heads "
+                                                                     f"(its refusal checked)"}
                         continue
                     part = lambda x: shard_sequence(x, rank, cp, layout, dim=2)  # noqa: E731
                     mine = [part(x).clone().requires_grad_() for x in (q, k, v)]
@@ -349,12 +352,12 @@ def verify_attention(ctx, args, methods, group=None, control=False):
 def gather_results(results, group=None):
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, results, group=group)
-    return {k: {"ok": all(e[k]["ok"] for e in everyone), "max_diff": max(e[k]["max_diff"] for e in everyone)}
-            for k in results}
+    return {k: {**r, "ok": all(e[k]["ok"] for e in everyone), "max_diff": max(e[k]["max_diff"] for e in everyone)}
+            for k, r in results.items()}
 
 
 VERIFY_LM = (32, 64, 2, 4)   # d_model, d_ff, blocks, heads: 4 heads for ulysses at cp 2 and 4
-VERIFY_T = 48                # divides 2cp for cp = 2, 3 and 4
+VERIFY_T = 48                # its tokens by default (--context-length): divides 2cp for cp = 2, 3, 4 and 6
 
 
 def verify_lm(ctx, args, methods, group=None):
@@ -367,15 +370,17 @@ def verify_lm(ctx, args, methods, group=None):
     for layout in LAYOUTS:
         for method in methods:
             if not runs(method, VERIFY_LM[3], cp):
+                out[f"LM, {method}, {layout}"] = {"ok": True, "max_diff": 0.0, "skip": f"ulysses: cp {cp} does not "
+                                                  f"divide the verification LM's {VERIFY_LM[3]} heads"}
                 continue
             torch.manual_seed(args.seed)
-            ref = common.TransformerLM(*VERIFY_LM, context_length=VERIFY_T).to(ctx.device)
+            ref = common.TransformerLM(*VERIFY_LM, context_length=args.context_length).to(ctx.device)
             model = bucketed.DDPBucketed(context_parallel_lm(copy.deepcopy(ref), group, method, layout), 1,
                                          process_group=group)
             # eps 1e-6 as in 08 and 09: the split sums round differently, AdamW must not magnify it
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
             for step in range(args.verify_steps):
-                x, y = common.lm_batch(2, VERIFY_T, step, args.seed, ctx.device)
+                x, y = common.lm_batch(2, args.context_length, step, args.seed, ctx.device)
                 opts[0].zero_grad()
                 ref(x, y).backward()
                 opts[0].step()
@@ -596,44 +601,51 @@ NAME, TITLE = "11_context_parallel", "Context parallelism: step time beside one 
 
 
 def main(argv=None):
-    p = common.script_parser(__doc__)
-    p.add_argument("--cp", type=int, default=None, help="ranks that share one sequence (default 2; the world size)")
-    p.add_argument("--method", nargs="+", default=None,
-                   help=f"of {', '.join(METHODS)} (default: all; ulysses where cp divides the heads)")
-    p.add_argument("--seq-lens", nargs="+", type=int, default=None, help="sequence lengths to time (default 512 2048)")
-    p.add_argument("--memory-lens", nargs="+", type=int, default=[256, 1024, 4096],
+    p = common.script_parser(__doc__, cpu_size="micro", gpu_size="small", world="--cp")
+    p.add_argument("--cp", type=common.COUNT, default=None,
+                   help="ranks that share one sequence (default: --world-size, else 2; under torchrun, its world)")
+    p.add_argument("--method", nargs="+", choices=METHODS, default=None,
+                   help="the methods to verify and time (default: all; ulysses where cp divides the heads)")
+    p.add_argument("--seq-lens", nargs="+", type=common.COUNT, default=[512, 2048],
+                   help="sequence lengths to time")
+    p.add_argument("--memory-lens", nargs="+", type=common.COUNT, default=[256, 1024, 4096],
                    help="sequence lengths of the memory table (one attention)")
-    p.set_defaults(batch_size=1, model_size="micro")
+    p.set_defaults(batch_size=1, context_length=VERIFY_T)
+    common.set_help(p, "context_length", "tokens a sequence of the verification LM (the benchmark's: --seq-lens)")
     first = p.parse_args(argv)
-    cp = first.cp if first.cp is not None else 2
-    if cp < 1:
-        raise common.UsageError(f"--cp must be at least 1, got {cp}")
-    args = common.parse(p, argv, world=lambda a: cp, batch_unit=lambda a: None)
-    cp = args.world_size   # under torchrun: its world
-    unknown = [m for m in args.method or [] if m not in METHODS]
-    if unknown:
-        raise common.UsageError(f"unknown --method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    if common.under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if first.cp not in (None, world):
+            raise common.UsageError(f"--cp {first.cp} but torchrun started {world} processes: every rank shares the "
+                                    f"sequence, so give --nproc-per-node {first.cp} or leave --cp out")
+    elif None not in (first.cp, first.world_size) and first.cp != first.world_size:
+        raise common.UsageError(f"--cp {first.cp} and --world-size {first.world_size}: every rank shares the sequence, "
+                                f"so the world is cp; give one of them")
+    args = common.parse(p, argv, world=lambda a: a.cp or a.world_size or 2, batch_unit=lambda a: None,
+                        world_flag="--cp" if first.cp else "--world-size")
+    cp = args.world_size
     heads = common.MODEL_SIZES[args.model_size][3]
     methods = list(dict.fromkeys(args.method or METHODS))
-    if args.method and "ulysses" in methods and (heads % cp or (not args.no_verify and VERIFY_LM[3] % cp)):
-        raise common.UsageError(f"ulysses splits the heads over the ranks: cp {cp} does not divide the "
-                                f"{heads if heads % cp else VERIFY_LM[3]} heads of "
-                                f"{'the model' if heads % cp else 'the verification LM'}")
-    args.seq_lens = args.seq_lens or [512, 2048]
-    for t in args.seq_lens + (args.memory_lens if not args.no_bench else []):
-        if t < 1 or t % (2 * cp):
-            raise common.UsageError(f"a sequence of {t} tokens does not cut into the 2 x {cp} chunks of the zig-zag "
-                                    f"layout: use a multiple of {2 * cp}")
-    if args.batch_size < 1:
-        raise common.UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
-    skipped = [m for m in methods if not runs(m, heads, cp)]
-    if skipped and common.is_reporter():
-        print(f"ulysses: not run (cp {cp} does not divide the model's {heads} heads)")
+    if args.method and "ulysses" in methods and not args.no_bench and heads % cp:   # asked to time it
+        raise common.UsageError(f"ulysses splits the heads over the ranks: cp {cp} does not divide the {heads} heads "
+                                f"of {args.model_size}: use a --cp that does, or leave ulysses out")
+    t = args.context_length
+    if not args.no_verify and t % (2 * cp):
+        fits = [c for c in range(2, common.max_ranks(args.backend) + 1) if t % (2 * c) == 0]
+        raise common.UsageError(f"cp {cp} cuts a sequence into 2 x {cp} = {2 * cp} chunks (the zig-zag layout): the "
+                                f"verification LM's {t} tokens do not; use --cp {' or '.join(map(str, fits[:4])) or 1}, "
+                                f"or --context-length {-(-t // (2 * cp)) * 2 * cp}")
+    for n in args.seq_lens + args.memory_lens if not args.no_bench else []:
+        if n % (2 * cp):
+            raise common.UsageError(f"a sequence of {n} tokens (--seq-lens/--memory-lens) does not cut into the "
+                                    f"2 x {cp} chunks of the zig-zag layout: use a multiple of {2 * cp}")
 
     if not args.no_verify:
         common.check_verification(common.launch(verify, args, methods), f"{NAME} at cp {cp}")
     if args.no_bench:
         return
+    if common.is_reporter() and not all(runs(m, heads, cp) for m in methods):
+        print(f"benchmark: SKIP ulysses (cp {cp} does not divide {args.model_size}'s {heads} heads)")
     rows = common.launch(benchmark, args, methods, args.seq_lens)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "seq_lens": args.seq_lens, "cp": cp}

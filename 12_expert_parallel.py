@@ -32,7 +32,7 @@ with as many active parameters per token; tokens per expert, the load's max/mean
 share dropped; the all-to-all bytes counted beside the formula; the slowest rank's expert
 time beside the mean, with and without the load-balancing loss; the loss after training
 at each capacity factor beside the share it dropped. Writes
-results/12_expert_parallel.{json,md}, 12_routing.{json,md}, 12_accounting.{json,md},
+<out>/12_expert_parallel.{json,md}, 12_routing.{json,md}, 12_accounting.{json,md},
 12_capacity.{json,md}.
 """
 
@@ -667,31 +667,30 @@ NAME, TITLE = "12_expert_parallel", "Expert parallelism beside the replicated Mo
 
 
 def main(argv=None):
-    p = common.script_parser(__doc__)
-    p.add_argument("--ep", type=int, default=None, help="ranks that share the experts (default 2)")
-    p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (default: 2 x ep)")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="0: no dropping")
-    p.add_argument("--aux-coef", type=float, default=0.01, help="the load-balancing loss's weight")
+    p = common.script_parser(__doc__, cpu_size="micro", gpu_size="small", world="--ep")
+    p.add_argument("--ep", type=common.COUNT, default=None,
+                   help="ranks that share the experts (default: 2; the world holds world/ep copies of them)")
+    p.add_argument("--experts", type=common.COUNT, default=None, help="experts per MoE layer (default: 2 x ep)")
+    p.add_argument("--top-k", type=common.COUNT, default=2, help="experts each token goes to")
+    p.add_argument("--capacity-factor", type=common.number(float, 0, hint="; 0 means no dropping"), default=1.25,
+                   help="a rank-batch's slots per expert, over the even share (0: no dropping)")
+    p.add_argument("--aux-coef", type=common.NONNEG, default=0.01, help="the load-balancing loss's weight")
     p.add_argument("--moe-every", type=int, choices=[1, 2], default=1, help="a MoE in every block, or every other")
-    p.set_defaults(model_size="micro", context_length=64)
+    p.set_defaults(context_length=64)
     first = p.parse_args(argv)
     ep = first.ep if first.ep is not None else 2
-    if ep < 1:
-        raise common.UsageError(f"--ep must be at least 1, got {ep}")
-    args = common.parse(p, argv, world=lambda a: a.world_size if a.world_size is not None else ep)
+    args = common.parse(p, argv, world=lambda a: a.world_size if a.world_size is not None else ep,
+                        world_flag="--world-size" if first.world_size else "--ep")
     if args.world_size % ep:
-        raise common.UsageError(f"--ep {ep} does not divide the world size {args.world_size}: the ranks form groups "
-                                f"of ep")
+        raise common.UsageError(f"--ep {ep} does not divide the world size {args.world_size}"
+                                + (" (torchrun's world)" if common.under_torchrun() else "")
+                                + ": the ranks form groups of ep")
     args.experts = args.experts if args.experts is not None else 2 * ep
-    if args.experts < 1 or args.experts % ep:
-        raise common.UsageError(f"--ep {ep} does not divide --experts {args.experts}: each rank holds experts/ep")
-    if not 1 <= args.top_k <= args.experts:
-        raise common.UsageError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
-    if args.capacity_factor < 0:
-        raise common.UsageError(f"--capacity-factor must not be negative (0: no dropping), got {args.capacity_factor}")
-    if args.aux_coef < 0:
-        raise common.UsageError(f"--aux-coef must not be negative, got {args.aux_coef}")
+    if args.experts % ep:
+        raise common.UsageError(f"--ep {ep} does not divide --experts {args.experts}: each rank holds experts/ep; "
+                                f"use a multiple of {ep}")
+    if args.top_k > args.experts:
+        raise common.UsageError(f"--top-k {args.top_k} must be at most --experts {args.experts}")
 
     if not args.no_verify:
         common.check_verification(common.launch(verify, args, ep, VERIFY_CASES), f"{NAME} at ep {ep}")

@@ -35,53 +35,53 @@ test: $(STAMP)
 # 5 timed iterations a size after 1 warm-up (the script's default is 10 after 5; a 1 GB
 # all-reduce at 6 ranks takes 2.5 s here): make all stays under 15 minutes
 01: $(STAMP)
-	$(PY) 01_allreduce_bench.py --iters 5 --warmup 1
+	$(PY) 01_allreduce_bench.py --iters 5 --warmup 1 --out results
 
 # Every collective, ring and tree all-reduce from scratch (about 2 minutes; not in `all`,
 # which must stay under 15 minutes on 2 cores)
 collectives: $(STAMP)
-	$(PY) 01_allreduce_bench.py --ops all --iters 5 --warmup 2
+	$(PY) 01_allreduce_bench.py --ops all --iters 5 --warmup 2 --out results
 
 02: $(STAMP)
-	$(PY) 02_naive_ddp.py
+	$(PY) 02_naive_ddp.py --out results
 
 clean-results:
 	rm -rf results
 
 03: $(STAMP)
-	$(PY) 03_flat_ddp.py
+	$(PY) 03_flat_ddp.py --out results
 
 04: $(STAMP)
-	$(PY) 04_overlap_ddp.py
+	$(PY) 04_overlap_ddp.py --out results
 
 # 8 paired steps a setting (the script's default is 20): make all stays under 15 minutes
 05: $(STAMP)
-	$(PY) 05_bucketed_ddp.py --steps 8
+	$(PY) 05_bucketed_ddp.py --steps 8 --out results
 
 # with its ZeRO stage table (stages 0 to 3, ours beside torch's)
 06: $(STAMP)
-	$(PY) 06_sharded_optimizer.py --steps 10
+	$(PY) 06_sharded_optimizer.py --steps 10 --out results
 
 07: $(STAMP)
-	$(PY) 07_fsdp.py
+	$(PY) 07_fsdp.py --out results
 
 # 2 ranks (TP 2 against DP 2 and torch's TP): make all stays under 15 minutes on 2 cores.
 # The script's default adds 4 ranks (TP 4, TP 2 x DP 2), about 2 minutes more here:
 #   python 08_tensor_parallel.py --warmup 3 --out results/08_world_sizes_2_4
 08: $(STAMP)
-	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2
+	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2 --out results
 
 # 2 stages at m = 1 and 8, the bubble's two ends, every schedule (interleaved at m = 8 only:
 # groups of p), 8 paired steps: make all stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --out results/09_stages_2_4
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 4 8 --steps 20 --no-verify --out results/09_schedules
 09: $(STAMP)
-	$(PY) 09_pipeline_parallel.py --warmup 2 --steps 8 --microbatches 1 8 --stages 2
+	$(PY) 09_pipeline_parallel.py --warmup 2 --steps 8 --microbatches 1 8 --stages 2 --out results
 
 # the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition (8 paired
 # steps), and the XXL plan
 10: $(STAMP)
-	$(PY) 10_nd_parallel.py --warmup 2 --steps 8
+	$(PY) 10_nd_parallel.py --warmup 2 --steps 8 --out results
 
 # The memory levers, each verified, then measured beside float32 / no lever and torch's twin:
 # bf16 autocast in 05 (25 MB buckets, ours and torch DDP) and 07 (FSDP reducing in float32
@@ -99,11 +99,11 @@ levers: $(STAMP)
 # cp 2: every method and layout verified, timed at 512 and 2048 tokens; the write-up adds cp 4:
 #   python 11_context_parallel.py --cp 4 --out results/11_cp_4
 11: $(STAMP)
-	$(PY) 11_context_parallel.py --warmup 3
+	$(PY) 11_context_parallel.py --warmup 3 --out results
 
 # ep 2 (8 experts, top-2, capacity 1.25): every case verified, EP beside the replicated MoE and a dense model
 12: $(STAMP)
-	$(PY) 12_expert_parallel.py --warmup 3 --experts 8
+	$(PY) 12_expert_parallel.py --warmup 3 --experts 8 --out results
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu-smoke PY=python3              # first: every script at a small size, a few minutes
@@ -197,6 +197,8 @@ SMOKE_OUT  ?= $(GPU_OUT)/smoke
 SMOKE_JOBS ?= 6
 SMOKE_BOX  ?= 300
 SMOKE_LM    = --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) --warmup 1 --steps 2
+# 2 stages x 2 chunks need 4 blocks: nano's and micro's 2 (a dry run's sizes) give way to mini's 4
+SMOKE_4_BLOCKS = $(if $(filter nano micro,$(GPU_SIZE)),--model-size mini)
 gpu-smoke: $(GPU_DEPS)
 	@rm -rf $(SMOKE_OUT) && mkdir -p $(SMOKE_OUT)
 	@for n in $(SMOKE); do s=$$(ls $$n*_*.py); case $$n in \
@@ -209,7 +211,8 @@ gpu-smoke: $(GPU_DEPS)
 	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2"; \
 	      echo "$$s sp --backend gloo $(SMOKE_LM) --world-sizes 2 --sp";; \
 	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2 --schedule gpipe 1f1b"; \
-	      echo "$$s interleaved --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule interleaved"; \
+	      echo "$$s interleaved --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule interleaved \
+	        $(SMOKE_4_BLOCKS)"; \
 	      echo "$$s zb1 --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule zb1"; \
 	      echo "$$s recompute --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule 1f1b \
 	        --recompute none selective full";; \

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import torch.utils._python_dispatch
 
 ROOT = Path(__file__).resolve().parent
+# runs of one's own land here (git ignores it); make all passes --out results, the tracked tables
+DEFAULT_OUT = str(ROOT / "runs")
 # Only the kit's own lines in the output: torch.profiler's kineto logs its start and stop
 # ("USDT: ... profiler_start") and, on a CPU, its GPU probe, unless told not to before it
 # starts (inherited by the fork server and every worker)
@@ -59,6 +61,7 @@ class LaunchError(RuntimeError):
 def run_main(main_fn):
     """Run a script's main(): bad input exits 2 with one line, a failed rank exits 1."""
     prog = Path(sys.argv[0]).name
+    _announced.clear()
     try:
         main_fn()
     except UsageError as e:
@@ -82,34 +85,121 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def script_parser(doc: str, default_steps=10) -> argparse.ArgumentParser:
-    """The parser of a training script (02 onwards): its docstring as help, the shared flags."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=None,
-                   help="processes to spawn (default: GPUs if >=2 else 2; ignored under torchrun)")
+RANKS_PER_CORE = 4   # spawned processes a CPU core may carry (10's suite: 8 ranks on 2 cores)
+
+
+def max_ranks(backend: str) -> int:
+    """The most processes a spawned job may have here: NCCL a GPU each, otherwise
+    RANKS_PER_CORE per CPU core (gloo ranks on a GPU share it, and the cores)."""
+    return gpu_count() if backend == "nccl" else RANKS_PER_CORE * (os.cpu_count() or 1)
+
+
+def check_ranks(n: int, backend: str, flag: str):
+    """Refuse a spawned job larger than this machine can run (under torchrun the world is given)."""
+    if not under_torchrun() and n > max_ranks(backend):
+        if backend == "nccl":
+            raise UsageError(f"{flag}: {n} NCCL ranks but {gpu_count()} GPU(s) here; {NCCL_HINT}, or fewer ranks")
+        raise UsageError(f"{flag}: {n} processes on {os.cpu_count()} CPU core(s): at most {max_ranks(backend)} here "
+                         f"({RANKS_PER_CORE} a core); use fewer, or torchrun over several machines")
+
+
+def number(kind=int, lo=None, hi=None, *, above=None, hint=""):
+    """An argparse ``type``: a finite ``kind`` (int or float) at least ``lo`` (or more than
+    ``above``) and at most ``hi``; anything else (nan, inf, out of range) is refused by the
+    parser, naming the flag (and adding ``hint``)."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{'a whole number' if kind is int else 'a number'} expected, "
+                                             f"got {text!r}{hint}") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"a finite number expected, got {text!r}{hint}")
+        for bad, why in ((lo is not None and v < lo, f"at least {lo}"), (above is not None and v <= above,
+                          f"more than {above}"), (hi is not None and v > hi, f"at most {hi}")):
+            if bad:
+                raise argparse.ArgumentTypeError(f"must be {why}, got {text}{hint}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+COUNT = number(int, 1)          # a whole number of at least 1 (ranks, steps, chunks, experts ...)
+COUNT0 = number(int, 0)         # at least 0 (warm-up steps)
+SECONDS = number(float, above=0)
+NONNEG = number(float, 0)
+
+
+class KitParser(argparse.ArgumentParser):
+    """argparse as the kit uses it: no abbreviations (a typo of one flag is never taken for
+    another), every error a UsageError (one line, exit 2, before any worker starts), and
+    --help that shows each flag's real default: the value a flag holds (after
+    set_defaults) is appended to its help; a help whose flag has no fixed default (it
+    follows the machine or other flags) says in its own words what it becomes."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("allow_abbrev", False)
+        kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*a, **kw)
+
+    def error(self, message):
+        raise UsageError(message)
+
+    def format_help(self):
+        for a in self._actions:
+            if a.help in (None, argparse.SUPPRESS) or a.default is None or a.default is False \
+                    or a.default is argparse.SUPPRESS:
+                continue
+            # the flag holds a value (set_defaults may have set it): that, not the words of a
+            # computed default, is what it defaults to
+            a.kit_help = getattr(a, "kit_help", a.help.split(" (default")[0])
+            a.help = f"{a.kit_help} (default: {default_text(a.default)})"
+        return super().format_help()
+
+
+def default_text(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return " ".join(map(default_text, v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def script_parser(doc: str, default_steps=10, cpu_size="mini", gpu_size="xl",
+                  world="GPUs if 2 or more, else 2",
+                  batch="on GPU: 4, rounded up to a multiple of the ranks; on CPU: 2 x the ranks") -> KitParser:
+    """The parser of a training script (02 onwards): its docstring as help, the shared flags.
+    ``cpu_size``/``gpu_size``: the LM size a run gets on each device unless told; ``world``
+    and ``batch``: what --world-size and --batch-size are by default, in words (where other
+    flags decide them, say which)."""
+    p = KitParser(description=doc.split("\n\n")[0])
+    p.cpu_size, p.gpu_size = cpu_size, gpu_size
+    p.add_argument("--world-size", type=COUNT, default=None,
+                   help=f"processes to spawn (default: {world}; under torchrun, its world)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when there are enough GPUs, else gloo")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, cpu for gloo")
     p.add_argument("--model-size", default=None,
-                   help=f"LM size, one of {', '.join(MODEL_SIZES)} (default: mini on CPU, xl on GPU)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="global batch, split across ranks (default on GPU: 4, rounded up to a multiple "
-                        "of the ranks; on CPU: 2 x world size)")
-    p.add_argument("--context-length", type=int, default=128)
-    p.add_argument("--steps", type=int, default=default_steps, help="measured steps")
-    p.add_argument("--warmup", type=int, default=5,
+                   help=f"LM size, one of {', '.join(MODEL_SIZES)} (default: {cpu_size} on CPU, {gpu_size} on GPU)")
+    p.add_argument("--batch-size", type=COUNT, default=None,
+                   help=f"global batch, split across the data ranks (default: {batch})")
+    p.add_argument("--context-length", type=COUNT, default=128, help="tokens a sequence")
+    p.add_argument("--steps", type=COUNT, default=default_steps, help="measured steps")
+    p.add_argument("--warmup", type=COUNT0, default=5,
                    help="warm-up steps, not measured (the collectives of the second are counted)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "results"), help="folder for results")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the job fails")
+    p.add_argument("--seed", type=COUNT0, default=0, help="seed of weights and data")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for results (make all writes results/)")
+    p.add_argument("--timeout", type=SECONDS, default=300.0, help="seconds a collective may wait before the job fails")
     p.add_argument("--data", choices=["random", "mnist"], default="random", help="data for the verification")
     p.add_argument("--data-root", default=str(ROOT / "data"), help="where MNIST lives")
     p.add_argument("--download", action="store_true", help="download MNIST if missing")
-    p.add_argument("--verify-steps", type=int, default=5)
+    p.add_argument("--verify-steps", type=COUNT, default=5, help="training steps the verification compares")
     p.add_argument("--no-verify", action="store_true", help="skip the verification")
     p.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     return p
+
+
+def set_help(parser: argparse.ArgumentParser, dest: str, text: str):
+    """A shared flag's help in a script where it means something narrower."""
+    next(a for a in parser._actions if a.dest == dest).help = text
 
 
 DTYPES = {"float32": None, "bf16": torch.bfloat16}   # --dtype: bf16 runs forward and backward in autocast
@@ -150,12 +240,12 @@ def nccl_fits(backend: str, world_size: int) -> bool:
 NCCL_HINT = "use --backend gloo --device cuda (ranks then share the GPUs)"
 
 
-def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini", world=None,
-          batch_unit=None) -> argparse.Namespace:
-    """Parse, fill the machine-dependent defaults and check every flag (UsageError);
-    ``cpu_size`` is the model size a CPU run gets by default (xl on a GPU). A script whose
-    flags decide its world size passes ``world(args)``; ``batch_unit(args)`` is what the
-    global batch must divide by (default: the world size; None: no default, no check)."""
+def parse(parser: KitParser, argv=None, world=None, batch_unit=None, world_flag="--world-size") -> argparse.Namespace:
+    """Parse, fill the machine-dependent defaults and check every flag (UsageError). A
+    script whose flags decide its world size passes ``world(args)`` (and ``world_flag``,
+    the flags a refusal names); ``batch_unit(args)``
+    is what the global batch must divide by (default: the world size; None: no default,
+    no check). The LM size a run gets unless told is the parser's (script_parser)."""
     args = parser.parse_args(argv)
     n_gpus = gpu_count()
     if under_torchrun():
@@ -178,12 +268,9 @@ def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini", world=Non
                              f"{NCCL_HINT}, or fewer ranks")
     if args.device == "cuda" and n_gpus == 0:
         raise UsageError("--device cuda but no GPU is visible: use --device cpu")
-    if args.steps < 1 or args.warmup < 0 or args.verify_steps < 1:
-        raise UsageError("--steps and --verify-steps must be at least 1, --warmup at least 0")
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    check_ranks(args.world_size, args.backend, world_flag)
     if args.model_size is None:
-        args.model_size = "xl" if args.device == "cuda" else cpu_size
+        args.model_size = parser.gpu_size if args.device == "cuda" else parser.cpu_size
     if args.model_size not in MODEL_SIZES:
         raise UsageError(f"unknown --model-size {args.model_size!r}: choose one of {', '.join(MODEL_SIZES)}")
     unit = batch_unit(args) if batch_unit is not None else args.world_size
@@ -191,8 +278,6 @@ def parse(parser: argparse.ArgumentParser, argv=None, cpu_size="mini", world=Non
         args.batch_size = -(-4 // unit) * unit if args.device == "cuda" else 2 * unit
     if unit:
         check_divisible(args.batch_size, unit, "--batch-size")
-    if args.context_length < 1:
-        raise UsageError("--context-length must be at least 1")
     if args.data == "mnist":
         load_mnist(args.data_root, args.download)  # fails here, before any worker starts
     check_out(args.out)
@@ -206,14 +291,18 @@ def check_divisible(batch: int, world_size: int, flag: str):
 
 
 def check_out(out):
-    """The results folder must be creatable and writable: found out now, not after the run."""
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise UsageError(f"--out {out} cannot be written to ({e.strerror or e}): "
-                         f"choose a folder you can write") from None
+    """The results folder must be a folder this process can write, or one it can make:
+    found out now, not after the run. Nothing is created here (a refused run leaves the
+    disk as it was)."""
+    path = Path(out).absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder: choose a folder")
+    existing = next(q for q in [path, *path.parents] if q.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--out {out} cannot be written to ({existing} is a file, not a folder): choose a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} cannot be written to ({existing} is not writable): "
+                         f"choose a folder you can write")
 
 
 # ----------------------------------------------------------------------------------------
@@ -296,6 +385,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
     timeout = timeout or getattr(args, "timeout", 300.0)
     if not nccl_fits(backend, world_size):   # the scripts check first; this is the safety net
         raise UsageError(f"a job of {world_size} NCCL ranks on {gpu_count()} GPU(s): {NCCL_HINT}")
+    _announce(args, world_size, backend, device)
     if under_torchrun():
         local_rank = int(os.environ["LOCAL_RANK"])
         ctx = Ctx(int(os.environ["RANK"]), world_size, local_rank, backend, _device_for(device, local_rank))
@@ -319,13 +409,13 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         try:
             while not procs.join(timeout=1.0, grace_period=2):
                 alive.tick()
-        except mp.ProcessRaisedException as e:
-            raise LaunchError(_first_failure(result_path, world_size, e.error_index)) from None
+        except mp.ProcessRaisedException:
+            raise LaunchError(_failure_report(result_path, world_size)) from None
         except mp.ProcessExitedException as e:
             how = f"signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
-            others = _first_failure(result_path, world_size, None)
-            raise LaunchError(f"rank {e.error_index} died ({how}) without a Python error"
-                              + (f"; before that, {others}" if others else "")) from None
+            raise LaunchError(_failure_report(result_path, world_size,
+                                              (time.time(), e.error_index, f"died ({how}) without a Python error"))) \
+                from None
         except BaseException:
             for p in procs.processes:
                 if p.is_alive():
@@ -341,6 +431,21 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
         del store
+
+
+_announced = []
+
+
+def _announce(args, world_size, backend, device):
+    """The first line of a run (its first job, once its flags have passed every check):
+    what is starting, before the workers take their seconds to come up."""
+    if _announced or not is_reporter():
+        return
+    _announced.append(True)
+    parts = [what for flag, what in (("no_verify", "verification"), ("no_bench", "benchmark"))
+             if not getattr(args, flag, False)]
+    print(f"running: {Path(sys.argv[0]).name} on {world_size} rank{'s' * (world_size > 1)} ({backend}, {device}): "
+          f"{', then '.join(parts) or 'nothing but the checks'}", flush=True)
 
 
 class Heartbeat:
@@ -366,21 +471,34 @@ class Heartbeat:
             print("\r\033[K", end="", flush=True)
 
 
-def _first_failure(result_path, world_size, fallback_rank):
-    """The rank that failed first (by the time each failing rank wrote down), with its
-    traceback; the others usually failed only because it went away."""
-    errors = []
+def _failure_report(result_path, world_size, died=None) -> str:
+    """What went wrong, the first failure first: that rank and its exception's last line,
+    then what followed (the others usually fail only because it went away), and the path
+    of a log file with every failed rank's whole traceback. ``died``: (time, rank, how) of
+    a process that ended without a Python error."""
+    events = []   # (time, rank, what, traceback)
     for r in range(world_size):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, ValueError):
             when, tb = Path(f"{result_path}.rank{r}.err").read_text().split("\n", 1)
-            errors.append((float(when), r, tb))
-    if not errors:
-        return f"rank {fallback_rank} failed" if fallback_rank is not None else ""
-    errors.sort()
-    _, rank, tb = errors[0]
-    also = [r for _, r, _ in errors[1:]]
-    return (f"rank {rank} failed" + (f" (then rank(s) {', '.join(map(str, also))} as a consequence)" if also else "")
-            + f":\n{tb}")
+            lines = [ln.strip() for ln in tb.strip().splitlines() if ln.strip()]
+            events.append((float(when), r, f"failed: {lines[-1] if lines else '?'}", tb))
+    if died is not None:
+        events.append((*died, ""))
+    if not events:
+        return "a rank failed, leaving no report"
+    events.sort()
+    first, rest = events[0], events[1:]
+    msg = f"rank {first[1]} {first[2].replace('failed:', 'failed first:', 1)}"
+    if rest:
+        msg += "\n  then, as a consequence: " + "; ".join(f"rank {r} {what}" for _, r, what, _ in rest)
+    tracebacks = "".join(f"==== rank {r}\n{tb}\n" for _, r, _, tb in events if tb)
+    if tracebacks:
+        fd, log = tempfile.mkstemp(prefix=f"{Path(sys.argv[0]).stem or 'job'}-failure-"
+                                          f"{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(tracebacks)
+        msg += f"\n  every failed rank's traceback: {log}"
+    return msg
 
 
 def is_reporter() -> bool:
@@ -958,14 +1076,19 @@ def params_close(a: nn.Module, b: nn.Module) -> bool:
 # Results
 # ----------------------------------------------------------------------------------------
 def check_verification(results: dict, label: str):
-    """Print PASS/FAIL per case (in the reporting process); raise LaunchError if any failed."""
+    """Print PASS/FAIL per case (in the reporting process), SKIP with its reason for a case
+    that does not apply here (a result with "skip"); raise LaunchError if any failed."""
     ok = all(r["ok"] for r in results.values())
     if is_reporter():
         width = max(map(len, results))
         for name, r in results.items():
+            if r.get("skip"):
+                print(f"  SKIP  {name:<{width}}  {r['skip']}")
+                continue
             print(f"  {'PASS' if r['ok'] else 'FAIL'}  {name:<{width}}  max |diff| {r['max_diff']:.2e}"
                   f"{'  (bitwise equal)' if r.get('bitwise') else ''}")
-        print(f"verify {label}: {'PASS' if ok else 'FAIL'}", flush=True)
+        skipped = sum(bool(r.get("skip")) for r in results.values())
+        print(f"verify {label}: {'PASS' if ok else 'FAIL'}{f' ({skipped} skipped)' if skipped else ''}", flush=True)
     if not ok:
         raise LaunchError("verification failed: the weights differ from single-process training")
 
@@ -1020,10 +1143,32 @@ def markdown_table(rows: list[dict], headers: list[str] | None = None) -> str:
                     floatfmt=".4g")
 
 
+TABLE_WIDTH = 120   # what a printed table may take on a terminal
+
+
+def fit_width(rows: list[dict], headers: list[str] | None = None, width: int = TABLE_WIDTH) -> str:
+    """The table as markdown_table makes it, or, where that is wider than ``width``
+    characters, as several tables one under another, each with the first column (what a
+    row is) and as many of the next columns as fit."""
+    headers = headers or list(rows[0])
+    whole = markdown_table(rows, headers)
+    if max(map(len, whole.splitlines())) <= width:
+        return whole
+    key, parts, group = headers[0], [], [headers[0]]
+    for h in headers[1:]:
+        wider = markdown_table(rows, group + [h])
+        if len(group) > 1 and max(map(len, wider.splitlines())) > width:
+            parts.append(markdown_table(rows, group))
+            group = [key]
+        group.append(h)
+    parts.append(markdown_table(rows, group))
+    return "\n\n".join(parts)
+
+
 def save_results(out_dir, name: str, rows: list[dict], settings: dict, *, headers=None, title="",
                  extra: dict | None = None, note: str = "") -> str:
-    """Write <out>/<name>.json (everything) and <name>.md (the table), each atomically;
-    return the table."""
+    """Write <out>/<name>.json (everything) and <name>.md (the whole table), each
+    atomically; return the table for printing (split where it is wider than TABLE_WIDTH)."""
     out = Path(out_dir)
     info = machine_info(settings.get("device"))
     table = markdown_table(rows, headers) if rows else "(no rows)"
@@ -1033,7 +1178,7 @@ def save_results(out_dir, name: str, rows: list[dict], settings: dict, *, header
     md = (f"# {title or name}\n\nMachine: {info['device']}, torch {info['torch']}, "
           f"{doc['time']}.\nSettings: {json.dumps(settings, default=str)}\n\n{table}\n")
     _atomic_write(out / f"{name}.md", lambda f: f.write((md + (f"\n{note}\n" if note else "")).encode()))
-    return table
+    return fit_width(rows, headers) if rows else table
 
 
 def pyplot():

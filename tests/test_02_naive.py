@@ -39,7 +39,7 @@ def test_missing_mnist_says_how_to_get_it(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--world-size", "0"], "--world-size must be at least 1"),
+    (["--world-size", "0"], "argument --world-size: must be at least 1"),
     (["--backend", "nccl", "--world-size", "2"], "nccl needs one GPU per rank"),
     (["--world-size", "2", "--batch-size", "3"], "does not divide"),
     (["--model-size", "huge"], "unknown --model-size"),
@@ -53,7 +53,12 @@ def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
     p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), timeout=60)
     assert time.time() - t0 < 30
     assert p.returncode == 1
-    assert "rank 1 failed" in p.stderr and "boom from the test" in p.stderr
+    lines = p.stderr.strip().splitlines()   # the first failure first, its exception's last line
+    assert lines[0].endswith("error: rank 1 failed first: ValueError: boom from the test"), p.stderr
+    assert len(lines) <= 3 and "Traceback" not in p.stderr   # the tracebacks go to a file it names
+    log = lines[-1].split("every failed rank's traceback: ")[1]
+    assert "raise ValueError(\"boom from the test\")" in open(log).read()
+    os.unlink(log)
     pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
     assert len(pids) == 2
     for pid in pids:

@@ -182,16 +182,18 @@ def test_script_writes_table_timelines_and_memory(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [
     (["--stages", "5"], "--stages 5 x --chunks 2 is more chunks than blocks"),
-    (["--stages", "10", "--schedule", "1f1b"], "--stages 10 is more chunks than blocks"),
-    (["--stages", "1"], "a pipeline needs 2 or more stages"),
+    (["--stages", "10", "--schedule", "1f1b"], "--stages x --replicas: 10 processes on"),
+    (["--stages", "8", "--schedule", "1f1b", "--model-size", "mini", "--no-verify"],
+     "--stages 8 is more chunks than blocks"),
+    (["--stages", "1"], "argument --stages: must be at least 2"),
     (["--stages", "4", "--model-size", "nano", "--schedule", "1f1b"], "nano has 2 blocks"),
     (["--stages", "4", "--chunks", "3", "--schedule", "interleaved", "--microbatches", "4"],
      "--stages 4 x --chunks 3 is more chunks than blocks: mini8 has 8 blocks"),
     (["--schedule", "interleaved", "--microbatches", "1", "2"], "--microbatches 1 is not a multiple of 2"),
     (["--schedule", "zb2"], "unknown --schedule 'zb2'"),
-    (["--chunks", "0"], "--chunks must be at least 1"),
-    (["--microbatches", "3"], "does not split into 1 x 3 micro-batches"),
-    (["--replicas", "3"], "does not divide into 3 ranks"),
+    (["--chunks", "0"], "argument --chunks: must be at least 1"),
+    (["--microbatches", "3", "--batch-size", "8"], "does not split into 1 x 3 micro-batches"),
+    (["--replicas", "3", "--stages", "2", "--batch-size", "8"], "does not divide into 3 ranks"),
     (["--recompute", "full", "--schedule", "zb1"], "--recompute full with --schedule zb1"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words):

@@ -177,23 +177,23 @@ def test_bad_input_exits_2_with_one_line():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dp", "0"], "every axis must be at least 1"),
+    (["--dp", "0"], "argument --dp: must be at least 1"),
     (["--pp", "5"], "--pp 5 is more stages than the verification LM's 4 blocks"),
     (["--pp", "3", "--model-size", "micro"], "--pp 3 is more stages than the model's 2 blocks"),
     (["--dp", "2", "--batch-size", "3"], "does not split into 2 replicas x 1 micro-batches"),
-    (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1"),
+    (["--pp", "2", "--microbatches", "0"], "argument --microbatches: must be at least 1"),
     (["--plan", "--model-size", "huge"], "unknown --model-size 'huge'"),
     (["--pp", "2", "--fsdp", "2", "--schedule", "zb1"], "zb1 defers the weights' gradients past FSDP"),
     (["--pp", "2", "--dp", "2", "--schedule", "interleaved", "--microbatches", "3", "--model-size", "mini"],
      "not a multiple of 2"),
     (["--pp", "4", "--schedule", "interleaved"], "--pp 4 x --chunks 2 is more chunks than the verification LM's 4"),
     (["--dp", "2", "--schedule", "zb1"], "it needs --pp 2 or more"),
-    (["--pp", "2", "--schedule", "gpipe"], "unknown --schedule 'gpipe'"),
+    (["--pp", "2", "--schedule", "gpipe"], "argument --schedule: invalid choice: 'gpipe'"),
     (["--schedule", "zb1"], "--schedule zb1 without a mesh"),
-    (["--dp", "3", "--tp", "2", "--ep", "2"], "--ep 2 takes its ranks from a mesh's data ranks"),
-    (["--dp", "2", "--cp", "2", "--ep", "2"], "--ep 2 takes its ranks from a mesh's data ranks"),
+    (["--dp", "3", "--tp", "2", "--ep", "2"], "3 here, which it must divide: use --ep 3"),
+    (["--dp", "2", "--cp", "2", "--ep", "2"], "--ep with --cp"),
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
-    (["--dp", "2", "--ep", "2", "--top-k", "5"], "--top-k between 1 and --experts"),
+    (["--dp", "2", "--ep", "2", "--top-k", "5"], "--top-k 5 must be at most --experts 4"),
     (["--dp", "2", "--sp"], "--sp splits the sequence over the tp ranks"),
     (["--fsdp", "2", "--tp", "2", "--sp"], "--sp with --fsdp"),
     (["--fsdp", "2", "--recompute", "full"], "--recompute full with --fsdp"),
@@ -228,9 +228,9 @@ def test_the_suite_as_make_runs_it_passes_its_own_checks(argv, monkeypatch):
 @pytest.mark.parametrize("argv, words", [
     (["--dp", "2", "--tp", "2", "--world-size", "3"], "--world-size 3 but the mesh dp 2 x tp 2 holds 4 ranks"),
     (["--world-size", "4"], "--world-size 4 without a mesh"),
-    (["--plan", "--device-memory", "-5"], "--device-memory must be a positive number of GB, got -5"),
-    (["--plan", "--act-tokens", "-1"], "--act-tokens must not be negative"),
-    (["--dp", "2", "--peak-tflops", "0"], "--peak-tflops must be positive"),
+    (["--plan", "--device-memory", "-5"], "argument --device-memory: must be more than 0, got -5"),
+    (["--plan", "--act-tokens", "-1"], "argument --act-tokens: must be at least 0"),
+    (["--dp", "2", "--peak-tflops", "0"], "argument --peak-tflops: must be more than 0"),
 ])
 def test_settings_it_would_ignore_or_misread_are_refused(argv, words):
     assert words in refused("10_nd_parallel.py", *argv)

@@ -14,7 +14,8 @@ def verification(cp):
     """Every method and layout at this cp: attention (outputs and q, k, v gradients) and LM
     training against one process (one job)."""
     if cp not in _cache:
-        _cache[cp] = common.launch(cpm.verify, verify_args(cp, verify_steps=3), list(cpm.METHODS), world_size=cp)
+        _cache[cp] = common.launch(cpm.verify, verify_args(cp, verify_steps=3, context_length=cpm.VERIFY_T),
+                                   list(cpm.METHODS), world_size=cp)
     return _cache[cp]
 
 
@@ -79,10 +80,10 @@ def test_script_times_measures_and_draws(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--cp", "0"], "--cp must be at least 1"),
+    (["--cp", "0"], "argument --cp: must be at least 1"),
     (["--cp", "3", "--seq-lens", "64"], "does not cut into the 2 x 3 chunks"),
     (["--cp", "3", "--method", "ulysses", "--seq-lens", "60", "--memory-lens", "60"], "cp 3 does not divide the 4 heads"),
-    (["--method", "tree"], "unknown --method 'tree'"),
+    (["--method", "tree"], "argument --method: invalid choice: 'tree'"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words):
     assert words in refused("11_context_parallel.py", *argv)

@@ -76,6 +76,10 @@ def test_script_times_routes_and_counts(tmp_path):
     p = run_inline("12_expert_parallel.py", "--ep", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
                    "--no-verify", "--context-length", "16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("running: 12_expert_parallel.py on 2 ranks (gloo, cpu): benchmark")
+    tables = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]   # 16 columns, printed in parts
+    assert tables and max(map(len, tables)) <= common.TABLE_WIDTH
+    assert max(map(len, (tmp_path / "12_expert_parallel.md").read_text().splitlines())) > common.TABLE_WIDTH
     rows = {r["method"]: r for r in json.loads((tmp_path / "12_expert_parallel.json").read_text())["rows"]}
     ep = rows["EP 2, aux 0.01"]
     assert set(rows) == {"EP 2, aux 0.01", "EP 2, aux 0", "MoE replicated (plain DP)", "dense, d_ff 2 x 256"}
@@ -96,10 +100,10 @@ def test_script_times_routes_and_counts(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [
     (["--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
-    (["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
-    (["--capacity-factor", "-1"], "--capacity-factor must not be negative"),
+    (["--experts", "4", "--top-k", "5"], "--top-k 5 must be at most --experts 4"),
+    (["--capacity-factor", "-1"], "argument --capacity-factor: must be at least 0"),
     (["--ep", "2", "--world-size", "3"], "--ep 2 does not divide the world size 3"),
-    (["--ep", "0"], "--ep must be at least 1"),
+    (["--ep", "0"], "argument --ep: must be at least 1"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words):
     assert words in refused("12_expert_parallel.py", *argv)

@@ -71,3 +71,21 @@ def test_gpu_smoke_fails_when_a_job_fails_and_says_which(tmp_path):
     assert p.returncode != 0
     summary = (tmp_path / "smoke" / "SUMMARY.md").read_text()
     assert "| 03_flat_ddp | gloo_1rank | 124 |" in summary and "| 03_flat_ddp | gloo_2ranks | 124 |" in summary
+
+
+def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
+    """The interleaved job (2 stages x 2 chunks) on a dry run's nano, whose 2 blocks cannot
+    make 4 chunks: the Makefile gives that job mini's 4, and 09 takes the line."""
+    from conftest import run_inline
+    p = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "show-%: ; @echo $($*)", "show-SMOKE_4_BLOCKS",
+                        "GPU_SIZE=nano"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    extra = p.stdout.split()
+    assert extra == ["--model-size", "mini"], p.stdout + p.stderr
+    def first_job(*a, **kw):   # the checks passed: the verification job is about to start
+        raise KeyboardInterrupt
+    p = run_inline("09_pipeline_parallel.py", "--backend", "gloo", "--device", "cpu", "--model-size", "nano",
+                   "--warmup", "1", "--steps", "2", "--stages", "2", "--microbatches", "2", "--schedule",
+                   "interleaved", *extra, "--out", str(tmp_path), launch=first_job)
+    assert p.returncode == 130, p.stderr
+    assert run_inline("09_pipeline_parallel.py", "--model-size", "nano", "--stages", "2", "--schedule", "interleaved",
+                      "--out", str(tmp_path), launch=first_job).returncode == 2   # without it: refused
