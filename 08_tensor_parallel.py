@@ -905,7 +905,8 @@ NAME, TITLE = "08_tensor_parallel", "Tensor parallelism against data parallelism
 
 
 def main(argv=None):
-    p = common.script_parser(__doc__, world="see --world-sizes")
+    p = common.script_parser(__doc__, world="see --world-sizes",
+                             batch="the least common multiple of 8 and the world sizes; the benchmark's alone")
     p.add_argument("--world-sizes", nargs="+", type=common.number(int, 2), default=None,
                    help="one job per world size (default: 2 4, with NCCL those this machine has GPUs for; "
                         "--world-size N: N alone; under torchrun: its world size)")
@@ -915,7 +916,6 @@ def main(argv=None):
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism too: verified at every TP degree, timed beside torch's "
                         "SequenceParallel, its activation memory and bytes beside their formulas")
-    p.set_defaults(batch_size=8)
     first = p.parse_args(argv)
     if first.world_size is not None and first.world_sizes and not common.under_torchrun():
         raise common.UsageError("--world-size and --world-sizes both given: --world-size N is --world-sizes N")
@@ -925,6 +925,8 @@ def main(argv=None):
         args.world_sizes or [w for w in (2, 4) if common.nccl_fits(args.backend, w)]))
     for w in sizes:
         common.check_ranks(w, args.backend, "--world-sizes")
+    if args.batch_size is None:   # every world size's data ranks split it
+        args.batch_size = math.lcm(8, *sizes)
     if not sizes or not all(common.nccl_fits(args.backend, w) for w in sizes):
         raise common.UsageError(f"tensor parallelism needs 2 or more ranks, and nccl a GPU per rank: "
                                 f"world sizes {sizes or [2]} but {common.gpu_count()} GPU(s) here; {common.NCCL_HINT}")
@@ -934,7 +936,8 @@ def main(argv=None):
     for w in sizes:
         if w < 2:
             raise common.UsageError(f"--world-sizes must be at least 2, got {w}")
-        common.check_divisible(args.batch_size, w, "--batch-size")
+        if not args.no_bench:
+            common.check_divisible(args.batch_size, w, "--batch-size")
         plan[w] = [t for t in (args.tp or range(2, w + 1)) if w % t == 0]
     for t in args.tp or []:
         if t < 2 or not any(w % t == 0 for w in sizes):
