@@ -49,6 +49,7 @@ import common
 
 # ---- begin copy: tensor-parallel layers (need only torch and the standard library) ----
 import contextlib
+import fnmatch
 import math
 from datetime import timedelta
 
@@ -400,29 +401,71 @@ def sync_rng(process_group=None):
         torch.cuda.set_rng_state(states[1])
 
 
-def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) -> nn.Module:
-    """Replace the submodules named in ``plan`` by their tensor-parallel form, in place:
-    an nn.Linear by this rank's slice ("column" or "row"), an nn.Dropout between a column
-    and a row layer by a ParallelDropout ("dropout"). A "column" layer's output slice is the
-    input slice of the "row" layer that follows it; what lies between must work feature by
-    feature. ``sync``: sync_rng over the group first, so dropout everywhere else draws the
-    same masks on every rank (leave it on unless the ranks' generators are in step already).
+def _matches(path: str, pattern: str) -> bool:
+    """A module path against a plan key: the same number of dotted names, each matched by
+    fnmatch (``*`` for any one name, as in torch's parallelize_module plans)."""
+    names, keys = path.split("."), pattern.split(".")
+    return len(names) == len(keys) and all(fnmatch.fnmatchcase(n, k) for n, k in zip(names, keys))
 
-        for block in gpt.transformer.h:
-            parallelize(block.mlp, {"c_fc": "column", "c_proj": "row"}, tp_group)
+
+def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) -> nn.Module:
+    """Put ``module``'s submodules named in ``plan`` in tensor-parallel form, in place. A key
+    is a module path under ``module``, where ``*`` stands for any one name
+    ("layers.*.attention.wq"), and every key must match something. Its kind:
+    "column" / "row": an nn.Linear becomes this rank's slice of its output / input features;
+    "dropout": an nn.Dropout between a column and a row layer becomes a ParallelDropout;
+    "divide": an integer attribute (a head count the model's forward reshapes by, say
+    "layers.*.attention.n_heads") is divided by the group's size, so the model's own code
+    sees the heads this rank holds. A "column" layer's output slice is the input slice of
+    the "row" layer that follows it; what lies between must work feature by feature (or
+    head by head, with the head counts divided). Everything is checked before anything
+    changes (ValueError: a key that matches nothing, a count or a layer the group's size
+    does not divide). ``sync``: sync_rng over the group first, so dropout everywhere else
+    draws the same masks on every rank.
+
+        plan = {"layers.*.attention.wq": "column", "layers.*.attention.wk": "column",
+                "layers.*.attention.wv": "column", "layers.*.attention.wo": "row",
+                "layers.*.attention.n_heads": "divide", "layers.*.attention.n_kv_heads": "divide",
+                "layers.*.feed_forward.w1": "column", "layers.*.feed_forward.w3": "column",
+                "layers.*.feed_forward.w2": "row"}
+        parallelize(model, plan, tp_group)
     """
+    tp = dist.get_world_size(process_group)
+    modules = dict(module.named_modules())
+    todo = []
+    for key, kind in plan.items():
+        if kind not in ("column", "row", "dropout", "divide"):
+            raise ValueError(f"plan[{key!r}]: unknown kind {kind!r} (column, row, dropout or divide)")
+        owner_key, _, attr = key.rpartition(".") if kind == "divide" else (key, "", "")
+        found = [n for n in modules if _matches(n, owner_key)]
+        if kind == "divide":
+            found = [n for n in found if isinstance(getattr(modules[n], attr, None), int)]
+        if not found:
+            raise ValueError(f"plan key {key!r} matches no {'integer attribute' if kind == 'divide' else 'module'} "
+                             f"of the model")
+        for name in found:
+            target = modules[name]
+            if kind == "divide" and getattr(target, attr) % tp:
+                raise ValueError(f"{name}.{attr} = {getattr(target, attr)} does not divide over the group's {tp} "
+                                 f"ranks: use a tensor-parallel degree that divides it")
+            if kind in ("column", "row"):
+                features = getattr(target, "out_features" if kind == "column" else "in_features", None)
+                if not isinstance(target, nn.Linear) or features % tp:
+                    raise ValueError(f"{name}: a {kind}-parallel layer must be an nn.Linear whose "
+                                     f"{'output' if kind == 'column' else 'input'} features the group's {tp} ranks "
+                                     f"divide")
+            todo.append((name, kind, attr))
     if sync:
         sync_rng(process_group)
-    for name, kind in plan.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent, old = module.get_submodule(parent_name), module.get_submodule(name)
-        if kind == "dropout":
-            new = ParallelDropout(old.p, process_group)
-        elif kind in ("column", "row"):
-            new = (ColumnParallelLinear if kind == "column" else RowParallelLinear).from_linear(old, process_group)
-        else:
-            raise ValueError(f"{name}: unknown kind {kind!r} (column, row or dropout)")
-        setattr(parent, attr, new)
+    for name, kind, attr in todo:
+        target = modules[name]
+        if kind == "divide":
+            setattr(target, attr, getattr(target, attr) // tp)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        new = ParallelDropout(target.p, process_group) if kind == "dropout" else \
+            (ColumnParallelLinear if kind == "column" else RowParallelLinear).from_linear(target, process_group)
+        setattr(module.get_submodule(parent_name), child, new)
     return module
 
 

@@ -487,10 +487,14 @@ def _failure_report(result_path, world_size, died=None) -> str:
     if not events:
         return "a rank failed, leaving no report"
     events.sort()
-    first, rest = events[0], events[1:]
+    first = events[0]
+    same = [r for _, r, what, _ in events[1:] if what == first[2]]   # the same error raised on its own
+    rest = [(r, what) for _, r, what, _ in events[1:] if what != first[2]]
     msg = f"rank {first[1]} {first[2].replace('failed:', 'failed first:', 1)}"
+    if same:
+        msg += f"\n  rank{'s' * (len(same) > 1)} {', '.join(map(str, same))} failed the same way"
     if rest:
-        msg += "\n  then, as a consequence: " + "; ".join(f"rank {r} {what}" for _, r, what, _ in rest)
+        msg += "\n  then, as a consequence: " + "; ".join(f"rank {r} {what}" for r, what in rest)
     tracebacks = "".join(f"==== rank {r}\n{tb}\n" for _, r, _, tb in events if tb)
     if tracebacks:
         fd, log = tempfile.mkstemp(prefix=f"{Path(sys.argv[0]).stem or 'job'}-failure-"

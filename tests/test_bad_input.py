@@ -206,6 +206,10 @@ def test_the_failure_report_puts_the_first_failure_first(tmp_path):
     assert lines[1] == ("  then, as a consequence: rank 2 died (signal 6) without a Python error; rank 0 failed: "
                         "RuntimeError: Connection closed by peer")
     log = lines[2].split(": ", 1)[1]
+    (tmp_path / "job.rank1.err").write_text(f"{t + 2!r}\nValueError: the real cause\n")   # raised on its own too
+    again = common._failure_report(base, 4).splitlines()
+    os.unlink(again[-1].split(": ", 1)[1])
+    assert again[1] == "  rank 1 failed the same way"
     text = open(log).read()
     os.unlink(log)
     assert "==== rank 3" in text and "File x" in text and "==== rank 0" in text

@@ -1,0 +1,107 @@
+"""Workers for "your own model": the tests' Llama-style decoder (tests/llama.py, written for
+one process and never changed) put on the kit's axes with documented calls only, each
+against one process trained on the same batches with the same clipped AdamW steps."""
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+
+import common
+import llama
+
+tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
+ddp = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
+
+MAX_NORM = 0.5   # below the Llama's gradient norm at the start: every step clips
+STEPS = 4
+TP_PLAN = {   # a whole-model plan, as the docs show it
+    "layers.*.attention.wq": "column", "layers.*.attention.wk": "column", "layers.*.attention.wv": "column",
+    "layers.*.attention.wo": "row", "layers.*.attention.n_heads": "divide", "layers.*.attention.n_kv_heads": "divide",
+    "layers.*.feed_forward.w1": "column", "layers.*.feed_forward.w3": "column", "layers.*.feed_forward.w2": "row",
+}
+
+
+def batches(steps=STEPS, batch=8, t=16, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, t), generator=g), torch.randint(0, vocab, (batch, t), generator=g))
+            for _ in range(steps)]
+
+
+def train_reference(ref, data):
+    """One process: the whole batch, torch's clip, AdamW."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    norms = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        llama.loss_fn(ref(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+        opt.step()
+    return norms
+
+
+def compare(full: dict, ref) -> dict:
+    theirs, ok, diff = ref.state_dict(), True, 0.0
+    for name, t in theirs.items():
+        diff = max(diff, (full[name].double() - t.double()).abs().max().item())
+        try:
+            torch.testing.assert_close(full[name], t, rtol=1e-4, atol=1e-5)
+        except AssertionError:
+            ok = False
+    return {"ok": ok and set(full) == set(theirs), "max_diff": diff}
+
+
+def tensor_parallel(ctx, args):
+    """The Llama at tp 2 (2 ranks), or dp 2 x tp 2 composed by hand (4 ranks):
+    parallelize with the whole-model plan, DDPBucketed over the data ranks, 08's clip over
+    the tp group. Also what parallelize refuses, before it changes anything."""
+    out, data = {}, batches()
+    torch.manual_seed(0)
+    ref = llama.Transformer(llama.ModelArgs())
+    want = train_reference(copy.deepcopy(ref), data)
+    ref_trained = copy.deepcopy(ref)
+    train_reference(ref_trained, data)
+    layouts = [(1, 2)] if ctx.world_size == 2 else [(2, 2)]   # 2 key/value heads: tp 2 at most
+    for dp, t in layouts:
+        tp_groups = [dist.new_group(list(range(i, i + t))) for i in range(0, ctx.world_size, t)]
+        dp_groups = [dist.new_group(list(range(i, ctx.world_size, t))) for i in range(t)]
+        tp_group, dp_group = tp_groups[ctx.rank // t], dp_groups[ctx.rank % t]
+        model = tp.parallelize(copy.deepcopy(ref), TP_PLAN, tp_group)
+        wrapped = ddp.DDPBucketed(model, 1, process_group=dp_group) if dp > 1 else model
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-6)
+        norms = []
+        for x, y in data:
+            xs, ys = (z.chunk(dp)[ctx.rank // t] for z in (x, y))
+            opt.zero_grad(set_to_none=True)
+            llama.loss_fn(wrapped(xs), ys).backward()
+            if dp > 1:
+                wrapped.finish_gradient_synchronization()
+            norms.append(tp.clip_grad_norm_(model, MAX_NORM, tp_group).item())
+            opt.step()
+        r = compare(tp.full_state_dict(model), ref_trained)
+        r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+        out[f"dp {dp} x tp {t}"] = r
+    return out
+
+
+def plan_refusals(ctx, args):
+    """What parallelize refuses, each before it changes anything: a key that matches
+    nothing, a head count the group's size does not divide, a kind it does not know."""
+    out = {}
+    for label, plan, model_args in (
+            ("no match", {**TP_PLAN, "layers.*.attention.wqkv": "column"}, llama.ModelArgs()),
+            ("heads", TP_PLAN, llama.ModelArgs(n_kv_heads=1)),
+            ("kind", {"layers.*.attention.wq": "colum"}, llama.ModelArgs())):
+        model = llama.Transformer(model_args)
+        before = {n: type(m) for n, m in model.named_modules()}, [l.attention.n_heads for l in model.layers]
+        try:
+            tp.parallelize(model, plan)
+            out[label] = "not refused"
+        except ValueError as e:
+            after = {n: type(m) for n, m in model.named_modules()}, [l.attention.n_heads for l in model.layers]
+            out[label] = str(e) if after == before else f"changed the model: {e}"
+    return out

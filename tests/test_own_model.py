@@ -1,0 +1,36 @@
+"""Your own model on the kit's axes: the tests' Llama-style decoder (tests/llama.py: rotary
+positions from position indices, RMSNorm, grouped-query attention with 8 query and 2
+key/value heads through F.scaled_dot_product_attention, SwiGLU, untied head, Meta's module
+names), written for one process and never changed, trained with documented calls only and
+compared with one process over several clipped AdamW steps."""
+import pytest
+
+import common
+from conftest import verify_args
+
+_cache = {}
+
+
+def run(worker, world_size):
+    import own_model
+    key = (worker, world_size)
+    if key not in _cache:
+        _cache[key] = common.launch(getattr(own_model, worker), verify_args(world_size), world_size=world_size)
+    return _cache[key]
+
+
+@pytest.mark.parametrize("world_size, layout", [(2, "dp 1 x tp 2"), (4, "dp 2 x tp 2")])
+def test_llama_under_a_whole_model_tp_plan_trains_like_one_process(world_size, layout):
+    r = run("tensor_parallel", world_size)[layout]
+    assert r["ok"], f"{layout}: max diff {r['max_diff']}"
+    assert r["norms"]   # 08's clip_grad_norm_ saw the one process's global norm each step
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no match", "plan key 'layers.*.attention.wqkv' matches no module"),
+    ("heads", "layers.0.attention.n_kv_heads = 1 does not divide over the group's 2 ranks"),
+    ("kind", "unknown kind 'colum'"),
+])
+def test_a_plan_it_cannot_apply_is_refused_before_anything_changes(case, words):
+    msg = run("plan_refusals", 2)[case]
+    assert words in msg and not msg.startswith("changed the model"), msg
