@@ -91,6 +91,7 @@ class MoE(nn.Module):
     a checkpoint of whole tensors by name loads at any ep).
 
         moe = MoE(512, 2048, n_experts=8, top_k=2, capacity_factor=1.25)   # the same on every rank
+        # or your own experts:  expert=lambda: FeedForward(512, 1408), shared_experts=FeedForward(512, 1408)
         moe.distribute(ep_group)             # keep this rank's experts: 8/ep of them
         y = moe(x)                           # this rank's tokens in, their output out; moe.aux: the balance loss
         loss = task_loss + 0.01 * moe.aux
@@ -106,15 +107,25 @@ class MoE(nn.Module):
     ``aux`` is E sum_e f_e P_e over this rank's tokens, and ``stats`` holds the tokens routed
     to each expert (before dropping) and the share dropped. ``host_staging``: exchange
     through host memory (None: when the group is gloo and the tokens on a GPU).
+
+    Your own experts: ``expert``, a callable that returns one expert, any module from
+    (n, d_model) rows to (n, d_model) (a SwiGLU FeedForward, say), called once per expert in
+    index order (so the same seed gives the same experts on every rank); default: Expert(d_model,
+    d_ff). ``shared_experts`` (DeepSeekMoE's): a module every token passes through, its
+    output added to the routed experts'; it is replicated like the router (not sent, not
+    split: a DDP wrapper reduces its gradients), and it is not among expert_parameters.
     """
 
-    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=0.0, host_staging=None):
+    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=0.0, host_staging=None, expert=None,
+                 shared_experts=None):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the {n_experts} experts")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): Expert(d_model, d_ff) for e in range(n_experts)})
+        make = expert or (lambda: Expert(d_model, d_ff))
+        self.experts = nn.ModuleDict({str(e): make() for e in range(n_experts)})
+        self.shared_experts = shared_experts
         self.group, self.ep, self.host_staging, self.distributed = None, 1, host_staging, False
         self.aux, self.stats = None, {}
 
@@ -168,6 +179,8 @@ class MoE(nn.Module):
             outputs = self._run_local(inputs, rows.view(1, E))
         y = torch.zeros_like(x, dtype=outputs.dtype)
         y = y.index_add(0, token_of, outputs * gates.flatten()[order, None].to(outputs.dtype))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
         return y.view(shape)
 
     def _run_local(self, x, rows):

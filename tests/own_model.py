@@ -16,6 +16,7 @@ import llama
 
 tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
 ddp = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
+ep = common.load_script(os.path.join(common.ROOT, "12_expert_parallel.py"))
 
 MAX_NORM = 0.5   # below the Llama's gradient norm at the start: every step clips
 STEPS = 4
@@ -105,3 +106,57 @@ def plan_refusals(ctx, args):
             after = {n: type(m) for n, m in model.named_modules()}, [l.attention.n_heads for l in model.layers]
             out[label] = str(e) if after == before else f"changed the model: {e}"
     return out
+
+
+AUX = 0.01
+
+
+def llama_moe(n_experts=4, top_k=2):
+    """The Llama with each layer's feed-forward replaced by a MoE of its own SwiGLU
+    FeedForward experts and one shared expert (a module swapped in, the model's source as
+    it is)."""
+    torch.manual_seed(0)
+    args = llama.ModelArgs()
+    model = llama.Transformer(args)
+    for layer in model.layers:
+        layer.feed_forward = ep.MoE(args.dim, args.ffn_hidden, n_experts, top_k=top_k,
+                                    expert=lambda: llama.FeedForward(args.dim, args.ffn_hidden),
+                                    shared_experts=llama.FeedForward(args.dim, args.ffn_hidden))
+    return model
+
+
+def moe_loss(model, x, y):
+    return llama.loss_fn(model(x), y) + AUX * sum(m.aux for m in model.modules() if isinstance(m, ep.MoE))
+
+
+def expert_parallel(ctx, args):
+    """The MoE Llama with its experts split over every rank (ep = world), the other weights
+    (attention, norms, router, shared experts) under DDPBucketed, 12's clip; against one
+    process holding every expert that routes each rank's part of the batch as that rank
+    does (the balance loss is per part) and averages the parts' losses."""
+    data = batches()
+    ref = llama_moe()
+    model = copy.deepcopy(ref)
+    for moe in (m for m in model.modules() if isinstance(m, ep.MoE)):
+        moe.distribute()
+    wrapped = ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (wrapped, ref)]
+    norms, want = [], []
+    for x, y in data:
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        parts = list(zip(x.chunk(ctx.world_size), y.chunk(ctx.world_size)))
+        moe_loss(wrapped, *parts[ctx.rank]).backward()
+        wrapped.finish_gradient_synchronization()
+        ep.reduce_expert_gradients(model)
+        norms.append(ep.clip_grad_norm_(model, MAX_NORM).item())
+        (sum(moe_loss(ref, *part) for part in parts) / len(parts)).backward()
+        want.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+        for opt in opts:
+            opt.step()
+    r = compare(ep.full_state_dict(model), ref)
+    r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+    shared = {id(p) for p in model.layers[0].feed_forward.shared_experts.parameters()}
+    r["shared_replicated"] = not shared & {id(p) for p in ep.expert_parameters(model)}   # DDP's, not sent
+    r["local_experts"] = sorted(model.layers[0].feed_forward.experts.keys())
+    return r

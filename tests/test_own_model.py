@@ -34,3 +34,11 @@ def test_llama_under_a_whole_model_tp_plan_trains_like_one_process(world_size, l
 def test_a_plan_it_cannot_apply_is_refused_before_anything_changes(case, words):
     msg = run("plan_refusals", 2)[case]
     assert words in msg and not msg.startswith("changed the model"), msg
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_llama_with_swiglu_experts_and_a_shared_expert_under_ep_trains_like_one_process(world_size):
+    r = run("expert_parallel", world_size)
+    assert r["ok"], f"ep {world_size}: max diff {r['max_diff']}"
+    assert r["norms"] and r["shared_replicated"]
+    assert len(r["local_experts"]) == 4 // world_size   # this rank's share of the user's experts
