@@ -42,6 +42,7 @@ import os
 import common
 
 # ---- begin copy: context-parallel attention (needs only torch and the standard library) ----
+import contextlib
 import math
 import time
 
@@ -98,27 +99,40 @@ def _exchange(send, group, nxt, prv, staged, tag=0):
 TILE = 128   # query rows whose scores exist at once: a block's scores never take more than heads x 128 x chunk
 
 
-def _pairs(my_chunks, src_chunks, size, tile=None):
+def _pairs(my_chunks, src_chunks, size, tile=None, causal=True):
     """The (query rows, key slice, diagonal rows or None) of every chunk pair a causal mask
     leaves work in, the query rows in tiles: a key chunk before the query chunk is seen
-    whole, the same chunk up to the diagonal, a later one not at all."""
+    whole, the same chunk up to the diagonal, a later one not at all (``causal`` False:
+    every pair whole)."""
     tile = tile or size
     for i, a in enumerate(my_chunks):
         for j, b in enumerate(src_chunks):
-            if b <= a:
+            if b <= a or not causal:
                 for r in range(0, size, tile):
                     rows = slice(i * size + r, i * size + min(r + tile, size))
-                    yield rows, slice(j * size, (j + 1) * size), slice(r, min(r + tile, size)) if a == b else None
+                    yield rows, slice(j * size, (j + 1) * size), \
+                        slice(r, min(r + tile, size)) if a == b and causal else None
 
 
 def _diagonal_mask(n, device):
     return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
 
 
+def _expand(x, g):
+    """Grouped-query attention: each of x's key/value heads (dim 1) for its g query heads."""
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _fold(x, g):
+    """The reverse of _expand for gradients: each key/value head's g copies summed."""
+    return x if g == 1 else x.unflatten(1, (-1, g)).sum(2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, staged, trace):
+    def forward(ctx, q, k, v, group, layout, staged, trace, causal=True):
         cp, rank, nxt, prv = _peers(group)
+        g = q.shape[1] // k.shape[1]   # query heads per key/value head: only k.shape[1] heads travel
         mine, size, scale = chunks_of(rank, cp, layout), q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
@@ -127,12 +141,12 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             wait = _exchange(kv, group, nxt, prv, staged) if step < cp - 1 else None   # the next block, meanwhile
             t0 = time.perf_counter()
-            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, layout), size, TILE):
-                s = (q[:, :, qs] @ kv[0][:, :, ks].transpose(-1, -2)).float() * scale
+            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, layout), size, TILE, causal):
+                s = (q[:, :, qs] @ _expand(kv[0][:, :, ks], g).transpose(-1, -2)).float() * scale
                 if diag is not None:
                     s = s.masked_fill(mask[diag], -math.inf)
                 block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.exp(s - block_lse[..., None]) @ kv[1][:, :, ks].float()
+                block_out = torch.exp(s - block_lse[..., None]) @ _expand(kv[1][:, :, ks], g).float()
                 new = torch.logaddexp(lse[:, :, qs], block_lse)   # the online softmax: rescale, add
                 out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None] + \
                     block_out * torch.exp(block_lse - new)[..., None]
@@ -146,7 +160,7 @@ class _RingAttention(torch.autograd.Function):
                     trace.append(("wait", t0, time.perf_counter()))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.staged, ctx.trace = group, layout, staged, trace
+        ctx.group, ctx.layout, ctx.staged, ctx.trace, ctx.causal = group, layout, staged, trace, causal
         return out
 
     @staticmethod
@@ -154,7 +168,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, nxt, prv = _peers(ctx.group)
         mine = chunks_of(rank, cp, ctx.layout)
-        size, scale = q.shape[2] // len(mine), q.shape[-1] ** -0.5
+        size, scale, g = q.shape[2] // len(mine), q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
         dout = dout.float()
         delta = (dout * out.float()).sum(-1)   # the softmax's backward term, per query
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -164,22 +178,22 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             wait_kv = _exchange(kv, ctx.group, nxt, prv, ctx.staged) if step < cp - 1 else None
             t0 = time.perf_counter()
-            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, ctx.layout), size, TILE):
-                kb, vb = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
+            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, ctx.layout), size, TILE, ctx.causal):
+                kb, vb = _expand(kv[0][:, :, ks], g).float(), _expand(kv[1][:, :, ks], g).float()
                 s = (q[:, :, qs].float() @ kb.transpose(-1, -2)) * scale
                 if diag is not None:
                     s = s.masked_fill(mask[diag], -math.inf)
                 p = torch.exp(s - lse[:, :, qs][..., None])
-                dkv[1][:, :, ks] += p.transpose(-1, -2) @ dout[:, :, qs]
+                dkv[1][:, :, ks] += _fold(p.transpose(-1, -2) @ dout[:, :, qs], g)
                 ds = p * (dout[:, :, qs] @ vb.transpose(-1, -2) - delta[:, :, qs][..., None])
                 dq[:, :, qs] += ds @ kb * scale
-                dkv[0][:, :, ks] += ds.transpose(-1, -2) @ q[:, :, qs].float() * scale
+                dkv[0][:, :, ks] += _fold(ds.transpose(-1, -2) @ q[:, :, qs].float() * scale, g)
             if ctx.trace is not None:
                 ctx.trace.append(("compute", t0, time.perf_counter()))
             dkv = _exchange(dkv, ctx.group, nxt, prv, ctx.staged, tag=1)()   # home after a full circle
             if wait_kv is not None:
                 kv = wait_kv()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
@@ -224,42 +238,134 @@ def _global_order(cp, t_local, layout, device):
     return torch.cat([positions(t_local, r, cp, layout, device) for r in range(cp)]).argsort()
 
 
-def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigzag", host_staging=None, trace=None):
-    """Causal attention for this rank's part of the sequence (q, k, v: batch, heads, its
-    tokens, head dim; its tokens those of ``layout``, see shard_sequence), over the ranks of
+def _check(q, k, v, cp, method, layout):
+    """What context_parallel_attention cannot take, refused before any exchange (every rank
+    of the group sees the same shapes, so every rank refuses alike and none waits)."""
+    if method not in ("ring", "allgather", "ulysses"):
+        raise ValueError(f"unknown method {method!r}: ring, allgather or ulysses")
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"unknown layout {layout!r}: contiguous or zigzag")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (q.shape[0], q.shape[2], q.shape[3]) != \
+            (k.shape[0], k.shape[2], k.shape[3]):
+        raise ValueError(f"q, k, v must be (batch, heads, tokens, head dim), k and v alike: got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    h, hk, t_local = q.shape[1], k.shape[1], q.shape[2]
+    if h % hk:
+        raise ValueError(f"{hk} key/value heads do not divide the {h} query heads")
+    if t_local % len(chunks_of(0, cp, layout)):
+        raise ValueError(f"this rank's {t_local} tokens do not cut into the {layout} layout's chunks")
+    if method == "ulysses" and h % cp:
+        raise ValueError(f"ulysses splits the {h} heads over {cp} ranks: cp must divide the heads")
+
+
+def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigzag", host_staging=None, trace=None,
+                               causal=True):
+    """Attention for this rank's part of the sequence (q, k, v: batch, heads, its tokens,
+    head dim; its tokens those of ``layout``, see shard_sequence), over the ranks of
     ``group``; returns this rank's output. ``method``: "ring", "allgather" or "ulysses".
+    ``causal``: each query sees the keys at or before its position (else every key).
 
         q, k, v = (shard_sequence(t, rank, cp, dim=2) for t in (q_all, k_all, v_all))
         out = context_parallel_attention(q, k, v, cp_group, "ring")   # = that part of whole attention
 
-    ``host_staging``: point-to-point through host memory (None: when the group is gloo and
-    the tensors on a GPU). ``trace``: a list the ring appends (kind, start, end) to.
+    Grouped-query attention: k and v may have fewer heads than q (each serving
+    q_heads / kv_heads query heads, as SDPA's enable_gqa); only those heads are exchanged
+    (ulysses: where cp divides them too, else they are repeated first). Bad input is
+    refused (ValueError) before any exchange. ``host_staging``: point-to-point through host
+    memory (None: when the group is gloo and the tensors on a GPU). ``trace``: a list the
+    ring appends (kind, start, end) to.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check(q, k, v, cp, method, layout)
+    g = q.shape[1] // k.shape[1]
     if method == "ring":
         staged = host_staging if host_staging is not None else \
             q.device.type != "cpu" and dist.get_backend(group) == "gloo"
-        return _RingAttention.apply(q, k, v, group, layout, staged, trace)
+        return _RingAttention.apply(q, k, v, group, layout, staged, trace, causal)
     t_local = q.shape[2]
     if method == "allgather":
-        kv = _GatherSequence.apply(torch.stack([k, v]), group)          # (cp, 2, b, h, t/cp, d)
-        kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)                 # (2, b, h, t, d) in rank order
+        kv = _GatherSequence.apply(torch.stack([k, v]), group)          # (cp, 2, b, hk, t/cp, d)
+        kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)                 # (2, b, hk, t, d) in rank order
         keys = torch.cat([positions(t_local, r, cp, layout, q.device) for r in range(cp)])
-        visible = keys[None, :] <= positions(t_local, rank, cp, layout, q.device)[:, None]
-        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=visible)
-    if method == "ulysses":
-        b, h, _, d = q.shape
-        if h % cp:
-            raise ValueError(f"ulysses splits the {h} heads over {cp} ranks: cp must divide the heads")
-        x = torch.stack([q, k, v]).view(3, b, cp, h // cp, t_local, d).permute(2, 0, 1, 3, 4, 5)
-        x = _AllToAll.apply(x, group)                                    # (cp source ranks, 3, b, h/cp, t/cp, d)
-        order = _global_order(cp, t_local, layout, q.device)
-        x = x.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)[:, :, :, order]   # (3, b, h/cp, t, d), the sequence in order
-        o = F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True)
-        o = o[:, :, order.argsort()].unflatten(2, (cp, t_local)).permute(2, 0, 1, 3, 4)
-        o = _AllToAll.apply(o, group)                                    # (cp head groups, b, h/cp, t/cp, d)
-        return o.permute(1, 0, 2, 3, 4).flatten(1, 2)
-    raise ValueError(f"unknown method {method!r}: ring, allgather or ulysses")
+        visible = keys[None, :] <= positions(t_local, rank, cp, layout, q.device)[:, None] if causal else None
+        return F.scaled_dot_product_attention(q, _expand(kv[0], g), _expand(kv[1], g), attn_mask=visible)
+    b, h, _, d = q.shape   # ulysses
+    if k.shape[1] % cp:   # the key/value heads do not split: every query head's own copy travels
+        k, v, g = _expand(k, g), _expand(v, g), 1
+    hk = k.shape[1]
+    xq = _AllToAll.apply(q.reshape(b, cp, h // cp, t_local, d).transpose(0, 1), group)   # (cp sources, b, h/cp, ...)
+    xkv = _AllToAll.apply(torch.stack([k, v]).view(2, b, cp, hk // cp, t_local, d).permute(2, 0, 1, 3, 4, 5), group)
+    order = _global_order(cp, t_local, layout, q.device)
+    xq = xq.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, order]           # (b, h/cp, t, d), the sequence in order
+    xkv = xkv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)[:, :, :, order]   # (2, b, hk/cp, t, d)
+    o = F.scaled_dot_product_attention(xq, _expand(xkv[0], g), _expand(xkv[1], g), is_causal=causal)
+    o = o[:, :, order.argsort()].unflatten(2, (cp, t_local)).permute(2, 0, 1, 3, 4)
+    o = _AllToAll.apply(o, group)                                        # (cp head groups, b, h/cp, t/cp, d)
+    return o.permute(1, 0, 2, 3, 4).flatten(1, 2)
+
+
+class _RouteAttention(torch.overrides.TorchFunctionMode):
+    """While on, every F.scaled_dot_product_attention call, by any model, goes to
+    context_parallel_attention over the group (see context_parallel)."""
+
+    def __init__(self, group, method, layout, host_staging):
+        super().__init__()
+        self.group, self.method, self.layout, self.host_staging = group, method, layout, host_staging
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        return self.attend(*args, **(kwargs or {}))
+
+    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        why = ("an attn_mask (only causal or full attention splits over the ranks)" if attn_mask is not None else
+               f"dropout_p {dropout_p} (attention dropout does not split over the ranks)" if dropout_p else
+               "a scale other than head_dim ** -0.5" if scale is not None and scale != query.shape[-1] ** -0.5 else
+               f"{key.shape[1] if key.dim() == 4 else '?'} key/value heads for {query.shape[1]} query heads without "
+               f"enable_gqa=True" if key.dim() == 4 and query.dim() == 4 and key.shape[1] != query.shape[1]
+               and not enable_gqa else None)
+        if why:   # every rank of the group gets here with the same call: all refuse, none waits
+            raise ValueError(f"context_parallel: scaled_dot_product_attention with {why}")
+        return context_parallel_attention(query, key, value, self.group, self.method, self.layout, self.host_staging,
+                                          causal=is_causal)
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, buffers=(), seq_dims=(), method="ring", layout="zigzag", host_staging=None):
+    """Run any model's attention over a context-parallel group, in the manner of torch's
+    experimental context_parallel: on entry each of ``buffers`` (tensors that do not
+    require grad: tokens, targets, positions) is cut, in place, to this rank's part along
+    its ``seq_dims`` entry by ``layout``; inside, every F.scaled_dot_product_attention
+    call (causal or not, grouped-query with enable_gqa=True or with k/v repeated) runs as
+    context_parallel_attention(method) over ``group``; on exit the buffers are whole again.
+
+        positions = torch.arange(tokens.shape[1])      # zigzag hands each rank its true positions
+        with context_parallel(cp_group, buffers=[tokens, targets, positions], seq_dims=[1, 1, 0]):
+            loss = F.cross_entropy(model(tokens, positions).flatten(0, 1), targets.flatten())
+            loss.backward()
+        ddp.finish_gradient_synchronization()          # the weights' gradients averaged over the group
+
+    An attn_mask, attention dropout or shapes it cannot take raise one ValueError on every
+    rank before any exchange, and the next call on the group works.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"{len(buffers)} buffers but {len(seq_dims)} seq_dims: one dimension each")
+    if method not in ("ring", "allgather", "ulysses") or layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"method {method!r} (ring, allgather, ulysses) or layout {layout!r} (contiguous, zigzag)")
+    if any(b.requires_grad for b in buffers):
+        raise ValueError("context_parallel's buffers are cut in place: they must not require grad")
+    parts = [shard_sequence(b, rank, cp, layout, d) for b, d in zip(buffers, seq_dims)]   # all checked first
+    whole = [b.data for b in buffers]
+    for b, part in zip(buffers, parts):
+        b.data = part
+    try:
+        with _RouteAttention(group, method, layout, host_staging):
+            yield
+    finally:
+        for b, w in zip(buffers, whole):
+            b.data = w
 
 
 def context_parallel_lm(model, group=None, method="ring", layout="zigzag"):

@@ -17,6 +17,8 @@ import llama
 tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
 ddp = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
 ep = common.load_script(os.path.join(common.ROOT, "12_expert_parallel.py"))
+cpm = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
+import torch.nn.functional as F   # noqa: E402
 
 MAX_NORM = 0.5   # below the Llama's gradient norm at the start: every step clips
 STEPS = 4
@@ -160,3 +162,79 @@ def expert_parallel(ctx, args):
     r["shared_replicated"] = not shared & {id(p) for p in ep.expert_parameters(model)}   # DDP's, not sent
     r["local_experts"] = sorted(model.layers[0].feed_forward.experts.keys())
     return r
+
+
+def _attention_case(group, method, layout, causal, gqa, cp_rank, cp):
+    """One SDPA call under context_parallel against the whole sequence's: this rank's part
+    of the output and of q's, k's and v's gradients; and the bytes this rank sent."""
+    g = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(2, 8, 16, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=g) for _ in range(2))
+    if gqa == "repeated":   # the model repeats its key/value heads itself and calls plain SDPA
+        k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=gqa == "enable_gqa")
+    out.backward(dout)
+    want = [out] + [x.grad for x in ref]
+    part = lambda x: cpm.shard_sequence(x, cp_rank, cp, layout, dim=2)   # noqa: E731
+    with common.count_collectives() as c, \
+            cpm.context_parallel(group, buffers=[q, k, v, dout], seq_dims=[2, 2, 2, 2], method=method, layout=layout):
+        mine = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = F.scaled_dot_product_attention(*mine, is_causal=causal, enable_gqa=gqa == "enable_gqa")
+        o.backward(dout)
+    got = [o] + [x.grad for x in mine]
+    diff = max((a.detach() - part(b.detach())).abs().max().item() for a, b in zip(got, want))
+    ok = all(torch.allclose(a.detach(), part(b.detach()), rtol=1e-4, atol=1e-5) for a, b in zip(got, want))
+    return {"ok": ok and q.shape[2] == 16, "max_diff": diff, "sent": common.sent_bytes(c.log)}
+
+
+def context_parallel(ctx, args):
+    """Attention and the Llama over context_parallel at cp = world: every method and layout,
+    grouped-query both ways, causal and not, each beside one process; what it refuses
+    (before any exchange, the next call then working); and the Llama trained with its own
+    positions, DDPBucketed averaging the weights' gradients over the group, clipped AdamW."""
+    cp, rank, out = ctx.world_size, ctx.rank, {}
+    for method in cpm.METHODS:
+        for layout in cpm.LAYOUTS:
+            for causal in (True, False):
+                for gqa in ("enable_gqa", "repeated"):
+                    out[f"attention, {method}, {layout}, {'causal' if causal else 'full'}, {gqa}"] = \
+                        _attention_case(None, method, layout, causal, gqa, rank, cp)
+    q = torch.randn(1, 8, 8, 4)
+    for label, kwargs in (("attn_mask", {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}),
+                          ("dropout", {"dropout_p": 0.1}), ("gqa without enable_gqa", {})):
+        k = q[:, :2] if label.startswith("gqa") else q
+        try:
+            with cpm.context_parallel(None, method="ring"):
+                F.scaled_dot_product_attention(q, k, k, **kwargs)
+            out[f"refuses {label}"] = "not refused"
+        except ValueError as e:
+            out[f"refuses {label}"] = str(e)
+    after = _attention_case(None, "ring", "zigzag", True, "enable_gqa", rank, cp)   # the group still works
+    out["works after a refusal"] = after["ok"]
+
+    data = batches()
+    torch.manual_seed(0)
+    ref = llama.Transformer(llama.ModelArgs())
+    ref_trained = copy.deepcopy(ref)
+    want = train_reference(ref_trained, data)
+    for method in cpm.METHODS + ("control",):   # control: positions left to the model (0..t/cp-1: wrong)
+        model = ddp.DDPBucketed(copy.deepcopy(ref), 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+        norms = []
+        for x, y in data:
+            x, y, pos = x.clone(), y.clone(), torch.arange(x.shape[1])
+            opt.zero_grad(set_to_none=True)
+            if method == "control":
+                with cpm.context_parallel(None, buffers=[x, y], seq_dims=[1, 1], method="ring"):
+                    llama.loss_fn(model(x), y).backward()
+            else:
+                with cpm.context_parallel(None, buffers=[x, y, pos], seq_dims=[1, 1, 0], method=method):
+                    llama.loss_fn(model(x, pos), y).backward()
+            model.finish_gradient_synchronization()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())   # replicated: whole
+            opt.step()
+        r = compare(model.module.state_dict(), ref_trained)
+        r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+        out[f"llama, {method}"] = r
+    return out

@@ -42,3 +42,36 @@ def test_llama_with_swiglu_experts_and_a_shared_expert_under_ep_trains_like_one_
     assert r["ok"], f"ep {world_size}: max diff {r['max_diff']}"
     assert r["norms"] and r["shared_replicated"]
     assert len(r["local_experts"]) == 4 // world_size   # this rank's share of the user's experts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_any_models_attention_runs_under_context_parallel_like_one_process(world_size):
+    res = run("context_parallel", world_size)
+    cases = {k: r for k, r in res.items() if k.startswith("attention")}
+    assert len(cases) == 3 * 2 * 2 * 2
+    for name, r in cases.items():
+        assert r["ok"], f"cp {world_size}, {name}: max diff {r['max_diff']}"
+    for layout in ("contiguous", "zigzag"):   # the ring sends only the key/value heads there are: 2 of 8
+        for causal in ("causal", "full"):
+            gqa, rep = (res[f"attention, ring, {layout}, {causal}, {w}"]["sent"] for w in ("enable_gqa", "repeated"))
+            assert gqa > 0 and rep == pytest.approx(4 * gqa)
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_llama_under_context_parallel_trains_like_one_process(world_size, method):
+    r = run("context_parallel", world_size)[f"llama, {method}"]
+    assert r["ok"], f"cp {world_size}, {method}: max diff {r['max_diff']}"
+    assert r["norms"]
+
+
+def test_without_its_true_positions_the_llama_does_not_train_like_one_process():
+    assert not run("context_parallel", 2)["llama, control"]["ok"]
+
+
+@pytest.mark.parametrize("case, words", [("attn_mask", "with an attn_mask"), ("dropout", "dropout_p 0.1"),
+                                         ("gqa without enable_gqa", "without enable_gqa=True")])
+def test_context_parallel_refuses_what_it_cannot_split_and_the_group_still_works(case, words):
+    res = run("context_parallel", 2)
+    assert words in res[f"refuses {case}"]
+    assert res["works after a refusal"]
