@@ -368,15 +368,28 @@ def context_parallel(group=None, buffers=(), seq_dims=(), method="ring", layout=
             b.data = w
 
 
+class _RoutedAttention:
+    """A block's attention function run with its SDPA routed over the group (as inside
+    context_parallel): also when a recomputation calls it again in backward."""
+
+    def __init__(self, attention, group, method, layout):
+        self.attention, self.route = attention, _RouteAttention(group, method, layout, None)
+
+    def __call__(self, q, k, v):
+        with self.route:
+            return self.attention(q, k, v)
+
+
 def context_parallel_lm(model, group=None, method="ring", layout="zigzag"):
     """The kit's TransformerLM (or 09's stages of it) over a context-parallel group, in
-    place: every block's attention becomes context_parallel_attention, and the position
+    place: every block's attention runs routed as under context_parallel, and the position
     embedding takes this rank's tokens' true positions. Feed each rank its part of every
     sequence (shard_sequence of the inputs and of the targets); the weights stay whole on
-    every rank: average their gradients over the group (a DDP wrapper over it)."""
+    every rank: average their gradients over the group (a DDP wrapper over it). A model of
+    your own needs none of this: see context_parallel."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     for block in model.blocks.values() if hasattr(model.blocks, "values") else model.blocks:
-        block.attention = lambda q, k, v: context_parallel_attention(q, k, v, group, method, layout)
+        block.attention = _RoutedAttention(block.attention, group, method, layout)
     if getattr(model, "pos", None) is not None:
         model.pos.register_forward_pre_hook(
             lambda mod, args: (positions(args[0].shape[-1], rank, cp, layout, args[0].device),))
