@@ -114,6 +114,56 @@ class LMStage(nn.Module):
         return self.head(self.ln_f(x)) if self.last and chunk == len(self.ranges) - 1 else x
 
 
+class PipelineStage(nn.Module):
+    """Stage ``stage`` of ``n_stages`` of your own model, built from its top-level pieces and
+    its list of layers (``model.<layers>``, an nn.ModuleList), holding the model's own
+    modules under their own names: its state_dict keys are the model's, so full_state_dict
+    merges the stages into the model's own checkpoint. ``first`` / ``last``: the names of
+    the model's top-level modules the first / last stage holds; ``embed(stage, *inputs)``
+    turns the first stage's inputs into the activations, ``head(stage, h)`` the last
+    stage's first activation into the output the loss takes. Each layer is called as
+    ``layer(*activations)`` and returns the new first activation; the others (rotary tables,
+    positions, a mask) go on unchanged to the next layer and stage. A Llama-style model:
+
+        def embed(m, tokens):
+            cos, sin = rotary(torch.arange(tokens.shape[1]), head_dim, theta)   # the model's own function
+            return m.tok_embeddings(tokens), cos, sin
+        stage = PipelineStage(model, "layers", rank, n_stages, embed, lambda m, h: m.output(m.norm(h)),
+                              first=["tok_embeddings"], last=["norm", "output"])
+        pipe = Pipeline(stage, 8, loss_fn, activation_shape=[(mb, t, dim), (t, head_dim // 2), (t, head_dim // 2)])
+
+    The layers are cut into n_stages x ``chunks`` runs of about equal ``costs`` (default:
+    every layer alike); with chunks v > 1 (interleaved) the stage holds runs stage,
+    stage + p, ... and ``stage(*xs, chunk=j)`` runs its j-th."""
+
+    def __init__(self, model, layers: str, stage: int, n_stages: int, embed=None, head=None, first=(), last=(),
+                 chunks: int = 1, costs=None):
+        super().__init__()
+        blocks, total = model.get_submodule(layers), n_stages * chunks
+        if not 1 <= total <= len(blocks):
+            raise ValueError(f"{n_stages} stages x {chunks} chunks for {len(blocks)} layers: at most one chunk a layer")
+        if any("." in name for name in (layers, *first, *last)):
+            raise ValueError("layers, first and last name the model's top-level modules (no dots)")
+        cuts = balanced_split(list(costs) if costs is not None else [1.0] * len(blocks), total)
+        self.ranges = [(cuts[k], cuts[k + 1]) for k in range(stage, total, n_stages)]
+        self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, layers
+        self.embed, self.head = embed, head
+        self.add_module(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
+        for name in [*(first if self.first else ()), *(last if self.last else ())]:
+            self.add_module(name, model.get_submodule(name))
+
+    def forward(self, *xs, chunk=0):
+        if self.first and chunk == 0:
+            xs = self.embed(self, *xs) if self.embed is not None else xs
+            xs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+        layers = getattr(self, self.layers_name)
+        for i in range(*self.ranges[chunk]):
+            xs = (layers[str(i)](*xs), *xs[1:])
+        if self.last and chunk == len(self.ranges) - 1:
+            return self.head(self, xs[0]) if self.head is not None else xs[0]
+        return xs if len(xs) > 1 else xs[0]
+
+
 def lm_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -306,7 +356,13 @@ class Pipeline:
         self.prev, self.next = peer(self.stage - 1), peer(self.stage + 1)
         self.order = SCHEDULES[schedule](n_microbatches, self.stage, self.n_stages, chunks)
         self.deferred = any(kind == "W" for kind, _, _ in self.order)
-        self.shape, self.dtype = activation_shape, activation_dtype
+        # what crosses between stages: one tensor, or several (a list of shapes, and of dtypes)
+        self.shapes = activation_shape if isinstance(activation_shape, list) else [activation_shape]
+        dtypes = activation_dtype if isinstance(activation_dtype, (list, tuple)) else [activation_dtype] * len(self.shapes)
+        if len(dtypes) != len(self.shapes):
+            raise ValueError(f"{len(self.shapes)} activation shapes but {len(dtypes)} dtypes")
+        self.dtypes = list(dtypes)
+        self.with_grad = [j for j, dt in enumerate(self.dtypes) if dt.is_floating_point]   # gradients flow back
         self.timed, self.count_activations = timed, count_activations
         self.timeline, self.peak_activation_bytes = [], 0
         self.receive_ahead = 2   # gloo: actions whose receives are posted before they run
@@ -315,24 +371,26 @@ class Pipeline:
         """The place of this rank's ``chunk`` among all the chunks of the model."""
         return self.stage + chunk * self.n_stages
 
-    def _tag(self, kind, virtual, i):
+    def _tag(self, kind, virtual, i, j=0):
         """The tag of what flows into chunk ``virtual`` for micro-batch i: F its activation,
-        B the gradient of its output."""
-        return 2 * (i * self.n_stages * self.chunks + virtual) + (kind == "B")
+        B the gradient of its output (its j-th tensor, where several cross)."""
+        return (2 * (i * self.n_stages * self.chunks + virtual) + (kind == "B")) * len(self.shapes) + j
 
     def _receive(self, k, wire, last_virtual):
-        """The receive action k needs (its input from the previous chunk, or its output's
-        gradient from the next), or None."""
+        """The receives action k needs (its inputs from the previous chunk, or its outputs'
+        gradients from the next): a list, empty if none."""
         kind, c, i = self.order[k]
         v = self._virtual(c)
         if kind == "F" and v > 0:
-            return dist.P2POp(dist.irecv, self._buffer(wire), self.prev, self.group, tag=self._tag("F", v, i))
+            return [dist.P2POp(dist.irecv, self._buffer(wire, j), self.prev, self.group, tag=self._tag("F", v, i, j))
+                    for j in range(len(self.shapes))]
         if kind == "B" and v < last_virtual:
-            return dist.P2POp(dist.irecv, self._buffer(wire), self.next, self.group, tag=self._tag("B", v, i))
-        return None
+            return [dist.P2POp(dist.irecv, self._buffer(wire, j), self.next, self.group, tag=self._tag("B", v, i, j))
+                    for j in self.with_grad]
+        return []
 
-    def _buffer(self, device):
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
+    def _buffer(self, device, j=0):
+        return torch.empty(self.shapes[j], dtype=self.dtypes[j], device=device)
 
     def _wire(self, t):
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
@@ -343,7 +401,10 @@ class Pipeline:
         self._staged = self.host_staging if self.host_staging is not None else \
             device.type != "cpu" and dist.get_backend(self.group) == "gloo"
         wire = torch.device("cpu") if self._staged else device   # where received tensors land
-        xs = inputs.chunk(m) if self.first else [None] * m
+        if self.first:   # one tensor, or a tuple of them (each cut along the batch)
+            xs = list(zip(*(t.chunk(m) for t in inputs))) if isinstance(inputs, (tuple, list)) else inputs.chunk(m)
+        else:
+            xs = [None] * m
         ys = targets.chunk(m) if self.last else [None] * m
         saved_in, saved_out, held, stashes, losses, sends, sent, posted = {}, {}, {}, {}, [], [], [], {}
         live, self.timeline, t0 = 0, [], time.perf_counter()
@@ -359,50 +420,64 @@ class Pipeline:
             v, key = self._virtual(c), (c, i)
             recvs = []                       # what this action and the next few need from a neighbour
             for j in range(k, min(k + ahead + 1, len(self.order))):
-                op = self._receive(j, wire, last_virtual) if j not in posted else None
-                if op is not None:
-                    posted[j] = [op.tensor, None]
-                    recvs.append((j, op))
+                ops = self._receive(j, wire, last_virtual) if j not in posted else []
+                if ops:
+                    posted[j] = [[op.tensor for op in ops], []]
+                    recvs += [(j, op) for op in ops]
             if sends or recvs:   # sends finish in the background
                 works = dist.batch_isend_irecv(sends + [op for _, op in recvs])
                 if len(works) == len(sends) + len(recvs):
                     sent += works[:len(sends)]
                     for (j, _), work in zip(recvs, works[len(sends):]):
-                        posted[j][1] = work
+                        posted[j][1].append(work)
                 else:                        # one work for the whole batch (NCCL): done with it here
                     for work in works:
                         work.wait()
             sends = []
             if k in posted:                  # wait for what this action receives
-                data, work = posted.pop(k)
-                if work is not None:
+                data, works = posted.pop(k)
+                for work in works:
                     work.wait()
                 if kind == "F":
-                    saved_in[key] = data.to(device)
+                    saved_in[key] = [t.to(device) for t in data]
                 else:
-                    grad = data.to(device)
+                    grad = [t.to(device) for t in data]
             if self.timed:
                 _sync(device)
                 start = time.perf_counter() - t0
             sync = contextlib.nullcontext() if k in synced or not hasattr(self.module, "no_sync") \
                 else self.module.no_sync()
             if kind == "F":
-                x = xs[i] if v == 0 else saved_in[key].requires_grad_()
+                if v == 0:
+                    x = list(xs[i]) if isinstance(xs[i], tuple) else [xs[i]]
+                else:
+                    x = [t.requires_grad_() if j in self.with_grad else t for j, t in enumerate(saved_in[key])]
                 stashes[key] = []
                 defer = _DeferWeightGradients(stashes[key]) if self.deferred else contextlib.nullcontext()
                 with self._counting(held, key), defer:
-                    out = self.module(x, chunk=c) if self.chunks > 1 else self.module(x)
+                    out = self.module(*x, chunk=c) if self.chunks > 1 else self.module(*x)
                     out = self.loss_fn(out, ys[i]) / m if v == last_virtual else out   # the batch's mean
                 saved_in[key], saved_out[key] = x, out
                 live += held.get(key, 0)
                 if v == last_virtual:
                     losses.append(out.detach())
                 else:
-                    sends = [dist.P2POp(dist.isend, self._wire(out.detach()), self.next, self.group,
-                                        tag=self._tag("F", v + 1, i))]
+                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                    if len(outs) != len(self.shapes):
+                        raise RuntimeError(f"stage {self.stage} returned {len(outs)} tensor(s) where "
+                                           f"activation_shape names {len(self.shapes)}")
+                    sends = [dist.P2POp(dist.isend, self._wire(t.detach()), self.next, self.group,
+                                        tag=self._tag("F", v + 1, i, j)) for j, t in enumerate(outs)]
             elif kind == "B":
+                out = saved_out.pop(key)
+                if v == last_virtual:
+                    roots, grads = [out], None
+                else:   # the outputs gradients came back for, those autograd can reach
+                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                    pairs = [(outs[j], g) for j, g in zip(self.with_grad, grad) if outs[j].requires_grad]
+                    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 with sync:
-                    torch.autograd.backward(saved_out.pop(key), None if v == last_virtual else grad)
+                    torch.autograd.backward(roots, grads)
                 x = saved_in.pop(key)
                 live -= held.pop(key, 0)
                 if self.deferred and self.count_activations:   # what W keeps until it runs
@@ -410,11 +485,12 @@ class Pipeline:
                                      for entry in stashes[key] for t in entry[2:]}.values())
                     live += held[key]
                 if v > 0:
-                    if x.grad is None:
+                    if all(x[j].grad is None for j in self.with_grad):
                         raise RuntimeError(f"stage {self.stage}: backward gave its input no gradient (micro-batch "
                                            f"{i}): does the stage detach its input, or not use it?")
-                    sends = [dist.P2POp(dist.isend, self._wire(x.grad), self.prev, self.group,
-                                        tag=self._tag("B", v - 1, i))]
+                    sends = [dist.P2POp(dist.isend, self._wire(x[j].grad if x[j].grad is not None else
+                                                               torch.zeros_like(x[j])), self.prev, self.group,
+                                        tag=self._tag("B", v - 1, i, j)) for j in self.with_grad]
             else:
                 with sync:
                     _weight_gradients(stashes.pop(key), hasattr(self.module, "no_sync"))

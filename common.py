@@ -61,7 +61,7 @@ class LaunchError(RuntimeError):
 def run_main(main_fn):
     """Run a script's main(): bad input exits 2 with one line, a failed rank exits 1."""
     prog = Path(sys.argv[0]).name
-    _announced.clear()
+    _announce_next[:] = [True]
     try:
         main_fn()
     except UsageError as e:
@@ -74,6 +74,7 @@ def run_main(main_fn):
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     finally:
+        _announce_next.clear()
         if under_torchrun() and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -433,15 +434,15 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         del store
 
 
-_announced = []
+_announce_next = []   # run_main arms it: the script's first job says what is starting
 
 
 def _announce(args, world_size, backend, device):
     """The first line of a run (its first job, once its flags have passed every check):
     what is starting, before the workers take their seconds to come up."""
-    if _announced or not is_reporter():
+    if not _announce_next or not is_reporter():
         return
-    _announced.append(True)
+    _announce_next.clear()
     parts = [what for flag, what in (("no_verify", "verification"), ("no_bench", "benchmark"))
              if not getattr(args, flag, False)]
     print(f"running: {Path(sys.argv[0]).name} on {world_size} rank{'s' * (world_size > 1)} ({backend}, {device}): "

@@ -18,6 +18,7 @@ tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
 ddp = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
 ep = common.load_script(os.path.join(common.ROOT, "12_expert_parallel.py"))
 cpm = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
+pp = common.load_script(os.path.join(common.ROOT, "09_pipeline_parallel.py"))
 import torch.nn.functional as F   # noqa: E402
 
 MAX_NORM = 0.5   # below the Llama's gradient norm at the start: every step clips
@@ -33,6 +34,12 @@ def batches(steps=STEPS, batch=8, t=16, vocab=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, t), generator=g), torch.randint(0, vocab, (batch, t), generator=g))
             for _ in range(steps)]
+
+
+def everyone(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def train_reference(ref, data):
@@ -237,4 +244,52 @@ def context_parallel(ctx, args):
         r = compare(model.module.state_dict(), ref_trained)
         r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
         out[f"llama, {method}"] = r
+    return out
+
+
+def embed(m, tokens):
+    """The Llama's first stage: its own embedding and its own rotary function."""
+    args = llama.ModelArgs()
+    cos, sin = llama.rotary(torch.arange(tokens.shape[1]), args.dim // args.n_heads, args.rope_theta)
+    return m.tok_embeddings(tokens), cos, sin
+
+
+def head(m, h):
+    return m.output(m.norm(h))
+
+
+def pipeline(ctx, args):
+    """The Llama (4 layers) cut into stages = every rank with PipelineStage, each schedule
+    (interleaved: 2 chunks a stage), rotary tables crossing beside the hidden state, 09's
+    clip over the pipeline group every step; the merged checkpoint against one process;
+    and a checkpoint saved at this depth loaded by one process (the names are the model's)."""
+    out, data, m = {}, batches(), 2
+    torch.manual_seed(0)
+    ref = llama.Transformer(llama.ModelArgs(n_layers=4))
+    ref_trained = copy.deepcopy(ref)
+    want = train_reference(ref_trained, data)
+    a = ref.args
+    hd, mb, t = a.dim // a.n_heads, data[0][0].shape[0] // m, data[0][0].shape[1]
+    for schedule in pp.SCHEDULES:
+        chunks = 2 if schedule == "interleaved" else 1
+        model = copy.deepcopy(ref)
+        stage = pp.PipelineStage(model, "layers", ctx.rank, ctx.world_size, embed, head, first=["tok_embeddings"],
+                                 last=["norm", "output"], chunks=chunks)
+        pipe = pp.Pipeline(stage, m, llama.loss_fn, schedule, activation_shape=[(mb, t, a.dim), (t, hd // 2),
+                                                                                (t, hd // 2)], chunks=chunks)
+        opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-6)
+        norms = []
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            pipe.step(x if pipe.first else None, y if pipe.last else None)
+            norms.append(pp.clip_grad_norm_(stage.parameters(), MAX_NORM).item())
+            opt.step()
+        full = pp.full_state_dict(stage)
+        r = compare(full, ref_trained) if full is not None else None
+        if full is not None:
+            r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+            loaded = llama.Transformer(llama.ModelArgs(n_layers=4))
+            loaded.load_state_dict(full)   # the model's own names: one process loads it as it is
+            r["loads"] = compare(loaded.state_dict(), ref_trained)["ok"]
+        out[schedule] = everyone(r)[0]
     return out

@@ -75,3 +75,10 @@ def test_context_parallel_refuses_what_it_cannot_split_and_the_group_still_works
     res = run("context_parallel", 2)
     assert words in res[f"refuses {case}"]
     assert res["works after a refusal"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1"])
+def test_llama_cut_into_pipeline_stages_trains_like_one_process(schedule):
+    r = run("pipeline", 2)[schedule]
+    assert r["ok"], f"{schedule}: max diff {r['max_diff']}"
+    assert r["norms"] and r["loads"]
