@@ -292,4 +292,37 @@ def pipeline(ctx, args):
             loaded.load_state_dict(full)   # the model's own names: one process loads it as it is
             r["loads"] = compare(loaded.state_dict(), ref_trained)["ok"]
         out[schedule] = everyone(r)[0]
+    out["tied"] = tied_pipeline(ctx, data, m)
     return out
+
+
+def tied_pipeline(ctx, data, m):
+    """The Llama with its output head tied to its embedding by the user (one Parameter),
+    at 2 stages (1F1B): the first stage's copy and the last's add their gradients
+    (09's tied_group and sum_tied_gradients), the clip counts the pair once."""
+    torch.manual_seed(0)
+    ref = llama.Transformer(llama.ModelArgs(n_layers=4))
+    ref.output.weight = ref.tok_embeddings.weight
+    ref_trained = copy.deepcopy(ref)
+    want = train_reference(ref_trained, data)
+    a = ref.args
+    hd, mb, t = a.dim // a.n_heads, data[0][0].shape[0] // m, data[0][0].shape[1]
+    stage = pp.PipelineStage(copy.deepcopy(ref), "layers", ctx.rank, ctx.world_size, embed, head,
+                             first=["tok_embeddings"], last=["norm", "output"])
+    pipe = pp.Pipeline(stage, m, llama.loss_fn, "1f1b", activation_shape=[(mb, t, a.dim), (t, hd // 2), (t, hd // 2)])
+    group = pp.tied_group([list(range(ctx.world_size))])
+    tied = [stage.tok_embeddings.weight] if pipe.first else [stage.output.weight]
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-6)
+    norms = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        pipe.step(x if pipe.first else None, y if pipe.last else None)
+        pp.sum_tied_gradients(tied, group)
+        norms.append(pp.clip_grad_norm_(stage.parameters(), MAX_NORM, shared=tied if pipe.last else ()).item())
+        opt.step()
+    full = pp.full_state_dict(stage)
+    r = None
+    if full is not None:
+        r = compare(full, ref_trained)
+        r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+    return everyone(r)[0]

@@ -82,3 +82,9 @@ def test_llama_cut_into_pipeline_stages_trains_like_one_process(schedule):
     r = run("pipeline", 2)[schedule]
     assert r["ok"], f"{schedule}: max diff {r['max_diff']}"
     assert r["norms"] and r["loads"]
+
+
+def test_llama_with_its_head_tied_to_its_embedding_across_two_stages_trains_like_one_process():
+    r = run("pipeline", 2)["tied"]
+    assert r["ok"], f"max diff {r['max_diff']}"
+    assert r["norms"]
