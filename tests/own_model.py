@@ -192,7 +192,9 @@ def _attention_case(group, method, layout, causal, gqa, cp_rank, cp):
     got = [o] + [x.grad for x in mine]
     diff = max((a.detach() - part(b.detach())).abs().max().item() for a, b in zip(got, want))
     ok = all(torch.allclose(a.detach(), part(b.detach()), rtol=1e-4, atol=1e-5) for a, b in zip(got, want))
-    return {"ok": ok and q.shape[2] == 16, "max_diff": diff, "sent": common.sent_bytes(c.log)}
+    block = part(k).numel() * k.element_size()   # this rank's K: its key/value heads only
+    return {"ok": ok and q.shape[2] == 16, "max_diff": diff, "sent": common.sent_bytes(c.log),
+            "formula": cpm.attention_bytes(method, cp, block)}
 
 
 def context_parallel(ctx, args):

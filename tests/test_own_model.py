@@ -53,8 +53,9 @@ def test_any_models_attention_runs_under_context_parallel_like_one_process(world
         assert r["ok"], f"cp {world_size}, {name}: max diff {r['max_diff']}"
     for layout in ("contiguous", "zigzag"):   # the ring sends only the key/value heads there are: 2 of 8
         for causal in ("causal", "full"):
-            gqa, rep = (res[f"attention, ring, {layout}, {causal}, {w}"]["sent"] for w in ("enable_gqa", "repeated"))
-            assert gqa > 0 and rep == pytest.approx(4 * gqa)
+            gqa, rep = (res[f"attention, ring, {layout}, {causal}, {w}"] for w in ("enable_gqa", "repeated"))
+            assert gqa["sent"] > 0 and rep["sent"] == pytest.approx(4 * gqa["sent"])
+            assert gqa["sent"] == pytest.approx(gqa["formula"]) and rep["sent"] == pytest.approx(rep["formula"])
 
 
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
