@@ -1471,8 +1471,8 @@ def main(argv=None):
         if not single:
             raise common.UsageError(f"--ep {args.ep} takes its ranks from a mesh's data ranks (dp x fsdp): give a mesh")
         if shape["cp"] > 1:
-            raise common.UsageError(f"--ep with --cp: the experts' all-to-all is not composed with context "
-                                    f"parallelism here; leave one of them out")
+            raise common.UsageError("--ep with --cp: the experts' all-to-all is not composed with context "
+                                    "parallelism here; leave one of them out")
         if replicas % args.ep:
             raise common.UsageError(f"--ep {args.ep} takes its ranks from the mesh's data ranks (dp x fsdp), "
                                     f"{replicas} here, which it must divide: use --ep "

@@ -36,7 +36,6 @@ at each capacity factor beside the share it dropped. Writes
 12_capacity.{json,md}.
 """
 
-import argparse
 import copy
 
 import common
