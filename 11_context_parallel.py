@@ -4,12 +4,14 @@ computed across the split with ring attention, all-gathered K/V, or Ulysses all-
 Each rank holds a part of every sequence: its queries, keys and values. Causal attention
 needs, for each query, every key at or before its position, so the ranks exchange keys and
 values. **ring** (Liu et al. 2023): the K/V blocks travel around the ring while the
-queries stay; each step attends to one block, the next block's transfer overlapping this
+queries stay; each step attends to one block through torch's fused attention kernel (which
+returns the log-sum-exp with the output), the next block's transfer overlapping this
 block's compute, and the partial outputs merge by their log-sum-exp (the online softmax),
-so no rank ever holds more than a block's scores. Backward is a ring too: K/V travel again
-with their gradients, which arrive home after a full circle. **allgather** (Llama 3): K/V
-gathered whole once, attention on them locally; their gradients reduce-scattered in
-backward. **ulysses** (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head
+so no score matrix is ever whole. Backward is a ring too: K/V travel again, and each
+block's dK/dV accumulator travels with them, its exchange overlapping the next block's
+compute, home after a full circle. **allgather** (Llama 3): K/V gathered for the forward's
+blocks and dropped, gathered again in backward, their gradients reduce-scattered: it keeps
+for backward what the ring keeps. **ulysses** (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head
 shards, every rank attends over the whole sequence for h/cp heads, and another all-to-all
 turns it back; cp must divide the heads. Under the causal mask contiguous parts leave the
 last rank with cp times the first's work, so the sequence is cut into 2cp chunks and rank i
@@ -28,9 +30,11 @@ Run:
 Prints PASS/FAIL per verification case (attention outputs and q, k, v gradients at cp 2, 3
 and 4 in the tests; LM training against one process), then tables: step time and tokens/s
 per rank of each method beside one process across sequence lengths; one attention's saved
-and peak memory per rank beside the formula, and the bytes it sends (per layer and step)
-counted beside the closed form; each rank's ring attention time in the contiguous and
-zig-zag layouts. Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
+and peak memory per rank beside the formula and the bound (one process's peak / cp + the
+blocks in flight), and the bytes it sends (per layer and step) counted beside the closed
+form; each rank's ring attention time in the contiguous and zig-zag layouts. --sweep
+instead times one attention and measures its peak from 1k to 16k tokens, one process
+beside every method at cp 2 and 4 (11_sweep.{json,md,png}; make cp-sweep). Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
 11_balance.{json,md}, and <out>/11_timeline.png (one ring step: compute and waiting per
 rank).
 """
@@ -38,6 +42,7 @@ rank).
 import argparse
 import copy
 import os
+import statistics
 
 import common
 
@@ -79,39 +84,41 @@ def _peers(group):
     return cp, rank, g(rank + 1), g(rank - 1)
 
 
-def _exchange(send, group, nxt, prv, staged, tag=0):
-    """Send ``send`` to the next rank of the ring and receive as much from the previous one,
-    in the background: returns wait(), which gives what arrived. ``staged``: through host
-    memory (gloo with GPU tensors: its send/recv take CPU tensors only); ``tag`` tells two
-    exchanges in flight at once apart (K/V and their gradients)."""
-    wire = send.to("cpu", copy=True) if staged else send
-    buf = torch.empty_like(wire)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, wire, nxt, group, tag=tag),
-                                    dist.P2POp(dist.irecv, buf, prv, group, tag=tag)])
+def _exchange(sends, group, nxt, prv, staged, tag=0):
+    """Send the tensors ``sends`` to the next rank of the ring and receive as many from the
+    previous one, in the background: returns wait(), which gives what arrived. ``staged``:
+    through host memory (gloo with GPU tensors: its send/recv take CPU tensors only);
+    ``tag`` tells two exchanges in flight at once apart (K/V and their gradients)."""
+    wires = [x.to("cpu", copy=True).contiguous() if staged else x.contiguous() for x in sends]
+    bufs = [torch.empty_like(w) for w in wires]
+    works = dist.batch_isend_irecv([dist.P2POp(op, x, peer, group, tag=2 * tag + i) for i, (w, b) in
+                                    enumerate(zip(wires, bufs)) for op, x, peer in
+                                    ((dist.isend, w, nxt), (dist.irecv, b, prv))])
 
     def wait():
         for w in works:
             w.wait()
-        return buf.to(send.device) if staged else buf
+        return [b.to(x.device) if staged else b for b, x in zip(bufs, sends)]
     return wait
 
 
-TILE = 128   # query rows whose scores exist at once: a block's scores never take more than heads x 128 x chunk
+def _block(rank, src, cp, layout, size, causal=True):
+    """The work one step leaves between this rank's queries and ``src``'s keys: (query rows,
+    key rows, causal within the block) of the two ranks' local tokens, or None where the
+    causal mask leaves none. ``size``: tokens of one chunk. The rank's own block is causal
+    (its chunks are in order); under zig-zag an earlier rank's first chunk is seen by both of
+    this rank's chunks and a later rank's whole block by this rank's second chunk only (its
+    second chunk comes after every chunk of a later rank, its first before them); under
+    contiguous an earlier rank's block is seen whole, a later one's not at all."""
+    whole = slice(0, size * len(chunks_of(rank, cp, layout)))
+    if not causal or src == rank:
+        return whole, whole, causal
+    if layout == "contiguous":
+        return (whole, whole, False) if src < rank else None
+    return (whole, slice(0, size), False) if src < rank else (slice(size, 2 * size), whole, False)
 
 
-def _pairs(my_chunks, src_chunks, size, tile=None, causal=True):
-    """The (query rows, key slice, diagonal rows or None) of every chunk pair a causal mask
-    leaves work in, the query rows in tiles: a key chunk before the query chunk is seen
-    whole, the same chunk up to the diagonal, a later one not at all (``causal`` False:
-    every pair whole)."""
-    tile = tile or size
-    for i, a in enumerate(my_chunks):
-        for j, b in enumerate(src_chunks):
-            if b <= a or not causal:
-                for r in range(0, size, tile):
-                    rows = slice(i * size + r, i * size + min(r + tile, size))
-                    yield rows, slice(j * size, (j + 1) * size), \
-                        slice(r, min(r + tile, size)) if a == b and causal else None
+TILE = 128   # the hand-written path: query rows whose scores exist at once
 
 
 def _diagonal_mask(n, device):
@@ -128,93 +135,241 @@ def _fold(x, g):
     return x if g == 1 else x.unflatten(1, (-1, g)).sum(2)
 
 
+def _kernel(q) -> str:
+    """Which attention computes a block of q's: torch's fused kernels, each returning the
+    log-sum-exp that merges blocks ("cpu": the CPU flash kernel; "flash": CUDA's, for
+    half types on sm80 and later; "efficient": CUDA's memory-efficient one, float32 too),
+    or "math", the hand-written tiles, for what none of them takes."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type != "cuda" or q.shape[-1] % 8:
+        return "math"
+    if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and \
+            torch.cuda.get_device_capability(q.device) >= (8, 0):
+        return "flash"
+    return "efficient"
+
+
+_aten = torch.ops.aten
+
+
+def _attend(kernel, q, k, v, causal, scale):
+    """One block's attention: (out in q's dtype, log-sum-exp float32, what the kernel's
+    backward needs besides). k, v may have fewer heads than q (grouped-query)."""
+    g = q.shape[1] // k.shape[1]
+    if kernel == "cpu":   # takes grouped-query heads as they are
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    if kernel == "flash":
+        r = _aten._scaled_dot_product_flash_attention(q, _expand(k, g), _expand(v, g), 0.0, causal, False,
+                                                       scale=scale)
+        return r[0], r[1], (r[2], r[3], r[6], r[7])   # cum_seq_q/k (not packed), rng state (no dropout)
+    if kernel == "efficient":
+        r = _aten._scaled_dot_product_efficient_attention(q, _expand(k, g), _expand(v, g), None, True, 0.0, causal,
+                                                           scale=scale)
+        return r[0], r[1][..., :q.shape[2]].float(), (r[2], r[3], r[1].shape[-1])   # its lse is padded
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    kf, vf, mask = _expand(k, g).float(), _expand(v, g).float(), _diagonal_mask(k.shape[2], q.device)
+    for r in range(0, q.shape[2], TILE):
+        rows = slice(r, r + TILE)
+        s = (q[:, :, rows].float() @ kf.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(mask[rows], -math.inf)
+        lse[:, :, rows] = torch.logsumexp(s, dim=-1)
+        out[:, :, rows] = torch.exp(s - lse[:, :, rows, None]) @ vf
+    return out.to(q.dtype), lse, ()
+
+
+def _attend_backward(kernel, aux, dout, q, k, v, out, lse, causal, scale):
+    """The gradients of one block (dq float32, dk and dv with k's heads) given the whole
+    attention's ``out`` and ``lse``: with those, each block's backward is exact on its own
+    (its probabilities are exp(score - lse), its softmax term sum(dout * out))."""
+    g = q.shape[1] // k.shape[1]
+    if kernel == "cpu":
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                                 scale=scale)
+        return dq, dk, dv
+    ke, ve = _expand(k, g), _expand(v, g)
+    if kernel == "flash":
+        cq, ck, seed, offset = aux
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, ke, ve, out, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    elif kernel == "efficient":
+        seed, offset, padded = aux
+        lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1])) if padded > lse.shape[-1] else lse
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, ke, ve, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    else:
+        kf, vf, mask = ke.float(), ve.float(), _diagonal_mask(k.shape[2], q.device)
+        dout = dout.float()
+        delta = (dout * out.float()).sum(-1)
+        dq, dk, dv = torch.empty(q.shape, dtype=torch.float32, device=q.device), torch.zeros_like(kf), \
+            torch.zeros_like(vf)
+        for r in range(0, q.shape[2], TILE):
+            rows = slice(r, r + TILE)
+            s = (q[:, :, rows].float() @ kf.transpose(-1, -2)) * scale
+            if causal:
+                s = s.masked_fill(mask[rows], -math.inf)
+            p = torch.exp(s - lse[:, :, rows, None])
+            dv += p.transpose(-1, -2) @ dout[:, :, rows]
+            ds = p * (dout[:, :, rows] @ vf.transpose(-1, -2) - delta[:, :, rows, None])
+            dq[:, :, rows] = ds @ kf * scale
+            dk += ds.transpose(-1, -2) @ q[:, :, rows].float() * scale
+    return dq, _fold(dk, g), _fold(dv, g)
+
+
+def _merge(out, lse, rows, block_out, block_lse):
+    """Add a block's attention to the running one (out float32, lse), online-softmax style:
+    both rescaled to their summed log-sum-exp."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, block_lse)
+    out[:, :, rows] = out[:, :, rows] * torch.exp(old - new)[..., None] + \
+        block_out.float() * torch.exp(block_lse - new)[..., None]
+    lse[:, :, rows] = new
+
+
+def _traced(trace, kind, t0):
+    if trace is not None:
+        trace.append((kind, t0, time.perf_counter()))
+
+
 class _RingAttention(torch.autograd.Function):
+    """Forward: K/V travel the ring, each block through the fused kernel, merged by
+    log-sum-exp. Backward: K/V travel again; each block's dK/dV is computed locally, then
+    added to the travelling accumulator of that block, which arrived meanwhile (its
+    exchange overlaps the next block's compute) and goes home after a full circle."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, staged, trace, causal=True):
+    def forward(ctx, q, k, v, group, layout, staged, trace, causal, kernel):
         cp, rank, nxt, prv = _peers(group)
-        g = q.shape[1] // k.shape[1]   # query heads per key/value head: only k.shape[1] heads travel
-        mine, size, scale = chunks_of(rank, cp, layout), q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-        kv, mask = torch.stack([k, v]), _diagonal_mask(size, q.device)
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
+        kv = [k, v]   # the block attended to now: this rank's own first
         for step in range(cp):
             src = (rank - step) % cp
             wait = _exchange(kv, group, nxt, prv, staged) if step < cp - 1 else None   # the next block, meanwhile
             t0 = time.perf_counter()
-            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, layout), size, TILE, causal):
-                s = (q[:, :, qs] @ _expand(kv[0][:, :, ks], g).transpose(-1, -2)).float() * scale
-                if diag is not None:
-                    s = s.masked_fill(mask[diag], -math.inf)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.exp(s - block_lse[..., None]) @ _expand(kv[1][:, :, ks], g).float()
-                new = torch.logaddexp(lse[:, :, qs], block_lse)   # the online softmax: rescale, add
-                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None] + \
-                    block_out * torch.exp(block_lse - new)[..., None]
-                lse[:, :, qs] = new
-            if trace is not None:
-                trace.append(("compute", t0, time.perf_counter()))
+            work = _block(rank, src, cp, layout, size, causal)
+            if work is not None:
+                qs, ks, diag = work
+                o, lse_b, aux = _attend(kernel, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], diag, scale)
+                if step == 0:   # every query sees its own block: the running attention starts there
+                    out, lse, ctx.aux = o.float(), lse_b.float(), aux
+                else:
+                    _merge(out, lse, qs, o, lse_b)
+            _traced(trace, "compute", t0)
             if wait is not None:
                 t0 = time.perf_counter()
                 kv = wait()
-                if trace is not None:
-                    trace.append(("wait", t0, time.perf_counter()))
+                _traced(trace, "wait", t0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.staged, ctx.trace, ctx.causal = group, layout, staged, trace, causal
+        ctx.group, ctx.layout, ctx.staged, ctx.trace, ctx.causal, ctx.kernel = \
+            group, layout, staged, trace, causal, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, nxt, prv = _peers(ctx.group)
-        mine = chunks_of(rank, cp, ctx.layout)
-        size, scale, g = q.shape[2] // len(mine), q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
-        dout = dout.float()
-        delta = (dout * out.float()).sum(-1)   # the softmax's backward term, per query
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kv, dkv, mask = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device), \
-            _diagonal_mask(size, q.device)
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, ctx.layout)), q.shape[-1] ** -0.5
+        dout = dout.contiguous()
+        kv, arriving = [k, v], None
         for step in range(cp):
             src = (rank - step) % cp
             wait_kv = _exchange(kv, ctx.group, nxt, prv, ctx.staged) if step < cp - 1 else None
             t0 = time.perf_counter()
-            for qs, ks, diag in _pairs(mine, chunks_of(src, cp, ctx.layout), size, TILE, ctx.causal):
-                kb, vb = _expand(kv[0][:, :, ks], g).float(), _expand(kv[1][:, :, ks], g).float()
-                s = (q[:, :, qs].float() @ kb.transpose(-1, -2)) * scale
-                if diag is not None:
-                    s = s.masked_fill(mask[diag], -math.inf)
-                p = torch.exp(s - lse[:, :, qs][..., None])
-                dkv[1][:, :, ks] += _fold(p.transpose(-1, -2) @ dout[:, :, qs], g)
-                ds = p * (dout[:, :, qs] @ vb.transpose(-1, -2) - delta[:, :, qs][..., None])
-                dq[:, :, qs] += ds @ kb * scale
-                dkv[0][:, :, ks] += _fold(ds.transpose(-1, -2) @ q[:, :, qs].float() * scale, g)
-            if ctx.trace is not None:
-                ctx.trace.append(("compute", t0, time.perf_counter()))
-            dkv = _exchange(dkv, ctx.group, nxt, prv, ctx.staged, tag=1)()   # home after a full circle
+            work = _block(rank, src, cp, ctx.layout, size, ctx.causal)
+            if work is None:
+                part = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+            else:   # this block's dK, dV from here
+                qs, ks, diag = work
+                dq_b, dk_b, dv_b = _attend_backward(
+                    ctx.kernel, ctx.aux, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                    out[:, :, qs], lse[:, :, qs].contiguous(), diag, scale)
+                if step == 0:   # every query row: the gradient of q starts here
+                    dq = dq_b.float()
+                else:
+                    dq[:, :, qs] += dq_b
+                if ks.stop - ks.start == k.shape[2]:
+                    part = [dk_b.float(), dv_b.float()]
+                else:
+                    part = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+                    part[0][:, :, ks] += dk_b
+                    part[1][:, :, ks] += dv_b
+            _traced(ctx.trace, "compute", t0)
+            if arriving is not None:   # the earlier ranks' part of this block's gradient
+                t0 = time.perf_counter()
+                for mine, theirs in zip(part, arriving()):
+                    mine += theirs
+                _traced(ctx.trace, "wait", t0)
+            arriving = _exchange(part, ctx.group, nxt, prv, ctx.staged, tag=1)   # on to the block's next holder
             if wait_kv is not None:
                 kv = wait_kv()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dkv = arriving()   # this rank's own block, home after the full circle
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather over the group along a new first dimension; backward reduce-scatters."""
+def _gather_kv(k, v, group):
+    """Every rank's K and V, (cp, 2, batch, heads, its tokens, head dim), in rank order."""
+    kv = torch.stack([k, v])
+    out = torch.empty(dist.get_world_size(group) * 2, *k.shape, dtype=k.dtype, device=k.device)
+    _all_gather(out, kv, group=group)
+    return out.view(-1, *kv.shape)
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """All-gather attention that keeps for backward only what the ring keeps (this rank's
+    q, k, v, out, log-sum-exp): K and V are gathered for the forward, dropped, and gathered
+    again in backward, whose dK/dV of the whole sequence are reduce-scattered (float32) to
+    their owners. The blocks are the ring's, through the same fused kernel."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, n = group, dist.get_world_size(group)
-        out = torch.empty(n * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
-        _all_gather(out, x.contiguous(), group=group)
-        return out.view(n, *x.shape)
+    def forward(ctx, q, k, v, group, layout, causal, kernel):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
+        kv = _gather_kv(k, v, group)
+        for src in [rank] + [r for r in range(cp) if r != rank]:   # its own block first: it starts every row
+            work = _block(rank, src, cp, layout, size, causal)
+            if work is not None:
+                qs, ks, diag = work
+                o, lse_b, aux = _attend(kernel, q[:, :, qs], kv[src, 0][:, :, ks], kv[src, 1][:, :, ks], diag, scale)
+                if src == rank:
+                    out, lse, ctx.aux = o.float(), lse_b.float(), aux
+                else:
+                    _merge(out, lse, qs, o, lse_b)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout, ctx.causal, ctx.kernel = group, layout, causal, kernel
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
-        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        _reduce_scatter(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
-        return out, None
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, ctx.layout)), q.shape[-1] ** -0.5
+        dout = dout.contiguous()
+        kv = _gather_kv(k, v, ctx.group)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
+        for src in range(cp):
+            work = _block(rank, src, cp, ctx.layout, size, ctx.causal)
+            if work is not None:
+                qs, ks, diag = work
+                dq_b, dk_b, dv_b = _attend_backward(
+                    ctx.kernel, ctx.aux, dout[:, :, qs], q[:, :, qs], kv[src, 0][:, :, ks], kv[src, 1][:, :, ks],
+                    out[:, :, qs], lse[:, :, qs].contiguous(), diag, scale)
+                dq[:, :, qs] += dq_b
+                dkv[src, 0][:, :, ks] += dk_b
+                dkv[src, 1][:, :, ks] += dv_b
+        del kv
+        mine = torch.empty(dkv.shape[1:], dtype=torch.float32, device=k.device)
+        _reduce_scatter(mine, dkv.flatten(0, 1), group=ctx.group)   # each block's parts summed at its owner
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -281,14 +436,10 @@ def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigza
     if method == "ring":
         staged = host_staging if host_staging is not None else \
             q.device.type != "cpu" and dist.get_backend(group) == "gloo"
-        return _RingAttention.apply(q, k, v, group, layout, staged, trace, causal)
+        return _RingAttention.apply(q, k, v, group, layout, staged, trace, causal, _kernel(q))
     t_local = q.shape[2]
     if method == "allgather":
-        kv = _GatherSequence.apply(torch.stack([k, v]), group)          # (cp, 2, b, hk, t/cp, d)
-        kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)                 # (2, b, hk, t, d) in rank order
-        keys = torch.cat([positions(t_local, r, cp, layout, q.device) for r in range(cp)])
-        visible = keys[None, :] <= positions(t_local, rank, cp, layout, q.device)[:, None] if causal else None
-        return F.scaled_dot_product_attention(q, _expand(kv[0], g), _expand(kv[1], g), attn_mask=visible)
+        return _GatheredAttention.apply(q, k, v, group, layout, causal, _kernel(q))
     b, h, _, d = q.shape   # ulysses
     if k.shape[1] % cp:   # the key/value heads do not split: every query head's own copy travels
         k, v, g = _expand(k, g), _expand(v, g), 1
@@ -587,37 +738,51 @@ def attention_bytes(method, cp, block) -> float:
     """Bytes a rank sends for one attention forward and backward, in closed form, for
     ``block`` bytes of this rank's K (or V, q, out). ring: K and V forward to the next rank
     cp-1 times, again in backward, and their gradients (float32) cp times around the circle;
-    allgather: (cp-1)/cp of the gathered K and V, and as much reduce-scattered; ulysses:
-    (cp-1)/cp of q, k, v and out through all-to-all, and of their gradients."""
+    allgather: (cp-1)/cp of the gathered K and V, in forward and again in backward, and
+    their gradients (float32) reduce-scattered; ulysses: (cp-1)/cp of q, k, v and out
+    through all-to-all, and of their gradients."""
     if method == "ring":
         return (cp - 1) * 2 * block * 2 + cp * 2 * block
     if method == "allgather":
-        return 2 * (cp - 1) * 2 * block
+        return 3 * (cp - 1) * 2 * block
     return (cp - 1) / cp * block * 8
 
 
-def saved_bytes(method, cp, b, h, t, d) -> float:
-    """Bytes one attention saves for backward per rank (float32), in closed form: ring q, k,
-    v, out and the log-sum-exp of its t/cp tokens; allgather its q, out and log-sum-exp but
-    the whole sequence's K and V, and the mask (t/cp x t, which SDPA keeps as floats);
-    ulysses q, k, v, out and the log-sum-exp of the whole sequence for h/cp heads; one
-    process all of it whole."""
+def saved_bytes(cp, b, h, t, d) -> float:
+    """Bytes one attention saves for backward per rank (float32), in closed form: ring and
+    allgather q, k, v, out and the log-sum-exp of its t/cp tokens (allgather gathers K and
+    V again in backward rather than keep them); ulysses q, k, v, out and the log-sum-exp of
+    the whole sequence for h/cp heads; one process all of it whole."""
     n, f = b * h * t * d * 4, b * h * t * 4
-    return {"one process": 4 * n + f, "ring": (4 * n + f) / cp, "ulysses": (4 * n + f) / cp,
-            "allgather": 2 * n / cp + 2 * n + f / cp + 4 * t * t / cp}[method]
+    return (4 * n + f) / cp
+
+
+def in_flight_bytes(method, cp, block) -> float:
+    """What a rank holds at its peak beyond its 1/cp share of one process's attention, in
+    closed form, for ``block`` bytes of its K (float32). ring, in a backward step: the K/V
+    block attended and the next one arriving (4 blocks); the block's dK/dV, the accumulator
+    sent and the one arriving (6); dq's block (1); and one block allowed for the fused
+    kernel's working memory: 12. allgather: every rank's K and V (2cp blocks) and in
+    backward their float32 gradients (2cp), with 3 for the running output and the kernel.
+    ulysses: the all-to-all's buffers of q, k, v and out on both sides (8)."""
+    return {"ring": 12 * block, "allgather": (4 * cp + 3) * block, "ulysses": 8 * block}[method]
 
 
 def attention_memory(ctx, args, methods, seq_lens):
     """For each sequence length, one attention forward and backward (one sequence, the
     model's heads): the bytes saved for backward (counted as autograd saves them) and the
-    peak of live tensor bytes (07's StepPeak), per rank, beside the formula; and the bytes
+    peak of live tensor bytes (07's StepPeak), per rank, beside the formula and the bound
+    (one process's measured peak / cp + what the method holds in flight); and the bytes
     sent, counted, beside the formula."""
-    fsdp = common.load_script(common.ROOT / "07_fsdp.py")
     d_model, _, _, h = common.MODEL_SIZES[args.model_size]
     d, cp, rows = d_model // h, ctx.world_size, []
     for t in seq_lens:
-        for method in ("one process",) + tuple(m for m in methods if runs(m, h, cp)):
-            rows.append(one_attention(ctx, t, h, d, method))
+        one = one_attention(ctx, t, h, d, "one process")
+        rows.append({**one, "peak_bound_MB": one["peak_MB"]})
+        for method in (m for m in methods if runs(m, h, cp)):
+            r = one_attention(ctx, t, h, d, method)
+            block = h * (t // cp) * d * 4
+            rows.append({**r, "peak_bound_MB": one["peak_MB"] / cp + in_flight_bytes(method, cp, block) / 1e6})
     return rows
 
 
@@ -641,12 +806,90 @@ def one_attention(ctx, t, h, d, method):
     block = q.numel() * q.element_size()
     row = {"seq_len": t, "method": method, "cp": 1 if method == "one process" else cp,
            "saved_MB": saved.bytes / 1e6, "saved_formula_MB": saved_bytes(
-               method, 1 if method == "one process" else cp, 1, h, t, d) / 1e6,
+               1 if method == "one process" else cp, 1, h, t, d) / 1e6,
            "peak_MB": mem.peak / 1e6, "sent_MB": sent / 1e6,
            "sent_formula_MB": 0.0 if method == "one process" else attention_bytes(method, cp, block) / 1e6}
     everyone = [None] * cp
     dist.all_gather_object(everyone, row)
     return {**row, **{k: max(e[k] for e in everyone) for k in ("saved_MB", "peak_MB", "sent_MB")}}
+
+
+def sweep_job(ctx, args, methods, lens):
+    """sweep()'s rows for this job's cp (one process at cp 1): at each length, one
+    attention's forward and backward, its time (median of --steps after --warmup, the
+    slowest rank's) and its peak of live bytes per rank."""
+    d_model, _, _, h = common.MODEL_SIZES[args.model_size]
+    d, cp, rows = d_model // h, ctx.world_size, []
+    for t in lens:
+        for method in ("one process",) if cp == 1 else [m for m in methods if runs(m, h, cp)]:
+            row = one_attention(ctx, t, h, d, method)
+            g = torch.Generator().manual_seed(t)
+            q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
+            if cp > 1:
+                q, k, v, dout = (shard_sequence(x, ctx.rank, cp, "zigzag", dim=2) for x in (q, k, v, dout))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            times = []
+            for i in range(args.warmup + args.steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if cp == 1 \
+                    else context_parallel_attention(q, k, v, None, method, "zigzag")
+                o.backward(dout)
+                common.sync(ctx.device)
+                times.append(time.perf_counter() - t0)
+                q.grad = k.grad = v.grad = None
+            ms = torch.tensor([statistics.median(times[args.warmup:]) * 1e3])
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+            rows.append({"seq_len": t, "method": method, "cp": cp, "attention_ms": ms.item(),
+                         "peak_MB": row["peak_MB"], "saved_MB": row["saved_MB"]})
+    return rows
+
+
+def sweep(args, methods):
+    """--sweep: one process, then every method at each cp of --sweep-cps, across
+    --sweep-lens; the peak beside one process's / cp. Returns the rows (rank 0's)."""
+    rows = common.launch(sweep_job, args, methods, args.sweep_lens, world_size=1)
+    one = {r["seq_len"]: r for r in rows}
+    for cp in args.sweep_cps:
+        got = common.launch(sweep_job, args, methods, args.sweep_lens, world_size=cp)
+        for r in got:
+            base = one[r["seq_len"]]
+            r.update(vs_one_process=r["attention_ms"] / base["attention_ms"],
+                     peak_x_cp_vs_one=r["peak_MB"] * cp / base["peak_MB"])
+        rows += got
+        if common.is_reporter():   # rewritten after each cp: a run cut short keeps what it measured
+            save_sweep(args, rows)
+    return rows
+
+
+SWEEP_HEADERS = ["seq_len", "method", "cp", "attention_ms", "vs_one_process", "peak_MB", "peak_x_cp_vs_one", "saved_MB"]
+
+
+def save_sweep(args, rows):
+    settings = {**common.lm_settings(args), "sweep_cps": args.sweep_cps}
+    table = common.save_results(args.out, "11_sweep", rows, settings, headers=SWEEP_HEADERS,
+                                title="One attention forward and backward across sequence lengths",
+                                note="attention_ms: the slowest rank's, median of the steps; peak_MB: live tensor "
+                                     "bytes per rank; peak_x_cp_vs_one: the peak times cp over one process's (1: "
+                                     "memory falls as 1/cp)")
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for key in dict.fromkeys((r["method"], r["cp"]) for r in rows):
+        mine = [r for r in rows if (r["method"], r["cp"]) == key]
+        label = key[0] if key[1] == 1 else f"{key[0]} (cp {key[1]})"
+        style = "k-" if key[1] == 1 else ("-" if key[1] == min(args.sweep_cps) else "--")
+        for ax, col in zip(axes, ("attention_ms", "peak_MB")):
+            ax.plot([r["seq_len"] for r in mine], [r[col] for r in mine], style, marker="o", label=label)
+    for ax, what in zip(axes, ("forward + backward, ms (slowest rank)", "peak live MB per rank")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"One causal attention ({args.model_size}'s heads, {args.backend}/{args.device})")
+    common.save_figure(fig, f"{args.out}/11_sweep.png")
+    return table
 
 
 def balance(ctx, args, t):
@@ -715,7 +958,8 @@ def measure(ctx, args, methods, seq_lens):
 
 HEADERS = ["method", "seq_len", "cp", "step_ms", "step_min_ms", "step_max_ms", "vs_one_process",
            "tokens_per_s_per_rank", "comm_ms", "collectives", "comm_MB"]
-MEMORY_HEADERS = ["seq_len", "method", "cp", "saved_MB", "saved_formula_MB", "peak_MB", "sent_MB", "sent_formula_MB"]
+MEMORY_HEADERS = ["seq_len", "method", "cp", "saved_MB", "saved_formula_MB", "peak_MB", "peak_bound_MB", "sent_MB",
+                  "sent_formula_MB"]
 NAME, TITLE = "11_context_parallel", "Context parallelism: step time beside one process"
 
 
@@ -729,6 +973,13 @@ def main(argv=None):
                    help="sequence lengths to time")
     p.add_argument("--memory-lens", nargs="+", type=common.COUNT, default=[256, 1024, 4096],
                    help="sequence lengths of the memory table (one attention)")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead of the timing tables: one attention's forward and backward across --sweep-lens, "
+                        "one process beside every method at each of --sweep-cps (time and peak memory, a table "
+                        "and a plot: 11_sweep.*)")
+    p.add_argument("--sweep-lens", nargs="+", type=common.COUNT, default=[1024, 2048, 4096, 8192, 16384],
+                   help="sequence lengths of --sweep")
+    p.add_argument("--sweep-cps", nargs="+", type=common.number(int, 2), default=[2, 4], help="cps of --sweep")
     p.set_defaults(batch_size=1, context_length=VERIFY_T)
     common.set_help(p, "context_length", "tokens a sequence of the verification LM (the benchmark's: --seq-lens)")
     first = p.parse_args(argv)
@@ -754,10 +1005,18 @@ def main(argv=None):
         raise common.UsageError(f"cp {cp} cuts a sequence into 2 x {cp} = {2 * cp} chunks (the zig-zag layout): the "
                                 f"verification LM's {t} tokens do not; use --cp {' or '.join(map(str, fits[:4])) or 1}, "
                                 f"or --context-length {-(-t // (2 * cp)) * 2 * cp}")
-    for n in args.seq_lens + args.memory_lens if not args.no_bench else []:
+    for n in args.seq_lens + args.memory_lens if not args.no_bench and not args.sweep else []:
         if n % (2 * cp):
             raise common.UsageError(f"a sequence of {n} tokens (--seq-lens/--memory-lens) does not cut into the "
                                     f"2 x {cp} chunks of the zig-zag layout: use a multiple of {2 * cp}")
+    if args.sweep and not args.no_bench:
+        for c in args.sweep_cps:
+            common.check_ranks(c, args.backend, "--sweep-cps")
+            bad = [n for n in args.sweep_lens if n % (2 * c)]
+            if bad:
+                raise common.UsageError(f"--sweep-lens {bad[0]} does not cut into the 2 x {c} chunks of the zig-zag "
+                                        f"layout at cp {c} (--sweep-cps): use multiples of "
+                                        f"{2 * math.lcm(*args.sweep_cps)}")
 
     if not args.no_verify:
         common.check_verification(common.launch(verify, args, methods), f"{NAME} at cp {cp}")
@@ -765,6 +1024,13 @@ def main(argv=None):
         return
     if common.is_reporter() and not all(runs(m, heads, cp) for m in methods):
         print(f"benchmark: SKIP ulysses (cp {cp} does not divide {args.model_size}'s {heads} heads)")
+    if args.sweep:
+        rows = sweep(args, methods)
+        if common.is_reporter():
+            print(f"\nOne causal attention, forward and backward ({args.model_size}'s heads; ms, the slowest rank's "
+                  f"median of {args.steps}; peak live MB per rank)\n{save_sweep(args, rows)}\n"
+                  f"wrote {args.out}/11_sweep.{{json,md,png}}")
+        return
     rows = common.launch(benchmark, args, methods, args.seq_lens)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "seq_lens": args.seq_lens, "cp": cp}

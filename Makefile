@@ -5,6 +5,8 @@
 # make levers the memory levers' tables (bf16 in 05 and 07, sequence parallelism in 08,
 #            recomputation in 09, all of them on one mesh of 10), each verified first, into
 #            results/NN_*/ folders (about 5 minutes; not in `all`, which must stay under 15)
+# make cp-sweep one attention from 1k to 16k tokens, one process beside every context-parallel
+#            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 10 minutes)
 # make test  runs the test suite
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
 # Each sets up .venv from requirements.txt first when it is missing or out of date.
@@ -14,7 +16,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives levers $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers cp-sweep $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -100,6 +102,12 @@ levers: $(STAMP)
 #   python 11_context_parallel.py --cp 4 --out results/11_cp_4
 11: $(STAMP)
 	$(PY) 11_context_parallel.py --warmup 3 --out results
+
+# One attention from 1k to 16k tokens: one process, then ring, allgather and ulysses at cp 2
+# and 4, time and peak memory per rank, into results/11_sweep/ (about 10 minutes; not in `all`)
+cp-sweep: $(STAMP)
+	@mkdir -p results/11_sweep
+	$(PY) 11_context_parallel.py --sweep --no-verify --steps 2 --warmup 1 --out results/11_sweep
 
 # ep 2 (8 experts, top-2, capacity 1.25): every case verified, EP beside the replicated MoE and a dense model
 12: $(STAMP)

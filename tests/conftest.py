@@ -67,11 +67,45 @@ def refused(script: str, *argv) -> str:
     return lines[0]
 
 
+# Every process this test session starts inherits this tag (spawned ranks, torchrun's
+# agent and workers, and any orphan of theirs), so a session finds its own leftovers only,
+# not those of a session beside it (two suites at once, or pytest-xdist's workers gw0 and gw1,
+# each its own session). A process started by a session keeps its tag.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if "KIT_TEST_SESSION" not in os.environ or os.environ.get("KIT_TEST_WORKER") != _WORKER:
+    os.environ["KIT_TEST_SESSION"], os.environ["KIT_TEST_WORKER"] = str(os.getpid()), _WORKER
+SESSION_TAG = f"KIT_TEST_SESSION={os.environ['KIT_TEST_SESSION']}".encode()
+
+
 def spawned_workers():
-    """PIDs of multiprocessing/torchrun workers still alive on this machine."""
-    out = subprocess.run(["pgrep", "-f", "multiprocessing.spawn|torch.distributed.run"],
+    """PIDs of this session's ranks (forkserver or spawn children, torchrun agents and
+    workers) still alive, zombies aside."""
+    out = subprocess.run(["pgrep", "-f", "multiprocessing.spawn|multiprocessing.forkserver|torch.distributed.run"],
                          capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out if int(p) != os.getpid()]
+    mine = []
+    for pid in map(int, out):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                tagged = SESSION_TAG in f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:   # gone meanwhile, or not ours to read
+            continue
+        # this process's own forkserver (its child) serves every launch of the session; the
+        # ranks it forks are its children, and an orphaned rank is init's
+        if tagged and state != "Z" and int(ppid) != os.getpid() and pid != os.getpid():
+            mine.append(pid)
+    return mine
+
+
+def workers_left(wait=10.0):
+    """spawned_workers() once they are gone or ``wait`` seconds have passed (a launcher's
+    forkserver ends a moment after the launcher)."""
+    import time
+    deadline = time.time() + wait
+    while spawned_workers() and time.time() < deadline:
+        time.sleep(0.2)
+    return spawned_workers()
 
 
 @pytest.fixture
@@ -86,11 +120,7 @@ def one_rank():
 @pytest.fixture(autouse=True, scope="session")
 def no_workers_left_behind():
     yield
-    import time
-    deadline = time.time() + 10
-    while spawned_workers() and time.time() < deadline:
-        time.sleep(0.2)
-    assert not spawned_workers(), f"worker processes left running: {spawned_workers()}"
+    assert not workers_left(), f"worker processes left running: {spawned_workers()}"
 
 
 _verify_cache = {}

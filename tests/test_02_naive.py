@@ -5,7 +5,7 @@ import time
 import pytest
 
 import common
-from conftest import check_equivalence, ROOT, refused, run_inline, run_script, spawned_workers, verify_args, write_fake_mnist
+from conftest import check_equivalence, ROOT, refused, run_inline, run_script, spawned_workers, workers_left, verify_args, write_fake_mnist
 
 CASES = list(common.VERIFY_CASES)
 
@@ -77,6 +77,7 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
         time.sleep(0.2)
     pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
     assert len(pids) == 2
+    assert set(pids) <= set(spawned_workers())   # the leftover check sees live ranks of this session
     proc.send_signal(signal.SIGKILL)  # no chance to clean up: the workers must notice by themselves
     proc.wait()
     deadline = time.time() + 15
@@ -102,7 +103,7 @@ def test_runs_under_torchrun(tmp_path):
     assert p.stdout.count("verify 02_naive_ddp at 2 rank(s): PASS") == 1  # printed by rank 0 only
     doc = json.loads((tmp_path / "02_naive_ddp.json").read_text())
     assert doc["settings"]["world_size"] == 2 and doc["rows"][0]["step_ms"] > 0
-    assert not spawned_workers()
+    assert not workers_left()
 
 
 def test_benchmark_row_accounts_for_communication(tmp_path):

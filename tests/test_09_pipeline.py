@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, load, refused, run_inline, run_script, spawned_workers, verify_args
+from conftest import ROOT, load, refused, run_inline, run_script, workers_left, verify_args
 
 pp = load("09_pipeline_parallel")
 _cache = {}
@@ -204,7 +204,7 @@ def test_under_torchrun_a_depth_that_does_not_divide_the_world_is_refused():
     p = run_script("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "09_pipeline_parallel.py",
                    "--stages", "4", timeout=120)
     assert p.returncode != 0 and "--stages 4 does not divide the world size 2" in p.stderr
-    assert not spawned_workers()
+    assert not workers_left()
 
 
 def test_staging_through_host_memory_gives_the_same_gradients():

@@ -54,10 +54,16 @@ def test_layouts_cover_the_sequence_once_and_zigzag_balances_the_causal_work(cp)
         x = torch.arange(t)[None]
         for r in range(cp):
             assert cpm.shard_sequence(x, r, cp, layout)[0].tolist() == cpm.positions(t // cp, r, cp, layout).tolist()
-    # causal work per rank: the chunk pairs left after the mask
-    work = {layout: [sum(1 for _ in cpm._pairs(cpm.chunks_of(r, cp, layout),
-                                                [c for s in range(cp) for c in cpm.chunks_of(s, cp, layout)], 1))
-                     for r in range(cp)] for layout in cpm.LAYOUTS}
+    # causal work per rank: the chunk pairs each step's block leaves after the mask (a causal
+    # block of c chunks holds c(c+1)/2 of them)
+    def pairs(block):
+        if block is None:
+            return 0
+        qs, ks, causal = block
+        n_q, n_k = qs.stop - qs.start, ks.stop - ks.start
+        return n_q * (n_q + 1) // 2 if causal else n_q * n_k
+    work = {layout: [sum(pairs(cpm._block(r, s, cp, layout, 1)) for s in range(cp)) for r in range(cp)]
+            for layout in cpm.LAYOUTS}
     assert work["contiguous"] == list(range(1, cp + 1))    # the last rank does cp times the first's
     assert len(set(work["zigzag"])) == 1                   # every rank the same
 
@@ -70,6 +76,8 @@ def test_script_times_measures_and_draws(tmp_path):
     assert set(rows) == {"one process (whole sequence)", "ring (cp 2)", "allgather (cp 2)", "ulysses (cp 2)"}
     assert all(r["step_ms"] > 0 and r["tokens_per_s_per_rank"] > 0 for r in rows.values())
     memory = json.loads((tmp_path / "11_memory.json").read_text())["rows"]
+    saved = {r["method"]: r["saved_MB"] for r in memory}
+    assert saved["allgather"] == pytest.approx(saved["ring"]) == pytest.approx(saved["one process"] / 2)
     for r in memory:
         assert r["saved_MB"] == pytest.approx(r["saved_formula_MB"], rel=0.1), r
         assert r["sent_MB"] == pytest.approx(r["sent_formula_MB"], rel=1e-6), r   # counted = closed form
@@ -87,6 +95,20 @@ def test_script_times_measures_and_draws(tmp_path):
 ])
 def test_bad_input_exits_2_with_one_line(argv, words):
     assert words in refused("11_context_parallel.py", *argv)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_the_fused_kernel_and_the_hand_written_tiles_equal_one_process(cp):
+    import workers
+    diffs = common.launch(workers.ring_kernels_equal_sdpa, verify_args(cp), world_size=cp)
+    assert len(diffs) == 32
+    for case, d in diffs.items():
+        assert d < 2e-5, f"{case}: max diff {d}"
+
+
+def test_the_ring_uses_the_fused_kernel_where_one_takes_the_tensors():
+    assert cpm._kernel(torch.zeros(1, 2, 8, 8)) == "cpu"
+    assert cpm._kernel(torch.zeros(1, 2, 8, 8, device="meta")) == "math"
 
 
 def test_ring_staged_through_host_memory_gives_the_same_result():

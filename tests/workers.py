@@ -550,6 +550,42 @@ def ring_staged_equals_direct(ctx, args):
     return everyone
 
 
+def ring_kernels_equal_sdpa(ctx, args):
+    """11's ring and all-gather attention through the fused kernel and through the
+    hand-written tiles, against one process's SDPA on the whole sequence: every layout,
+    causal or not, 4 query heads over 4 or 2 key/value heads (grouped-query). Each case's
+    largest difference of output and q, k, v gradients, the worst over the ranks."""
+    import torch.nn.functional as F
+    cpm = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
+    cp, diffs = ctx.world_size, {}
+    for layout in cpm.LAYOUTS:
+        for hk in (4, 2):
+            for causal in (True, False):
+                g = torch.Generator().manual_seed(hk)
+                t = 2 * cp * 20   # tiles of 128 and chunks of 20 tokens: every block smaller than a tile
+                q = torch.randn(2, 4, t, 16, generator=g)
+                k, v = (torch.randn(2, hk, t, 16, generator=g) for _ in range(2))
+                dout = torch.randn(2, 4, t, 16, generator=g)
+                whole = [x.clone().requires_grad_() for x in (q, k, v)]
+                ref = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=True)
+                ref.backward(dout)
+                mine = lambda x: cpm.shard_sequence(x, ctx.rank, cp, layout, dim=2)  # noqa: E731
+                for method in ("ring", "allgather"):
+                    for kernel in ("cpu", "math"):
+                        part = [mine(x).clone().requires_grad_() for x in (q, k, v)]
+                        if method == "ring":
+                            out = cpm._RingAttention.apply(*part, None, layout, False, None, causal, kernel)
+                        else:
+                            out = cpm._GatheredAttention.apply(*part, None, layout, causal, kernel)
+                        out.backward(mine(dout))
+                        d = max((a - mine(b)).abs().max().item() for a, b in
+                                zip([out] + [x.grad for x in part], [ref] + [x.grad for x in whole]))
+                        diffs[f"{method} {kernel} {layout} {hk} kv heads{' causal' if causal else ''}"] = d
+    everyone = [None] * cp
+    dist.all_gather_object(everyone, diffs)
+    return {k: max(e[k] for e in everyone) for k in diffs}
+
+
 def step_memory_of(ctx, args, method):
     """07's step_memory for ``method`` ("ddp": DDPBucketed, "fsdp": FSDP; AdamW) on an LM of
     4 blocks with a small vocabulary (so the blocks, not the root, hold most parameters);
