@@ -71,6 +71,12 @@ def _exchange(x, send, recv, group, staged):
     return out.to(x.device) if staged else out
 
 
+def _count(index, n):
+    """How many times each of 0..n-1 occurs in ``index``, without waiting on the device
+    (torch.bincount reads the largest value to size its output)."""
+    return torch.zeros(n, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
 class Expert(nn.Module):
     """One expert: an MLP, d_model -> d_ff -> d_model, GELU."""
 
@@ -126,7 +132,20 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): make() for e in range(n_experts)})
         self.shared_experts = shared_experts
         self.group, self.ep, self.host_staging, self.distributed = None, 1, host_staging, False
-        self.aux, self.stats = None, {}
+        self.aux, self._stats = None, {}
+
+    @property
+    def stats(self) -> dict:
+        """The last forward's routing, read when asked (the forward keeps tensors, so it
+        waits on the device only for the split sizes its all-to-all needs): tokens routed
+        to each expert before dropping, the share of assignments dropped, the rows this rank
+        kept, the rows that arrived at its experts, those that left it, and its experts'
+        forward time."""
+        s = dict(self._stats)
+        if "tokens" in s:
+            s["tokens"], s["kept"] = s["tokens"].tolist(), int(s["kept"])
+            s["dropped"] = 1.0 - s["kept"] / s.pop("assignments") if s["assignments"] else 0.0
+        return s
 
     def distribute(self, process_group=None):
         """Keep this rank's experts, E/ep consecutive ones, and exchange tokens over the group."""
@@ -148,34 +167,39 @@ class MoE(nn.Module):
         if k > 1:
             gates = gates / gates.sum(-1, keepdim=True)
         flat = chosen.flatten()                                               # token-major: token order
-        counts = torch.bincount(flat, minlength=E)
+        counts = _count(flat, E)
         self.aux = E * ((counts.float() / flat.numel()) * probs.mean(0)).sum()
-        keep = torch.ones_like(flat, dtype=torch.bool)
+        key = flat                                                            # a dropped assignment: key E, last
         if self.capacity_factor > 0:                                          # place of each assignment at its expert
-            place = (F.one_hot(flat, E).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
-            keep = place < math.ceil(self.capacity_factor * k * n / E)
-        self.stats = {"tokens": counts.tolist(), "dropped": 1.0 - keep.float().mean().item(), "rows_out": 0,
-                      "kept": int(keep.sum()), "arrived": int(keep.sum())}
-        kept = keep.nonzero().squeeze(1)
-        order = kept[flat[kept].argsort(stable=True)]                         # kept assignments by expert
-        expert_of, token_of = flat[order], order // k
-        rows = torch.bincount(expert_of, minlength=E)                         # rows this rank sends each expert
-        inputs = x[token_of]
+            one_hot = torch.zeros(flat.numel(), E, dtype=torch.long, device=flat.device).scatter_(1, flat[:, None], 1)
+            place = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+            key = torch.where(place < math.ceil(self.capacity_factor * k * n / E), flat, E)
+        order = key.argsort(stable=True)                                      # kept assignments by expert, then dropped
+        rows = _count(key, E + 1)[:E]                                         # rows this rank sends each expert
+        self._stats = {"tokens": counts, "assignments": flat.numel()}
         if self.distributed:                                                  # to the experts' ranks and back
             staged = self.host_staging if self.host_staging is not None else \
                 x.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
             per = E // self.ep
             got = _exchange(rows, [per] * self.ep, [per] * self.ep, self.group, staged)   # the counts first
-            send = rows.view(self.ep, per).sum(1).tolist()                    # rows to each rank
-            recv_rows = got.view(self.ep, per)                                # rows from each rank, per local expert
-            recv = recv_rows.sum(1).tolist()
+            counts_here = torch.cat([rows, got]).tolist()   # the forward's one wait on the device: the split sizes
+            order = order[:sum(counts_here[:E])]
+            token_of = order // k
+            inputs = x[token_of]
+            send = [sum(counts_here[r * per:(r + 1) * per]) for r in range(self.ep)]      # rows to each rank
+            recv_rows = [counts_here[E + r * per:E + (r + 1) * per] for r in range(self.ep)]   # from each, per expert
+            recv = [sum(r) for r in recv_rows]
             me = dist.get_rank(self.group)
-            self.stats["rows_out"], self.stats["arrived"] = sum(send) - send[me], sum(recv)   # rows leaving, coming
+            self._stats.update(kept=len(order), rows_out=sum(send) - send[me], arrived=sum(recv))   # leaving, coming
             arrived = _AllToAllV.apply(inputs, send, recv, self.group, staged)
             outputs = self._run_local(arrived, recv_rows)
             outputs = _AllToAllV.apply(outputs, recv, send, self.group, staged)
         else:
-            outputs = self._run_local(inputs, rows.view(1, E))
+            rows = rows.tolist()                                              # the forward's one wait on the device
+            order = order[:sum(rows)]
+            token_of = order // k
+            self._stats.update(kept=len(order), rows_out=0, arrived=len(order))
+            outputs = self._run_local(x[token_of], [rows])
         y = torch.zeros_like(x, dtype=outputs.dtype)
         y = y.index_add(0, token_of, outputs * gates.flatten()[order, None].to(outputs.dtype))
         if self.shared_experts is not None:
@@ -183,17 +207,19 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _run_local(self, x, rows):
-        """Run each local expert on its rows: ``rows[r, j]`` rows from rank r for local
-        expert j, in that order (source rank, then expert)."""
-        per, t0 = rows.shape[1], time.perf_counter()
+        """Run each local expert on its rows: ``rows[r][j]`` rows from rank r for local
+        expert j (host integers), in that order (source rank, then expert)."""
+        per, t0 = len(rows[0]), time.perf_counter()
         first = int(next(iter(self.experts)))
-        starts = torch.cat([rows.new_zeros(1), rows.flatten().cumsum(0)]).tolist()
+        starts = [0]
+        for n in (n for r in rows for n in r):
+            starts.append(starts[-1] + n)
         out = torch.empty_like(x)
         for j in range(per):
             idx = torch.cat([torch.arange(starts[r * per + j], starts[r * per + j + 1], device=x.device)
-                             for r in range(rows.shape[0])])
+                             for r in range(len(rows))])
             out[idx] = self.experts[str(first + j)](x[idx])   # an expert with no rows still runs: a zero gradient
-        self.stats["expert_s"] = time.perf_counter() - t0   # (forward only; a GPU's kernels may still run)
+        self._stats["expert_s"] = time.perf_counter() - t0   # (forward only; a GPU's kernels may still run)
         return out
 
 

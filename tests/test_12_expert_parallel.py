@@ -72,6 +72,41 @@ def test_capacity_drops_the_overflow_in_token_order(one_rank):
     assert moe.aux.item() == pytest.approx(2 * 1.0 * torch.softmax(torch.tensor([10.0, 0.0]), 0)[0].item(), rel=1e-5)
 
 
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every call that brings a tensor's value to the host (a GPU stream would wait
+    there), at the Python level and below it (ops whose output size depends on the values)."""
+
+    READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "bincount", "unique",
+             "masked_select", "one_hot", "repeat_interleave"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in self.READS:
+            self.reads.append(name)
+        if name == "__getitem__" and any(torch.is_tensor(i) and i.dtype == torch.bool
+                                         for i in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.reads.append("boolean index")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.25])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_forward_reads_the_device_once_the_split_sizes(one_rank, capacity, top_k):
+    torch.manual_seed(0)
+    moe = ep_mod.MoE(8, 16, n_experts=4, top_k=top_k, capacity_factor=capacity)
+    x = torch.randn(2, 6, 8)
+    with _HostReads() as reads:
+        y = moe(x)
+    assert reads.reads == ["tolist"]   # the split sizes; statistics are read when asked
+    y.sum().backward()
+    s = moe.stats
+    assert sum(s["tokens"]) == 12 * top_k and s["kept"] == s["arrived"] == round((1 - s["dropped"]) * 12 * top_k)
+
+
 def test_script_times_routes_and_counts(tmp_path):
     p = run_inline("12_expert_parallel.py", "--ep", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
                    "--no-verify", "--context-length", "16", "--out", str(tmp_path))
