@@ -229,6 +229,26 @@ def _merge(out, lse, rows, block_out, block_lse):
     lse[:, :, rows] = new
 
 
+def _attend_step(kernel, q, k, v, work, scale, running):
+    """Attend this rank's queries to one block's keys (``work``: _block's rows) and add the
+    result to ``running`` (output float32, log-sum-exp, the kernel's aux), which the rank's
+    own block, attended first, starts (every query sees it)."""
+    qs, ks, diag = work
+    o, lse, aux = _attend(kernel, q[:, :, qs], k[:, :, ks], v[:, :, ks], diag, scale)
+    if running is None:
+        return o.float(), lse.float(), aux
+    _merge(running[0], running[1], qs, o, lse)
+    return running
+
+
+def _attend_step_backward(ctx, dout, q, k, v, out, lse, work, scale):
+    """The gradients of one block of _attend_step (dq of its query rows, dk and dv of its
+    key rows)."""
+    qs, ks, diag = work
+    return _attend_backward(ctx.kernel, ctx.aux, dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                            out[:, :, qs], lse[:, :, qs].contiguous(), diag, scale)
+
+
 def _traced(trace, kind, t0):
     if trace is not None:
         trace.append((kind, t0, time.perf_counter()))
@@ -244,24 +264,20 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, layout, staged, trace, causal, kernel):
         cp, rank, nxt, prv = _peers(group)
         size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
-        kv = [k, v]   # the block attended to now: this rank's own first
+        kv, running = [k, v], None   # the block attended to now: this rank's own first
         for step in range(cp):
             src = (rank - step) % cp
             wait = _exchange(kv, group, nxt, prv, staged) if step < cp - 1 else None   # the next block, meanwhile
             t0 = time.perf_counter()
             work = _block(rank, src, cp, layout, size, causal)
             if work is not None:
-                qs, ks, diag = work
-                o, lse_b, aux = _attend(kernel, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], diag, scale)
-                if step == 0:   # every query sees its own block: the running attention starts there
-                    out, lse, ctx.aux = o.float(), lse_b.float(), aux
-                else:
-                    _merge(out, lse, qs, o, lse_b)
+                running = _attend_step(kernel, q, kv[0], kv[1], work, scale, running)
             _traced(trace, "compute", t0)
             if wait is not None:
                 t0 = time.perf_counter()
                 kv = wait()
                 _traced(trace, "wait", t0)
+        out, lse, ctx.aux = running
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.staged, ctx.trace, ctx.causal, ctx.kernel = \
@@ -283,10 +299,8 @@ class _RingAttention(torch.autograd.Function):
             if work is None:
                 part = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
             else:   # this block's dK, dV from here
-                qs, ks, diag = work
-                dq_b, dk_b, dv_b = _attend_backward(
-                    ctx.kernel, ctx.aux, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                    out[:, :, qs], lse[:, :, qs].contiguous(), diag, scale)
+                qs, ks, _ = work
+                dq_b, dk_b, dv_b = _attend_step_backward(ctx, dout, q, kv[0], kv[1], out, lse, work, scale)
                 if step == 0:   # every query row: the gradient of q starts here
                     dq = dq_b.float()
                 else:
@@ -332,16 +346,12 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, layout, causal, kernel):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
-        kv = _gather_kv(k, v, group)
+        kv, running = _gather_kv(k, v, group), None
         for src in [rank] + [r for r in range(cp) if r != rank]:   # its own block first: it starts every row
             work = _block(rank, src, cp, layout, size, causal)
             if work is not None:
-                qs, ks, diag = work
-                o, lse_b, aux = _attend(kernel, q[:, :, qs], kv[src, 0][:, :, ks], kv[src, 1][:, :, ks], diag, scale)
-                if src == rank:
-                    out, lse, ctx.aux = o.float(), lse_b.float(), aux
-                else:
-                    _merge(out, lse, qs, o, lse_b)
+                running = _attend_step(kernel, q, kv[src, 0], kv[src, 1], work, scale, running)
+        out, lse, ctx.aux = running
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.causal, ctx.kernel = group, layout, causal, kernel
@@ -359,10 +369,8 @@ class _GatheredAttention(torch.autograd.Function):
         for src in range(cp):
             work = _block(rank, src, cp, ctx.layout, size, ctx.causal)
             if work is not None:
-                qs, ks, diag = work
-                dq_b, dk_b, dv_b = _attend_backward(
-                    ctx.kernel, ctx.aux, dout[:, :, qs], q[:, :, qs], kv[src, 0][:, :, ks], kv[src, 1][:, :, ks],
-                    out[:, :, qs], lse[:, :, qs].contiguous(), diag, scale)
+                qs, ks, _ = work
+                dq_b, dk_b, dv_b = _attend_step_backward(ctx, dout, q, kv[src, 0], kv[src, 1], out, lse, work, scale)
                 dq[:, :, qs] += dq_b
                 dkv[src, 0][:, :, ks] += dk_b
                 dkv[src, 1][:, :, ks] += dv_b
@@ -786,21 +794,31 @@ def attention_memory(ctx, args, methods, seq_lens):
     return rows
 
 
+def _attention_inputs(ctx, t, h, d, method):
+    """q, k, v (needing gradients) and the output's gradient for one sequence of t tokens:
+    whole for "one process", else this rank's zig-zag part."""
+    g = torch.Generator().manual_seed(t)
+    q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
+    if method != "one process":
+        q, k, v, dout = (shard_sequence(x, ctx.rank, ctx.world_size, "zigzag", dim=2) for x in (q, k, v, dout))
+    return [x.requires_grad_() for x in (q, k, v)] + [dout]
+
+
+def _attention(q, k, v, method):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True) if method == "one process" \
+        else context_parallel_attention(q, k, v, None, method, "zigzag")
+
+
 def one_attention(ctx, t, h, d, method):
     """attention_memory's row for one method and length (every rank's maximum); the
     tensors live in this function only, so none is freed inside the next one's count."""
     fsdp = common.load_script(common.ROOT / "07_fsdp.py")
     cp = ctx.world_size
     with fsdp.StepPeak(ctx.device) as mem, common.count_collectives() as c:   # first: every free counted
-        g = torch.Generator().manual_seed(t)
-        q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
-        if method != "one process":
-            q, k, v, dout = (shard_sequence(x, ctx.rank, cp, "zigzag", dim=2) for x in (q, k, v, dout))
-        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        q, k, v, dout = _attention_inputs(ctx, t, h, d, method)
         with mem.step():
             with common.saved_for_backward() as saved:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if method == "one process" \
-                    else context_parallel_attention(q, k, v, None, method, "zigzag")
+                o = _attention(q, k, v, method)
             o.backward(dout)
     sent = common.sent_bytes(c.log)
     block = q.numel() * q.element_size()
@@ -823,18 +841,12 @@ def sweep_job(ctx, args, methods, lens):
     for t in lens:
         for method in ("one process",) if cp == 1 else [m for m in methods if runs(m, h, cp)]:
             row = one_attention(ctx, t, h, d, method)
-            g = torch.Generator().manual_seed(t)
-            q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
-            if cp > 1:
-                q, k, v, dout = (shard_sequence(x, ctx.rank, cp, "zigzag", dim=2) for x in (q, k, v, dout))
-            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            q, k, v, dout = _attention_inputs(ctx, t, h, d, method)
             times = []
             for i in range(args.warmup + args.steps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if cp == 1 \
-                    else context_parallel_attention(q, k, v, None, method, "zigzag")
-                o.backward(dout)
+                _attention(q, k, v, method).backward(dout)
                 common.sync(ctx.device)
                 times.append(time.perf_counter() - t0)
                 q.grad = k.grad = v.grad = None
