@@ -843,7 +843,7 @@ def sweep_job(ctx, args, methods, lens):
             row = one_attention(ctx, t, h, d, method)
             q, k, v, dout = _attention_inputs(ctx, t, h, d, method)
             times = []
-            for i in range(args.warmup + args.steps):
+            for _ in range(args.warmup + args.steps):
                 dist.barrier()
                 t0 = time.perf_counter()
                 _attention(q, k, v, method).backward(dout)
