@@ -776,6 +776,31 @@ VERIFY_T, MAX_NORM = 16, 0.1    # clipped by the whole model's norm (the LM's is
 # differences within a few steps (as in 08); the check is on the pipeline, not on AdamW.
 
 
+_REFERENCES = {}   # (seed, global batch, steps, device) -> the one-process model after its steps
+
+
+def reference(args, batch, device):
+    """The one-process model every case of a job is checked against: the LM tied, trained
+    ``args.verify_steps`` AdamW steps on the global batches, clipped by its norm. The same
+    whatever the schedule, micro-batches or recomputation, so each process trains it once."""
+    key = (args.seed, batch, args.verify_steps, str(device))
+    if key not in _REFERENCES:
+        torch.manual_seed(args.seed)
+        d, f, n, h = VERIFY_DIMS
+        ref = common.TransformerLM(d, f, n, h, context_length=VERIFY_T).to(device)
+        ref.head.weight = ref.tok.weight
+        initial = copy.deepcopy(ref)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+        for step in range(args.verify_steps):
+            x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, device)
+            opt.zero_grad()
+            ref(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            opt.step()
+        _REFERENCES[key] = (initial, ref)
+    return _REFERENCES[key]
+
+
 def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch, mode="none"):
     """The LM, its head tied to its embedding, pipelined over ``n_stages`` ranks (the
     remaining ranks data-parallel replicas of each stage, DDPBucketed over each stage's
@@ -785,24 +810,18 @@ def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch, mode="n
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     pipe_group, dp_group, tie_group = groups
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    torch.manual_seed(args.seed)
-    d, f, n, h = VERIFY_DIMS
-    ref = common.TransformerLM(d, f, n, h, context_length=VERIFY_T).to(ctx.device)
-    ref.head.weight = ref.tok.weight
-    stage = LMStage(copy.deepcopy(ref), dist.get_rank(pipe_group), n_stages, chunks)
+    d = VERIFY_DIMS[0]
+    initial, ref = reference(args, batch, ctx.device)
+    stage = LMStage(copy.deepcopy(initial), dist.get_rank(pipe_group), n_stages, chunks)
     recompute(stage.blocks.values(), mode)
     module = bucketed.DDPBucketed(stage, 0.01, process_group=dp_group) if dp_size > 1 else stage
     pipe = Pipeline(module, m, lm_loss, schedule, pipe_group, activation_shape=(batch // dp_size // m, VERIFY_T, d),
                     chunks=chunks)
     tie = (tie_group, stage.tok.weight if stage.first else stage.head.weight, stage.first) if tie_group else None
-    opts = [torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6) for mod in (ref, module)]
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     for step in range(args.verify_steps):
         x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, ctx.device)
-        opts[0].zero_grad()
-        ref(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        opts[0].step()
-        train_step(pipe, opts[1], (common.shard(x, dp_rank, dp_size), common.shard(y, dp_rank, dp_size)),
+        train_step(pipe, opt, (common.shard(x, dp_rank, dp_size), common.shard(y, dp_rank, dp_size)),
                    common.StepClock(ctx.device), tie, MAX_NORM)
     mine, theirs = dict(stage.named_parameters()), dict(ref.named_parameters(remove_duplicate=False))
     ok, diff = bool(mine), 0.0

@@ -45,8 +45,9 @@ DEFAULT_OUT = str(ROOT / "runs")
 # ("USDT: ... profiler_start") and, on a CPU, its GPU probe, unless told not to before it
 # starts (inherited by the fork server and every worker)
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-# Workers fork from a server that has imported torch once, instead of each importing it again
-mp.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional"])
+# Workers fork from a server that has imported torch once, instead of each importing it again;
+# torch._dynamo too, which the first optimizer a process builds imports (2 s a rank here)
+mp.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo"])
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
