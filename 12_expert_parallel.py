@@ -88,6 +88,68 @@ class Expert(nn.Module):
         return self.w_out(F.gelu(self.w_in(x)))
 
 
+_NO_GROUPED = set()   # (device type, dtype) where torch._grouped_mm raised: the padded batched matmul instead
+
+
+def _grouped_ok(a, b=None) -> bool:
+    """Whether torch._grouped_mm takes these operands (``b`` None: rows ``a`` and weights
+    alike): float32/bf16/fp16 on the CPU, bf16 on a CUDA device of compute capability 8.0
+    or more; strides and addresses 16-byte aligned."""
+    b = a if b is None else b
+    if not hasattr(torch, "_grouped_mm") or (a.device.type, a.dtype) in _NO_GROUPED or a.dtype != b.dtype:
+        return False
+    if a.device.type == "cpu":
+        fits = a.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    else:
+        fits = a.device.type == "cuda" and a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+    strides = [s for t in (a, b) for s in t.stride() if s != 1]
+    return fits and all(s * a.element_size() % 16 == 0 for s in strides) and \
+        all(t.data_ptr() % 16 == 0 for t in (a, b))
+
+
+def _grouped_linear(x, weights, counts, offsets):
+    """Rows of ``x`` grouped by expert (``counts[g]`` rows for expert g, host integers;
+    ``offsets`` their int32 running ends on x's device) times each expert's Linear weight
+    (``weights``: (G, out, in), stacked): one torch._grouped_mm where it takes the operands,
+    else one batched matmul over the groups zero-padded to the largest."""
+    w = weights.transpose(1, 2)                                      # (G, in, out), as x @ weight.T
+    if _grouped_ok(x, w):
+        try:
+            return torch._grouped_mm(x, w, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            _NO_GROUPED.add((x.device.type, x.dtype))
+    padded = nn.utils.rnn.pad_sequence(x.split(counts), batch_first=True)   # (G, most, in)
+    if padded.shape[1] == 0:
+        padded = x.new_zeros(len(counts), 0, x.shape[1])
+    y = torch.bmm(padded, w)
+    return torch.cat([y[g, :n] for g, n in enumerate(counts)])
+
+
+def _stacked(experts, name):
+    layers = [getattr(e, name, None) for e in experts]
+    if any(not isinstance(m, nn.Linear) or m.bias is not None for m in layers):
+        raise ValueError(f"grouped experts need .{name} to be an nn.Linear without bias in every expert")
+    return torch.stack([m.weight for m in layers])
+
+
+def grouped_mlp(experts, x, counts, offsets):
+    """The kit's Expert (w_out(gelu(w_in x))) for every local expert at once: ``x`` holds
+    expert g's rows in ``counts[g]`` consecutive rows (``offsets``: the int32 running
+    ends). Two grouped matmuls over the experts' weights, stacked (their gradients flow to
+    each expert's own Linear: the state dict is unchanged)."""
+    h = F.gelu(_grouped_linear(x, _stacked(experts, "w_in"), counts, offsets))
+    return _grouped_linear(h, _stacked(experts, "w_out"), counts, offsets)
+
+
+def grouped_swiglu(experts, x, counts, offsets):
+    """A SwiGLU expert with Meta's names (w2(silu(w1 x) * w3 x), no biases: Llama's
+    FeedForward) for every local expert at once, as grouped_mlp. Pass it as ``MoE(...,
+    grouped=grouped_swiglu)`` when your expert factory returns such modules."""
+    a = _grouped_linear(x, _stacked(experts, "w1"), counts, offsets)
+    b = _grouped_linear(x, _stacked(experts, "w3"), counts, offsets)
+    return _grouped_linear(F.silu(a) * b, _stacked(experts, "w2"), counts, offsets)
+
+
 class MoE(nn.Module):
     """A mixture-of-experts MLP over an expert-parallel group: a linear router with softmax
     gates, top-k (for k > 1 the k gates renormalised to sum to 1, as Mixtral does; for k = 1
@@ -116,13 +178,19 @@ class MoE(nn.Module):
     Your own experts: ``expert``, a callable that returns one expert, any module from
     (n, d_model) rows to (n, d_model) (a SwiGLU FeedForward, say), called once per expert in
     index order (so the same seed gives the same experts on every rank); default: Expert(d_model,
-    d_ff). ``shared_experts`` (DeepSeekMoE's): a module every token passes through, its
+    d_ff). ``grouped``: how the local experts run on the rows that arrived, sorted by expert
+    once: a function (experts, rows, counts, offsets) -> outputs that runs them all at once
+    (grouped_mlp for the kit's Expert: one grouped matmul a weight; grouped_swiglu for
+    SwiGLU experts with Meta's names), or False: one call per expert on its slice of the
+    rows (the default for your own experts). "auto" (the default for the kit's Expert):
+    grouped_mlp where torch._grouped_mm takes the rows on a GPU, else one call per expert
+    (on the CPU the grouped kernel is the slower: 12_grouped's table). ``shared_experts`` (DeepSeekMoE's): a module every token passes through, its
     output added to the routed experts'; it is replicated like the router (not sent, not
     split: a DDP wrapper reduces its gradients), and it is not among expert_parameters.
     """
 
     def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=0.0, host_staging=None, expert=None,
-                 shared_experts=None):
+                 shared_experts=None, grouped="auto"):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the {n_experts} experts")
@@ -131,6 +199,9 @@ class MoE(nn.Module):
         make = expert or (lambda: Expert(d_model, d_ff))
         self.experts = nn.ModuleDict({str(e): make() for e in range(n_experts)})
         self.shared_experts = shared_experts
+        if grouped == "auto" and not all(type(e) is Expert for e in self.experts.values()):
+            grouped = False                                   # your own experts: a loop unless you say how
+        self.grouped = grouped
         self.group, self.ep, self.host_staging, self.distributed = None, 1, host_staging, False
         self.aux, self._stats = None, {}
 
@@ -192,33 +263,43 @@ class MoE(nn.Module):
             me = dist.get_rank(self.group)
             self._stats.update(kept=len(order), rows_out=sum(send) - send[me], arrived=sum(recv))   # leaving, coming
             arrived = _AllToAllV.apply(inputs, send, recv, self.group, staged)
-            outputs = self._run_local(arrived, recv_rows)
+            outputs = self._run_local(arrived, recv_rows, got)
             outputs = _AllToAllV.apply(outputs, recv, send, self.group, staged)
         else:
-            rows = rows.tolist()                                              # the forward's one wait on the device
+            flat_rows, rows = rows, rows.tolist()                             # the forward's one wait on the device
             order = order[:sum(rows)]
             token_of = order // k
             self._stats.update(kept=len(order), rows_out=0, arrived=len(order))
-            outputs = self._run_local(x[token_of], [rows])
+            outputs = self._run_local(x[token_of], [rows], flat_rows)
         y = torch.zeros_like(x, dtype=outputs.dtype)
         y = y.index_add(0, token_of, outputs * gates.flatten()[order, None].to(outputs.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
 
-    def _run_local(self, x, rows):
-        """Run each local expert on its rows: ``rows[r][j]`` rows from rank r for local
-        expert j (host integers), in that order (source rank, then expert)."""
-        per, t0 = len(rows[0]), time.perf_counter()
-        first = int(next(iter(self.experts)))
-        starts = [0]
-        for n in (n for r in rows for n in r):
-            starts.append(starts[-1] + n)
-        out = torch.empty_like(x)
-        for j in range(per):
-            idx = torch.cat([torch.arange(starts[r * per + j], starts[r * per + j + 1], device=x.device)
-                             for r in range(len(rows))])
-            out[idx] = self.experts[str(first + j)](x[idx])   # an expert with no rows still runs: a zero gradient
+    def _run_local(self, x, rows, flat):
+        """Run the local experts on the rows that arrived: ``rows[r][j]`` rows from rank r for
+        local expert j, in that order (source rank, then expert; host integers), ``flat``
+        the same counts on x's device. The rows are sorted expert-major once, run (all
+        experts at once if ``grouped``, else one call per expert on its slice) and put back
+        in arrival order."""
+        per, ranks, t0 = len(rows[0]), len(rows), time.perf_counter()
+        counts = [sum(r[j] for r in rows) for j in range(per)]               # rows per local expert
+        perm = None
+        if ranks > 1 and per > 1:                                            # arrived rank-major: one sort
+            seg = torch.repeat_interleave(torch.arange(ranks * per, device=x.device), flat, output_size=x.shape[0])
+            perm = ((seg % per) * ranks + seg // per).argsort(stable=True)
+            x = x[perm]
+        experts, grouped = list(self.experts.values()), self.grouped          # an expert with no rows still
+        if grouped == "auto":                                                # runs: a zero gradient
+            grouped = grouped_mlp if x.device.type == "cuda" and _grouped_ok(x) else False
+        if grouped:
+            offsets = flat.view(ranks, per).sum(0).cumsum(0).to(torch.int32)
+            out = grouped(experts, x, counts, offsets)
+        else:
+            out = torch.cat([e(part) for e, part in zip(experts, x.split(counts))])
+        if perm is not None:
+            out = torch.empty_like(out).index_copy(0, perm, out)
         self._stats["expert_s"] = time.perf_counter() - t0   # (forward only; a GPU's kernels may still run)
         return out
 
@@ -651,6 +732,46 @@ def capacity_and_loss(ctx, args, ep, steps=40, batches=4):
     return rows
 
 
+GROUPED_CASES = [(E, k) for E in (8, 32) for k in (1, 2)]
+
+
+def expert_timing(ctx, args, tokens=4096):
+    """One MoE layer's forward and backward on one rank (rank 0; the others wait), its
+    experts run one call each (a loop over slices) and grouped (grouped_mlp), at 8 and 32
+    experts, top-1 and top-2, on ``tokens`` tokens of the LM's width (no dropping): the
+    median of --steps calls each after 2 unmeasured, the two alternating; which kernel the
+    grouped path took (torch._grouped_mm or the padded batched matmul), and which of the two
+    MoE's default ("auto") takes here."""
+    rows = []
+    if ctx.rank == 0:
+        d, d_ff = common.MODEL_SIZES[args.model_size][:2]
+        x = torch.randn(tokens, d, device=ctx.device, generator=torch.Generator(ctx.device).manual_seed(args.seed))
+        for E, k in GROUPED_CASES:
+            torch.manual_seed(args.seed)
+            with torch.device(ctx.device):
+                moes = {"loop": MoE(d, d_ff, E, top_k=k, grouped=False),
+                        "grouped": MoE(d, d_ff, E, top_k=k, grouped=grouped_mlp)}
+            moes["grouped"].load_state_dict(moes["loop"].state_dict())
+            times = {name: [] for name in moes}
+            for i in range(2 + args.steps):
+                for name in (list(moes) if i % 2 == 0 else list(moes)[::-1]):
+                    common.sync(ctx.device)
+                    t0 = time.perf_counter()
+                    moes[name](x).sum().backward()
+                    common.sync(ctx.device)
+                    if i >= 2:
+                        times[name].append(time.perf_counter() - t0)
+            probe = torch.empty(E, d_ff, d, device=ctx.device).transpose(1, 2)   # as grouped_mlp's first
+            kernel = "torch._grouped_mm" if _grouped_ok(x, probe) else "padded bmm"
+            default = "grouped" if ctx.device.type == "cuda" and _grouped_ok(x) else "loop"
+            med = {name: common.summarize(t)["median"] * 1e3 for name, t in times.items()}
+            rows.append({"experts": E, "top_k": k, "rows": tokens * k, "loop_ms": med["loop"],
+                         "grouped_ms": med["grouped"], "loop_over_grouped": med["loop"] / med["grouped"],
+                         "grouped_kernel": kernel, "default": default})
+    dist.barrier()
+    return rows
+
+
 def routing_rows(everyone, E, ep, W) -> list:
     """Per method with a MoE and per step: tokens per expert summed over the ranks of one ep
     group (every MoE layer), their max over mean, and the share of assignments dropped."""
@@ -736,6 +857,7 @@ def main(argv=None):
         return
     rows, routing, acc = common.launch(benchmark, args, ep)
     capacity = common.launch(capacity_and_loss, args, ep)
+    grouped = common.launch(expert_timing, args)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
                     "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
@@ -764,12 +886,16 @@ def main(argv=None):
                                       "steps cycling the same 4 global batches of random tokens (the loss falls only as "
                                       "the model memorizes them, which capacity limits); last_loss: the mean of the last "
                                       "4 steps; dropped: the share of assignments dropped over the run.")
+        t5 = common.save_results(args.out, "12_grouped", grouped, settings,
+                                 title="Experts one call each (a loop) or grouped: one MoE layer's forward and backward",
+                                 note=expert_timing.__doc__.replace("\n    ", " "))
         print(f"\n{TITLE}\n({args.model_size} LM with {args.experts} experts a MoE, top-{args.top_k}, capacity "
               f"{args.capacity_factor:g}, {args.world_size} x {args.backend}/{args.device}, global batch "
               f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps; "
               f"vs_replicated: paired ratio; state: parameters, gradients, AdamW per rank)\n{table}\n\n"
-              f"Routing\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n\nCapacity and the loss\n{t4}\n"
-              f"wrote {args.out}/{NAME}.*, 12_routing.*, 12_accounting.*, 12_capacity.*")
+              f"Routing\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n\nCapacity and the loss\n{t4}\n\n"
+              f"Experts one call each or grouped (one MoE layer, forward and backward, 4096 tokens; ms)\n{t5}\n"
+              f"wrote {args.out}/{NAME}.*, 12_routing.*, 12_accounting.*, 12_capacity.*, 12_grouped.*")
 
 
 if __name__ == "__main__":

@@ -120,17 +120,17 @@ def plan_refusals(ctx, args):
 AUX = 0.01
 
 
-def llama_moe(n_experts=4, top_k=2):
+def llama_moe(n_experts=4, top_k=2, grouped=False):
     """The Llama with each layer's feed-forward replaced by a MoE of its own SwiGLU
     FeedForward experts and one shared expert (a module swapped in, the model's source as
-    it is)."""
+    it is); ``grouped``: one call per expert (False) or 12's grouped_swiglu."""
     torch.manual_seed(0)
     args = llama.ModelArgs()
     model = llama.Transformer(args)
     for layer in model.layers:
         layer.feed_forward = ep.MoE(args.dim, args.ffn_hidden, n_experts, top_k=top_k,
                                     expert=lambda: llama.FeedForward(args.dim, args.ffn_hidden),
-                                    shared_experts=llama.FeedForward(args.dim, args.ffn_hidden))
+                                    shared_experts=llama.FeedForward(args.dim, args.ffn_hidden), grouped=grouped)
     return model
 
 
@@ -142,9 +142,10 @@ def expert_parallel(ctx, args):
     """The MoE Llama with its experts split over every rank (ep = world), the other weights
     (attention, norms, router, shared experts) under DDPBucketed, 12's clip; against one
     process holding every expert that routes each rank's part of the batch as that rank
-    does (the balance loss is per part) and averages the parts' losses."""
+    does (the balance loss is per part) and averages the parts' losses. At ep 2 (two experts a
+    rank) the experts run grouped (grouped_swiglu), at ep 4 one call each."""
     data = batches()
-    ref = llama_moe()
+    ref = llama_moe(grouped=ep.grouped_swiglu if ctx.world_size == 2 else False)
     model = copy.deepcopy(ref)
     for moe in (m for m in model.modules() if isinstance(m, ep.MoE)):
         moe.distribute()
@@ -168,6 +169,7 @@ def expert_parallel(ctx, args):
     shared = {id(p) for p in model.layers[0].feed_forward.shared_experts.parameters()}
     r["shared_replicated"] = not shared & {id(p) for p in ep.expert_parameters(model)}   # DDP's, not sent
     r["local_experts"] = sorted(model.layers[0].feed_forward.experts.keys())
+    r["grouped"] = getattr(model.layers[0].feed_forward.grouped, "__name__", "loop")
     return r
 
 

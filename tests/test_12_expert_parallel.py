@@ -107,6 +107,75 @@ def test_the_forward_reads_the_device_once_the_split_sizes(one_rank, capacity, t
     assert sum(s["tokens"]) == 12 * top_k and s["kept"] == s["arrived"] == round((1 - s["dropped"]) * 12 * top_k)
 
 
+def _forward_backward(moe, x):
+    x = x.detach().clone().requires_grad_()
+    y = moe(x)
+    y.square().sum().backward()
+    return y.detach(), x.grad, [p.grad for p in moe.parameters()]
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.0])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_grouped_experts_equal_one_call_per_expert(capacity, top_k):
+    """The kit's experts by grouped matmul (the default) against a loop over them: outputs,
+    the input's and every weight's gradient, with an expert that gets no row."""
+    torch.manual_seed(0)
+    grouped = ep_mod.MoE(16, 32, n_experts=8, top_k=top_k, capacity_factor=capacity, grouped=ep_mod.grouped_mlp)
+    loop = ep_mod.MoE(16, 32, n_experts=8, top_k=top_k, capacity_factor=capacity, grouped=False)
+    loop.load_state_dict(grouped.state_dict())
+    assert ep_mod.MoE(16, 32, n_experts=8).grouped == "auto"   # the kit's experts: grouped where it pays
+    x = torch.randn(3, 10, 16)
+    got, want = _forward_backward(grouped, x), _forward_backward(loop, x)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_from_several_ranks_are_grouped_by_expert_and_put_back():
+    """_run_local as EP calls it: rows arrive rank-major (rank 0's rows for its experts 0
+    and 1, then rank 1's...); each row must meet its own expert, grouped or not, and come
+    back in arrival order; an expert no row reached gets a zero gradient; the padded batched
+    matmul (where torch._grouped_mm does not take the operands) gives the same."""
+    torch.manual_seed(0)
+    moe = ep_mod.MoE(16, 32, n_experts=3)
+    assert moe.grouped == "auto"
+    rows = [[2, 0, 3], [1, 0, 4]]   # from rank 0: 2 rows for expert 0, none for 1, 3 for 2; rank 1...
+    x = torch.randn(10, 16)
+    experts = list(moe.experts.values())
+    owner = [0, 0, 2, 2, 2, 0, 2, 2, 2, 2]
+    want = torch.stack([experts[e](x[i]) for i, e in enumerate(owner)])
+    flat = torch.tensor([n for r in rows for n in r])
+    for grouped, padded in ((ep_mod.grouped_mlp, False), (False, False), (ep_mod.grouped_mlp, True), ("auto", False)):
+        moe.grouped = grouped
+        moe.zero_grad()
+        if padded:
+            ep_mod._NO_GROUPED.add(("cpu", torch.float32))
+        try:
+            out = moe._run_local(x, rows, flat)
+            out.sum().backward()
+        finally:
+            ep_mod._NO_GROUPED.clear()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        assert not experts[1].w_in.weight.grad.any() and experts[2].w_in.weight.grad.any()
+
+
+def test_grouped_swiglu_equals_the_user_s_experts_one_by_one():
+    import llama
+    torch.manual_seed(0)
+    make = lambda: llama.FeedForward(16, 24)  # noqa: E731
+    grouped = ep_mod.MoE(16, 24, n_experts=4, top_k=2, expert=make, grouped=ep_mod.grouped_swiglu)
+    loop = ep_mod.MoE(16, 24, n_experts=4, top_k=2, expert=make)
+    assert loop.grouped is False   # your own experts: a loop unless you say how to group them
+    loop.load_state_dict(grouped.state_dict())
+    x = torch.randn(20, 16)
+    for a, b in zip(_forward_backward(grouped, x)[2], _forward_backward(loop, x)[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    biased = ep_mod.MoE(16, 24, n_experts=2, expert=lambda: ep_mod.Expert(16, 24), grouped=ep_mod.grouped_swiglu)
+    with pytest.raises(ValueError, match="w1 to be an nn.Linear without bias"):
+        biased(x)
+
+
 def test_script_times_routes_and_counts(tmp_path):
     p = run_inline("12_expert_parallel.py", "--ep", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
                    "--no-verify", "--context-length", "16", "--out", str(tmp_path))

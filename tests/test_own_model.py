@@ -42,6 +42,7 @@ def test_llama_with_swiglu_experts_and_a_shared_expert_under_ep_trains_like_one_
     assert r["ok"], f"ep {world_size}: max diff {r['max_diff']}"
     assert r["norms"] and r["shared_replicated"]
     assert len(r["local_experts"]) == 4 // world_size   # this rank's share of the user's experts
+    assert r["grouped"] == ("grouped_swiglu" if world_size == 2 else "loop")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
