@@ -77,7 +77,12 @@ class FSDP(nn.Module):
     one computes, in forward and in backward; a unit's reduce-scatter runs while the next
     unit computes its gradients, and is waited for (its whole-size input freed) before that
     unit issues its own, so at most one is in flight. A parameter used by several units
-    (tied weights) belongs to the root unit. ``units``: the submodules to use as units
+    (tied weights) belongs to the root unit. Activation checkpointing (torch.utils.checkpoint,
+    non-reentrant, e.g. torch's checkpoint_wrapper on each block, inside the unit or around
+    it): the unit is whole again before its backward and its modules see the whole tensors
+    while the forward is recomputed, so the recomputation gathers nothing more. A frozen
+    unit a backward passes through (trained layers before it) is gathered for that backward
+    and freed by finish_gradient_synchronization. ``units``: the submodules to use as units
     (None: the default above). ``compute_dtype``: weights gathered, computed and reduced in
     it (float16, bfloat16); shards, their gradients and the optimizer state stay float32.
     ``reduce_dtype``: the gradients reduced in it instead (float32 with a bfloat16
@@ -165,6 +170,10 @@ class FSDP(nn.Module):
 
     def _pre_forward(self, unit):
         def hook(mod, args):
+            if _in_backward():              # activation checkpointing runs the unit's forward again in
+                unit.unshard()              # backward: whole already (its backward has begun, or will
+                unit.lend(_Gather.apply(unit, *unit.params))   # after this), no order, no prefetch
+                return self._cast(args)
             if unit is not self._root:
                 self._seen.append(unit)
             unit.unshard()
@@ -172,19 +181,23 @@ class FSDP(nn.Module):
             if ahead is not None:
                 ahead.prefetch()
             unit.lend(_Gather.apply(unit, *unit.params))
-            if self.compute_dtype is not None:
-                return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
-                             for a in args)
+            return self._cast(args)
         return hook
+
+    def _cast(self, args):
+        if self.compute_dtype is not None:
+            return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
     def _post_forward(self, unit):
         def hook(mod, args, out):
             unit.take_back()
-            if not (torch.is_grad_enabled() and any(p.requires_grad for p in unit.params)):
-                unit.reshard()              # no backward will come
+            if _in_backward():              # a recomputation: the unit stays whole for its backward
                 return
             outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
                     if torch.is_tensor(t) and t.requires_grad]
+            if not (torch.is_grad_enabled() and outs):
+                unit.reshard()              # no backward will pass through it
+                return
             if unit is self._root:          # its parameters stay whole until its synchronized
                 for t in outs:              # backward; backward starts with the last unit: fetch it
                     t.register_hook(lambda grad, kind=self._kind: self._backward_starts(kind))
@@ -199,20 +212,35 @@ class FSDP(nn.Module):
             self._orders[kind][-1].prefetch()
 
     def _pre_backward(self, unit):
-        """Before the unit's backward (once per output it gave): make it whole again, and
+        """Before the unit's backward (once per output it gave): make it whole again, lend
+        the whole tensors to its modules (a recomputation of its forward, activation
+        checkpointing's, may run inside the backward without passing the unit's hooks), and
         fetch the unit whose backward comes next."""
+        self._launch_staged()
         unit.unshard()
+        if not unit.lent:
+            with torch.enable_grad():       # as the forward's: a recomputation saves what it saved
+                unit.lend(_Gather.apply(unit, *unit.params))
         before = self._next(unit, -1)
         if before is not None:
             before.prefetch()
 
     def _reduce(self, unit, grads):
         """Issue ``unit``'s gradient reduction, after the one in flight has finished (so its
-        whole-size input is freed first: one unit's gradients in flight at a time)."""
+        whole-size input is freed first: one unit's gradients in flight at a time). The
+        root's (its embedding's gradient is mostly the last of the backward) is copied in
+        now and issued at the next hook or at finish_gradient_synchronization, after
+        autograd has dropped its whole-size gradients: they and the collective's buffers are
+        never alive together."""
+        self._launch_staged()
         if self._reducing is not None:
             self._reducing.wait_reduction()
-        unit.reduce(grads)
+        unit.reduce(grads, launch=unit is not self._root)
         self._reducing = unit
+
+    def _launch_staged(self):
+        if self._reducing is not None and self._reducing.staged is not None:
+            self._reducing.launch()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -229,6 +257,7 @@ class FSDP(nn.Module):
         """Wait for the last reductions; then each shard's .grad holds its part of the
         gradient averaged over the group, each replicated parameter's .grad the whole
         average (None where no rank had one)."""
+        self._launch_staged()
         if self._reducing is not None:
             self._reducing.wait_reduction()
             self._reducing = None
@@ -239,6 +268,8 @@ class FSDP(nn.Module):
             flags = flags[len(unit.params):]
         for unit in self._units:
             unit.drop_prefetch()        # one the last forward's order fetched but nothing used
+            unit.reshard()              # a frozen unit a backward passed through (no gradient of its
+            #                             own told it its backward was over)
 
     # -- ordinary training-loop helpers ----------------------------------------------------
     @torch.no_grad()
@@ -425,7 +456,7 @@ class _Unit:
             if t is not None:
                 t.untyped_storage().resize_(0)
         self.is_whole, self.gathered, self.work = self.size == 0, None, None
-        self.pending, self.works, self.reduced = None, [], None
+        self.pending, self.works, self.reduced, self.lent, self.staged = None, [], None, False, None
 
     def prefetch(self):
         if not self.is_whole and self.gathered is None:
@@ -471,48 +502,66 @@ class _Unit:
         for t, uses in zip(whole, self.uses):
             for mod, attr in uses:
                 mod.__dict__[attr] = t
+        self.lent = True
 
     def take_back(self):
         for uses in self.uses:
             for mod, attr in uses:
                 mod.__dict__.pop(attr, None)
+        self.lent = False
 
     def after_backward(self, grads):
         """The unit's backward (of one forward) is done: free the whole parameters (the
         root keeps them until its synchronized backward: several micro-batches may come),
         then reduce the gradients (asynchronously), or keep adding them up inside no_sync."""
+        self.take_back()
         if self.fsdp._sync or self is not self.fsdp._root:
             self.reshard()
-        grads = [g if g is None else g.to(self.reduce_dtype) for g in grads]
-        if self.pending is not None:   # accumulated under no_sync
-            grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, self.pending)]
+        if self.pending is not None:   # accumulated under no_sync (in the reduce dtype)
+            grads = [a if b is None else (b if a is None else b + a) for a, b in zip(grads, self.pending)]
             self.pending = None
         if not self.fsdp._sync:
-            self.pending = grads
+            self.pending = [g if g is None else g.to(self.reduce_dtype) for g in grads]
             return
         self.fsdp._reduce(self, grads)
 
-    def reduce(self, grads):
+    def reduce(self, grads, launch=True):
         """Average the gradients over the group, dividing before the sum: the shards' by one
         reduce-scatter, the replicated ones (whole on every rank) by one all-reduce, each
-        with a flag per parameter that says whether this rank had a gradient."""
+        with a flag per parameter that says whether this rank had a gradient. The gradients
+        (in the compute dtype) become the reduce dtype as they are copied into the buffer:
+        no whole-size copy of them in between. ``launch`` False: only copied in; launch()
+        issues the collectives later, once autograd has dropped the gradients."""
         ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.reduce_dtype, "device": self.device}
         had = torch.tensor([float(g is not None) for g in grads], **kw)
-        out = whole = None
+        send = whole = None
         if self.size:                  # this rank's shards, then the flags
-            out, send = torch.empty(self.size + n, **kw), torch.empty(ws, self.size + n, **kw)
+            send = torch.empty(ws, self.size + n, **kw)
             for g, info in zip(grads, self.infos):
                 if info is not None and g is None:
                     send[:, info.offset:info.offset + info.numel].zero_()
                 elif info is not None:
                     info.copy_in(g, send)
             send[:, self.size:] = had
-            self.works.append(_reduce_scatter(out, send.div_(ws).view(-1), self.group, async_op=True))
         if self.whole_numel:           # the replicated gradients (and the flags, if no shard carries them)
-            whole = torch.cat([(g if g is not None else torch.zeros_like(p, dtype=self.reduce_dtype)).reshape(-1)
+            whole = torch.cat([(g.to(self.reduce_dtype) if g is not None else
+                                torch.zeros_like(p, dtype=self.reduce_dtype)).reshape(-1)
                                for g, p, info in zip(grads, self.params, self.infos) if info is None]
                               + ([] if self.size else [had]))
-            self.works.append(dist.all_reduce(whole.div_(ws), group=self.group, async_op=True))
+        self.staged = (send, whole)
+        if launch:
+            self.launch()
+
+    def launch(self):
+        """Issue the collectives of the gradients reduce() copied in (the output buffer made
+        only now: on gloo the reduce-scatter copies its input too)."""
+        (send, whole), self.staged, out = self.staged, None, None
+        if send is not None:
+            out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
+            self.works.append(_reduce_scatter(out, send.div_(self.fsdp.world_size).view(-1), self.group,
+                                              async_op=True))
+        if whole is not None:
+            self.works.append(dist.all_reduce(whole.div_(self.fsdp.world_size), group=self.group, async_op=True))
         self.reduced = (out, out[self.size:] if self.size else whole[self.whole_numel:], whole)
 
     def wait_reduction(self):
@@ -554,6 +603,12 @@ class _Unit:
 
     def gather_whole(self) -> dict:
         return {name: self.gather_one(info, p.detach()) for name, info, p in zip(self.names, self.infos, self.params)}
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward then is a
+    recomputation (torch.utils.checkpoint's)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Gather(torch.autograd.Function):
@@ -622,7 +677,10 @@ def _reference_step(master, x, y, compute_dtype, micro_batches=1, max_norm=None,
 # (micro-batches, all but the last inside no_sync), clip (max norm), groups (optimizer groups
 # by p.dim(): shards keep it), units ("layers": one unit per linear layer of the toy;
 # default: each block of a ModuleList, plus the root), replicate (a rule of REPLICATE: those
-# parameters stay whole, their gradients all-reduced)
+# parameters stay whole, their gradients all-reduced), recompute (each block's activations
+# recomputed in backward by torch's checkpoint_wrapper: "wrapper", FSDP's units the wrappers,
+# whose hooks stay outside the recomputation; "inner", the units the wrapped blocks, whose
+# hooks run again inside it), frozen (that block's parameters frozen, the others trained)
 REPLICATE = {"course": lambda mod, p: not isinstance(mod, (nn.Linear, nn.Embedding)),   # norms whole
              "1-D": lambda mod, p: p.dim() < 2}                                        # biases, norms whole
 CASES = {
@@ -643,6 +701,11 @@ CASES = {
     "toy fp32 tied, unused, 1-D parameters replicated, accumulation (no_sync)":
         {"model": "toy", "tied": True, "unused": True, "accum": 2, "units": "layers", "replicate": "1-D"},
     "toy float16, 1-D parameters replicated": {"model": "toy", "dtype": torch.float16, "replicate": "1-D"},
+    "LM fp32, every block recomputed in backward (torch's checkpoint_wrapper; AdamW, clipped at 1.0)":
+        {"model": "lm", "adamw": True, "clip": 1.0, "recompute": "wrapper"},
+    "LM fp32, every block recomputed, its hooks inside the recomputation, accumulation (no_sync)":
+        {"model": "lm", "recompute": "inner", "accum": 2},
+    "LM fp32, the first block frozen between trained layers (AdamW)": {"model": "lm", "adamw": True, "frozen": 0},
 }
 
 
@@ -676,8 +739,16 @@ def verify_case(ctx, args, case, group=None, steps=5):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     dtype, micro = case.get("dtype"), case.get("accum", 1)
     ref, batches = build_case(case, args, size, steps, ctx.device)
+    if case.get("recompute"):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(ref.blocks):
+            ref.blocks[i] = checkpoint_wrapper(block)
+    if "frozen" in case:
+        ref.blocks[case["frozen"]].requires_grad_(False)
     copy_ = copy.deepcopy(ref)
     units = [copy_.fc1, copy_.fc2, copy_.fc3, copy_.head] if case.get("units") == "layers" else None
+    if case.get("recompute") == "inner":
+        units = [w._checkpoint_wrapped_module for w in copy_.blocks]
     model = FSDP(copy_, compute_dtype=dtype, process_group=group, units=units,
                  replicate=REPLICATE.get(case.get("replicate")))
     opt, ref_opt = make_optimizer(case, model.parameters()), make_optimizer(case, ref.parameters())
@@ -822,14 +893,27 @@ def torch_fsdp2(model, ctx, reshard_after_forward=None, **policy):
     return model
 
 
+def recomputed(model):
+    """Every block of the LM recomputed in backward: torch's checkpoint_wrapper around it
+    (non-reentrant), what FSDP or fully_shard then takes as a unit."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+    return model
+
+
 def methods(args, ctx):
+    """{name: (wrap the model, optimizer or None: AdamW)}; each of our FSDP methods is
+    followed by the torch FSDP2 method it is compared with."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
     dt = DTYPES[args.compute_dtype]
     out = {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None),
            "DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25), sharded.make_optimizer("sharded")),
            f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None),
-           "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None)}
+           "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None),
+           f"FSDP ({args.compute_dtype}), blocks recomputed + AdamW": (lambda m: FSDP(recomputed(m), dt), None),
+           "torch FSDP2, blocks recomputed + AdamW": (lambda m: torch_fsdp2(recomputed(m), ctx), None)}
     if getattr(args, "dtype", "float32") == "bf16":   # the course's mixed precision, ours and FSDP2's policy
         from torch.distributed.fsdp import MixedPrecisionPolicy
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -959,12 +1043,17 @@ def step_memory(ctx, make, batch, live=True, steps=2) -> dict:
             "peak_rss_MB": None if profiled else sharded._rss_peak_mb()}
 
 
-def memory_worker(ctx, args, index, live):
-    """step_memory of method ``index`` on the LM, every rank's row."""
+def memory_worker(ctx, args, index):
+    """step_memory of method ``index`` on the LM, every rank's row. On the CPU twice in this
+    fresh process: first unprofiled, for the peak RSS (read before the profiler's buffers
+    swell the process), then profiled, for the peak of live tensor bytes."""
     name, (wrap, optimizer) = list(methods(args, ctx).items())[index]
     batch = tuple(common.shard(t, ctx.rank, ctx.world_size) for t in
                   common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
-    row = step_memory(ctx, lambda: build(ctx, args, wrap, optimizer), batch, live)
+    make = lambda: build(ctx, args, wrap, optimizer)  # noqa: E731
+    row = step_memory(ctx, make, batch, ctx.device.type == "cuda")
+    if ctx.device.type == "cpu":
+        row["step_peak_MB"] = step_memory(ctx, make, batch, True)["step_peak_MB"]
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, row)
     return [{"method": name, "rank": r, **row} for r, row in enumerate(everyone)]
@@ -980,9 +1069,9 @@ def benchmark(ctx, args):
     rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args, ctx).items()})
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
-    rows[2].update(common.vs_paired(rows[2], rows[3]))   # FSDP over FSDP2, their steps alternating
-    if len(rows) > 4:                                     # and in bf16, over FSDP2 with the same policy
-        rows[4].update(common.vs_paired(rows[4], rows[5]))
+    for ours, theirs in zip(rows, rows[1:]):   # each FSDP over the FSDP2 after it, their steps alternating
+        if ours["method"].startswith("FSDP"):
+            ours.update(common.vs_paired(ours, theirs))
     return rows
 
 
@@ -1007,33 +1096,29 @@ def main(argv=None):
         return
     rows = common.launch(benchmark, args)
     common.report_table(args, NAME, TITLE, rows, HEADERS)
-    # one job per method: fresh processes, so each peak belongs to that method alone; on the CPU
-    # a second one reads the live tensors (the profiler's own memory would swell the first's RSS)
-    mem = []
-    for i in range(len(methods(args, None))):
-        rows = common.launch(memory_worker, args, i, args.device == "cuda")
-        if args.device == "cpu":
-            for row, live in zip(rows, common.launch(memory_worker, args, i, True)):
-                row["step_peak_MB"] = live["step_peak_MB"]
-        mem += rows
+    # one job per method: fresh processes, so each peak belongs to that method alone
+    mem = [row for i in range(len(methods(args, None))) for row in common.launch(memory_worker, args, i)]
     if common.is_reporter():
         report_memory(args, mem)
 
 
 def report_memory(args, mem):
-    """The memory table, each method's peaks beside torch FSDP2's on the same rank."""
-    fsdp2 = {(r["rank"], "bf16" in r["method"]): r for r in mem
-             if r["method"].startswith(("torch FSDP2 (fully_shard", "torch FSDP2, MixedPrecisionPolicy"))}
-    for r in mem:   # a bf16 method beside FSDP2 under the same policy
-        ref = fsdp2[r["rank"], "bf16" in r["method"]]
+    """The memory table, each method's peaks beside torch FSDP2's on the same rank (ours
+    beside the FSDP2 that follows it; DDP's beside plain FSDP2's)."""
+    names = list(dict.fromkeys(r["method"] for r in mem))
+    theirs = {a: b for a, b in zip(names, names[1:]) if a.startswith("FSDP")}
+    theirs.update({n: next(m for m in names if m.startswith("torch FSDP2")) for n in names if n.startswith("DDP")})
+    by = {(r["method"], r["rank"]): r for r in mem}
+    for r in mem:
+        ref = by[theirs.get(r["method"], r["method"]), r["rank"]]
         r["vs_fsdp2"] = r["step_peak_MB"] / ref["step_peak_MB"]
         r["rss_vs_fsdp2"] = r["peak_rss_MB"] / ref["peak_rss_MB"]
     how = ("max_memory_allocated during a step" if args.device == "cuda" else
            "peak of live tensor bytes during a step, from every allocation and free torch.profiler recorded")
     note = (f"state = parameters + gradients + optimizer state after a step; step_peak = {how}; peak_rss = "
             f"the process's peak resident memory (allocator cache and runtime included); vs_fsdp2: over torch "
-            f"FSDP2's on the same rank (a bf16 method: over FSDP2 with the same MixedPrecisionPolicy). One job per "
-            f"method.")
+            f"FSDP2's on the same rank (a bf16 method: over FSDP2 with the same MixedPrecisionPolicy; blocks "
+            f"recomputed: over FSDP2 with the same checkpoint_wrapper). One job per method.")
     table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
                                 title="FSDP against DDP and torch's FSDP2: memory per rank (MiB)", note=note)
     print(f"\nMemory per rank (MiB; {note})\n{table}\nwrote {args.out}/07_fsdp_memory.json and .md")

@@ -183,9 +183,6 @@ def refusal(shape, schedule="1f1b", sp=False, recompute="none", ep=1):
     if recompute != "none" and shape["cp"] > 1:
         return ("--recompute with --cp: 11's attention would exchange K and V again inside backward, which this "
                 "script neither verifies nor counts; leave one out")
-    if recompute == "full" and shape["fsdp"] > 1:
-        return ("--recompute full with --fsdp: the block's forward runs again in backward, after FSDP has freed its "
-                "gathered weights; use --recompute selective (attention's core holds no weights)")
     if recompute == "full" and schedule == "zb1":
         return "--recompute full with --schedule zb1: zb1's W needs each linear's kept input; use selective or 1f1b"
     return None

@@ -162,20 +162,21 @@ def test_several_forwards_before_their_backwards_as_a_pipeline_runs_them(one_ran
 def test_at_most_one_unit_reduces_at_a_time_and_nothing_stays_gathered(one_rank):
     torch.manual_seed(0)
     model = fsdp.FSDP(common.TransformerLM(32, 64, 4, 4, context_length=16))
-    in_flight, real = [], fsdp._Unit.reduce
+    in_flight, real = [], fsdp._Unit.launch
 
-    def reduce(unit, grads):
-        real(unit, grads)
+    def launch(unit):
+        real(unit)
         in_flight.append(sum(1 for u in model._units if u.works))
-    fsdp._Unit.reduce = reduce
+    fsdp._Unit.launch = launch
     try:
         x, y = common.lm_batch(2, 16, 0, 0, "cpu")
         for _ in range(2):
             lm_step(model, x, y)
     finally:
-        fsdp._Unit.reduce = real
+        fsdp._Unit.launch = real
     assert len(in_flight) == 2 * 5 and max(in_flight) == 1   # 4 blocks and the root, each step
-    assert all(u.works == [] and u.gathered is None and u.work is None and u.reduced is None for u in model._units)
+    assert all(u.works == [] and u.gathered is None and u.work is None and u.reduced is None and u.staged is None
+               for u in model._units)
 
 
 def test_replicated_parameters_stay_whole_and_are_never_gathered(one_rank):
@@ -214,9 +215,9 @@ def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
                    "--no-verify", "--dtype", "bf16", "--context-length", "16", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "07_fsdp.json").read_text())["rows"]
-    assert [r["method"].split()[0] for r in rows] == ["DDP", "DDP", "FSDP", "torch", "FSDP", "torch"]
+    assert [r["method"].split()[0] for r in rows] == ["DDP", "DDP"] + ["FSDP", "torch"] * 3
     assert all(r["step_ms"] > 0 for r in rows)
-    low, low_torch = rows[4], rows[5]   # bf16 weights gathered, float32 gradients reduced: ours and FSDP2's policy
+    low, low_torch = rows[6], rows[7]   # bf16 weights gathered, float32 gradients reduced: ours and FSDP2's policy
     assert low["comm_MB"] == pytest.approx(low_torch["comm_MB"], rel=0.01) and low["comm_MB"] < 0.8 * rows[2]["comm_MB"]
     assert low["vs_torch_min"] <= low["vs_torch"] <= low["vs_torch_max"]
     n_layers = common.MODEL_SIZES["nano"][2]
@@ -224,11 +225,18 @@ def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
     assert ours["collectives"] == 1 + 2 * n_layers + (n_layers + 1)   # gathers (root once), reduce-scatters per unit
     assert ours["comm_MB"] == pytest.approx(theirs["comm_MB"], rel=0.01)   # the same bytes as torch's FSDP2
     assert ours["vs_torch_min"] <= ours["vs_torch"] <= ours["vs_torch_max"]
+    again, again_torch = rows[4], rows[5]   # blocks recomputed: the unit whole from its backward's start
+    assert "recomputed" in again["method"] and "recomputed" in again_torch["method"]
+    assert again["collectives"] == ours["collectives"] and again["comm_MB"] == ours["comm_MB"]   # no more gathers
+    assert again["comm_MB"] == pytest.approx(again_torch["comm_MB"], rel=0.01)
     mem = {(r["method"], r["rank"]): r for r in json.loads((tmp_path / "07_fsdp_memory.json").read_text())["rows"]}
     for rank in (0, 1):
-        ddp, full, torch_fsdp = (mem[(rows[i]["method"], rank)] for i in (0, 2, 3))
+        ddp, full, torch_fsdp, rec, rec_torch = (mem[(rows[i]["method"], rank)] for i in (0, 2, 3, 4, 5))
         assert full["params_MB"] < 0.55 * ddp["params_MB"] and full["opt_state_MB"] < 0.55 * ddp["opt_state_MB"]
         assert full["state_MB"] <= torch_fsdp["state_MB"] * 1.01   # parameters + gradients + optimizer state
+        assert rec["step_peak_MB"] <= full["step_peak_MB"]         # recomputation holds nothing more (at nano
+        #                                          the activations are too small to lower the peak)
+        assert rec["vs_fsdp2"] == pytest.approx(rec["step_peak_MB"] / rec_torch["step_peak_MB"])
 
 
 def test_the_step_peak_prints_nothing_when_a_block_from_before_it_is_freed_inside():
