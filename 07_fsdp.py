@@ -998,7 +998,7 @@ class StepPeak:
         start = torch.cuda.memory_allocated(self.device)
         yield
         common.sync(self.device)
-        self.peak = torch.cuda.max_memory_allocated(self.device)
+        self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated(self.device))
         self.held = torch.cuda.memory_allocated(self.device) - start
 
     def __exit__(self, *exc):
@@ -1012,28 +1012,31 @@ class StepPeak:
             node = nodes.pop()
             nodes += node.children
             events.append(node)
-        mark = next(e for e in events if e.name == "measured step")
+        marks = sorted((e for e in events if e.name == "measured step"), key=lambda e: e.start_time_ns)
         allocs = sorted((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size) for e in events
                         if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu")
         base = allocs[0][1] - allocs[0][2]   # what an earlier block in this process left alive
-        before = [total for when, total, _ in allocs if when < mark.start_time_ns][-1:]   # the step starts there
-        during = [total for when, total, _ in allocs if mark.start_time_ns <= when <= mark.end_time_ns]
-        self.peak = max(before + during) - base
-        self.held = during[-1] - during[0]   # the two markers' totals
+        for mark in marks:                   # each measured step; the highest peak, the last one's held bytes
+            before = [total for when, total, _ in allocs if when < mark.start_time_ns][-1:]   # the step starts there
+            during = [total for when, total, _ in allocs if mark.start_time_ns <= when <= mark.end_time_ns]
+            self.peak = max(self.peak or 0, max(before + during) - base)
+            self.held = during[-1] - during[0]   # the two markers' totals
 
 
-def step_memory(ctx, make, batch, live=True, steps=2) -> dict:
+def step_memory(ctx, make, batch, live=True, steps=4, measured=3) -> dict:
     """Memory per rank (MiB) of ``make()``'s (model, optimizer): the state kept after the
     last of ``steps`` training steps (parameters, gradients, optimizer state: tensor bytes,
     each storage once; the first step makes the optimizer state, DDPBucketed's buckets and
-    FSDP's unit order), the peak of live tensor bytes during that step (StepPeak; on the CPU
-    only with ``live``), and the process's peak RSS (which also holds what the allocator
-    keeps, and the runtime; on the CPU only without ``live``)."""
+    FSDP's unit order), the highest peak of live tensor bytes during each of the last
+    ``measured`` steps (StepPeak; on the CPU only with ``live``: where a collective's buffers
+    are freed by another thread, the peak moves with its timing, and the worst step is the
+    one that counts), and the process's peak RSS (which also holds what the allocator keeps,
+    and the runtime; on the CPU only without ``live``)."""
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
     with StepPeak(ctx.device, profile=live) as mem:
         model, opt = make()
         for i in range(steps):
-            with mem.step() if i == steps - 1 else contextlib.nullcontext():
+            with mem.step() if i >= steps - measured else contextlib.nullcontext():
                 train_step(model, opt, batch, common.StepClock(ctx.device))
     snap = sharded.memory_snapshot(ctx, "after a step", model, opt)
     row = {k: snap[k] for k in ("params_MB", "grads_MB", "opt_state_MB")}
