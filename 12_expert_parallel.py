@@ -261,7 +261,8 @@ class MoE(nn.Module):
             recv_rows = [counts_here[E + r * per:E + (r + 1) * per] for r in range(self.ep)]   # from each, per expert
             recv = [sum(r) for r in recv_rows]
             me = dist.get_rank(self.group)
-            self._stats.update(kept=len(order), rows_out=sum(send) - send[me], arrived=sum(recv))   # leaving, coming
+            self._stats.update(kept=len(order), rows_out=sum(send) - send[me], arrived=sum(recv),   # leaving, coming
+                               send=send, recv=recv)
             arrived = _AllToAllV.apply(inputs, send, recv, self.group, staged)
             outputs = self._run_local(arrived, recv_rows, got)
             outputs = _AllToAllV.apply(outputs, recv, send, self.group, staged)
@@ -285,6 +286,7 @@ class MoE(nn.Module):
         in arrival order."""
         per, ranks, t0 = len(rows[0]), len(rows), time.perf_counter()
         counts = [sum(r[j] for r in rows) for j in range(per)]               # rows per local expert
+        self._stats["expert_rows"] = counts
         perm = None
         if ranks > 1 and per > 1:                                            # arrived rank-major: one sort
             seg = torch.repeat_interleave(torch.arange(ranks * per, device=x.device), flat, output_size=x.shape[0])
@@ -651,11 +653,11 @@ def benchmark(ctx, args, ep):
     dims, W = common.MODEL_SIZES[args.model_size], ctx.world_size
     E, k, c, t = args.experts, args.top_k, args.capacity_factor, args.context_length
     groups = ep_groups(W, ep)
-    extra, routing = {}, {}
+    extra, routing, models = {}, {}, {}
 
     def method(name, make):
         def setup():
-            model = make()
+            model = models[name] = make()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             routing[name] = []
 
@@ -693,7 +695,88 @@ def benchmark(ctx, args, ep):
         by = {r["method"]: r for r in rows}
         by[ep_name].update(state_predicted_MB=pred["state_MB"], experts_predicted_MB=pred["experts_state_MB"])
         by[ep_name].update(common.vs_paired(by[ep_name], by["MoE replicated (plain DP)"], "vs_replicated"))
-    return rows, routing_rows(everyone, E, ep, W), accounting(ctx, args, ep, groups)
+    timing = time_model(ctx, args, ep, models, rows, routing, groups) if ep_name in models and ep > 1 else None
+    return rows, routing_rows(everyone, E, ep, W), accounting(ctx, args, ep, groups), timing
+
+
+def _timed(ctx, fn, reps=5, slowest=True) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one (the ranks start each
+    together), the slowest rank's (``slowest`` False: this rank's)."""
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        common.sync(ctx.device)
+        t0 = time.perf_counter()
+        fn()
+        common.sync(ctx.device)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([sorted(times[1:])[reps // 2]], dtype=torch.float64)
+    if slowest:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def expert_seconds(ctx, moes, layers) -> float:
+    """This rank's experts' forward and backward in a step, replayed alone: each MoE layer's
+    local experts on as many rows as each got (``layers``: a step's stats per layer)."""
+    d = moes[0].router.in_features
+    total = 0.0
+    for moe, stats in zip(moes, layers):
+        counts = stats["expert_rows"]
+        x = torch.randn(sum(counts), d, device=ctx.device, requires_grad=True)
+        flat = torch.tensor(counts, device=ctx.device)
+        total += _timed(ctx, lambda: moe._run_local(x, [counts], flat).sum().backward(), reps=3, slowest=False)
+    return total
+
+
+def alltoall_model(ctx, group, nbytes=8 << 20) -> tuple:
+    """An all-to-all's latency (seconds, 8 bytes to each rank) and bandwidth (bytes/s, from
+    one of ``nbytes`` put in by each rank, large enough that the latency is a small part of
+    it), timed on ``group``: the alpha-beta model t = a + bytes / b."""
+    n = dist.get_world_size(group)
+    def run(per):
+        send = torch.zeros(n * per, device=ctx.device)
+        recv = torch.empty_like(send)
+        return lambda: dist.all_to_all_single(recv, send, group=group)
+    per = max(1, int(nbytes) // 4 // n)
+    alpha = _timed(ctx, run(2))
+    return alpha, per * n * 4 / max(_timed(ctx, run(per)) - alpha, alpha)
+
+
+def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
+    """EP's step time by a model of its parts, each measured alone in this job: the
+    replicated MoE's step, less its experts' compute (forward and backward, the slowest
+    rank, replayed on the rows each expert got) and the all-reduce of their gradients (at
+    the all-reduce's measured time for those bytes), plus EP's slowest rank's expert compute
+    (replayed the same way), its experts' gradient all-reduce over their copies (none when
+    ep is the world) and its all-to-alls: each exchange of the step (the counts; the tokens
+    out and back, forward and backward) at the alpha-beta model's time, the slowest rank's."""
+    ep_name, rep_name = f"EP {ep}, aux {args.aux_coef:g}", "MoE replicated (plain DP)"
+    by = {r["method"]: r for r in rows}
+    ep_moes, rep_moes = (models[n].module.moes() for n in (ep_name, rep_name))
+    with models[ep_name].no_sync(), models[rep_name].no_sync():   # replays: no DDP reduction
+        x_ep = expert_seconds(ctx, ep_moes, routing[ep_name][-1])
+        x_rep = expert_seconds(ctx, rep_moes, routing[rep_name][-1])
+    everyone = torch.tensor([x_ep, x_rep], dtype=torch.float64)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MAX)
+    x_ep, x_rep = everyone.tolist()
+    def allreduce(model, group=None):   # the experts' gradients, all-reduced over ``group``
+        grads = torch.zeros(sum(p.numel() for p in expert_parameters(model.module)), device=ctx.device)
+        return _timed(ctx, lambda: dist.all_reduce(grads, group=group))
+    ar, ar_ep = allreduce(models[rep_name]), allreduce(models[ep_name], groups[1]) if groups[1] is not None else 0.0
+    layers = routing[ep_name][-1]
+    d = ep_moes[0].router.in_features
+    sizes = [4 * d * n for st in layers for n in (sum(st["send"]), sum(st["recv"]))]   # bytes put in, per exchange
+    alpha, beta = alltoall_model(ctx, groups[0])
+    a2a = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64)
+    dist.all_reduce(a2a, op=dist.ReduceOp.MAX)       # forward and backward, and the counts; the slowest rank's
+    a2a = a2a.item()
+    model = by[rep_name]["step_ms"] / 1e3 - x_rep - ar + x_ep + ar_ep + a2a
+    return {"method": ep_name, "ep": ep, "step_ms": by[ep_name]["step_ms"], "model_ms": model * 1e3,
+            "step_over_model": by[ep_name]["step_ms"] / 1e3 / model, "replicated_ms": by[rep_name]["step_ms"],
+            "replicated_experts_ms": x_rep * 1e3, "experts_allreduce_ms": ar * 1e3, "ep_experts_ms": x_ep * 1e3,
+            "ep_allreduce_ms": ar_ep * 1e3, "alltoall_ms": a2a * 1e3, "a2a_latency_us": alpha * 1e6,
+            "a2a_GBps": beta / 1e9}
 
 
 CAPACITIES = (0.0, 2.0, 1.25, 1.0, 0.5)
@@ -855,7 +938,7 @@ def main(argv=None):
         common.check_verification(common.launch(verify, args, ep, VERIFY_CASES), f"{NAME} at ep {ep}")
     if args.no_bench:
         return
-    rows, routing, acc = common.launch(benchmark, args, ep)
+    rows, routing, acc, timing = common.launch(benchmark, args, ep)
     capacity = common.launch(capacity_and_loss, args, ep)
     grouped = common.launch(expert_timing, args)
     if common.is_reporter():
@@ -886,6 +969,9 @@ def main(argv=None):
                                       "steps cycling the same 4 global batches of random tokens (the loss falls only as "
                                       "the model memorizes them, which capacity limits); last_loss: the mean of the last "
                                       "4 steps; dropped: the share of assignments dropped over the run.")
+        t6 = common.save_results(args.out, "12_time_model", [timing] if timing else [], settings,
+                                 title="EP's step beside the model of its time",
+                                 note=time_model.__doc__.replace("\n    ", " "))
         t5 = common.save_results(args.out, "12_grouped", grouped, settings,
                                  title="Experts one call each (a loop) or grouped: one MoE layer's forward and backward",
                                  note=expert_timing.__doc__.replace("\n    ", " "))
@@ -893,9 +979,10 @@ def main(argv=None):
               f"{args.capacity_factor:g}, {args.world_size} x {args.backend}/{args.device}, global batch "
               f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps; "
               f"vs_replicated: paired ratio; state: parameters, gradients, AdamW per rank)\n{table}\n\n"
-              f"Routing\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n\nCapacity and the loss\n{t4}\n\n"
+              f"EP's step beside the model of its time (ms)\n{t6}\n\nRouting\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n\nCapacity and the loss\n{t4}\n\n"
               f"Experts one call each or grouped (one MoE layer, forward and backward, 4096 tokens; ms)\n{t5}\n"
-              f"wrote {args.out}/{NAME}.*, 12_routing.*, 12_accounting.*, 12_capacity.*, 12_grouped.*")
+              f"wrote {args.out}/{NAME}.*, 12_time_model.*, 12_routing.*, 12_accounting.*, 12_capacity.*, "
+              f"12_grouped.*")
 
 
 if __name__ == "__main__":

@@ -191,6 +191,12 @@ def test_script_times_routes_and_counts(tmp_path):
     assert ep["experts_state_MB"] == pytest.approx(ep["experts_predicted_MB"], rel=1e-6)
     assert ep["experts_state_MB"] == pytest.approx(rows["MoE replicated (plain DP)"]["experts_state_MB"] / 2, rel=1e-3)
     assert ep["vs_replicated_min"] <= ep["vs_replicated"] <= ep["vs_replicated_max"]
+    [m] = json.loads((tmp_path / "12_time_model.json").read_text())["rows"]   # the model's terms, each measured
+    assert m["method"] == "EP 2, aux 0.01" and m["step_ms"] == ep["step_ms"] and m["ep_allreduce_ms"] == 0
+    assert min(m[k] for k in ("replicated_experts_ms", "experts_allreduce_ms", "ep_experts_ms", "alltoall_ms")) > 0
+    assert m["model_ms"] == pytest.approx(m["replicated_ms"] - m["replicated_experts_ms"] - m["experts_allreduce_ms"]
+                                          + m["ep_experts_ms"] + m["alltoall_ms"])
+    assert m["step_over_model"] == pytest.approx(m["step_ms"] / m["model_ms"])
     for r in json.loads((tmp_path / "12_accounting.json").read_text())["rows"]:
         assert r["a2a_MB"] == pytest.approx(r["a2a_formula_MB"], rel=1e-9)   # counted all-to-all = formula
     routing = json.loads((tmp_path / "12_routing.json").read_text())
