@@ -36,6 +36,7 @@ at each capacity factor beside the share it dropped. Writes
 12_capacity.{json,md}.
 """
 
+import contextlib
 import copy
 
 import common
@@ -657,8 +658,9 @@ def benchmark(ctx, args, ep):
 
     def method(name, make):
         def setup():
-            model = models[name] = make()
+            model = make()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            models[name] = model, opt
             routing[name] = []
 
             def step(batch, clock):
@@ -743,18 +745,40 @@ def alltoall_model(ctx, group, nbytes=8 << 20) -> tuple:
     return alpha, per * n * 4 / max(_timed(ctx, run(per)) - alpha, alpha)
 
 
+def exposed_allreduce(ctx, model, optimizer, batch, reps=6) -> float:
+    """Seconds a DDP step waits for its gradients' all-reduce beyond what backward hides:
+    the step (median, the slowest rank's) less the same step that reduces nothing (backward
+    under no_sync, no finish), the two alternating."""
+    x, y = batch
+    def step(sync):
+        optimizer.zero_grad(set_to_none=True)
+        with contextlib.nullcontext() if sync else model.no_sync():
+            model(x, y).backward()
+        if sync:
+            model.finish_gradient_synchronization()
+        optimizer.step()
+    times = {True: [], False: []}
+    for _ in range(reps):
+        for sync in (True, False):
+            times[sync].append(_timed(ctx, lambda: step(sync), reps=1))
+    return max(0.0, sorted(times[True])[reps // 2] - sorted(times[False])[reps // 2])
+
+
 def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
     """EP's step time by a model of its parts, each measured alone in this job: the
     replicated MoE's step, less its experts' compute (forward and backward, the slowest
-    rank, replayed on the rows each expert got) and the all-reduce of their gradients (at
-    the all-reduce's measured time for those bytes), plus EP's slowest rank's expert compute
-    (replayed the same way), its experts' gradient all-reduce over their copies (none when
-    ep is the world) and its all-to-alls: each exchange of the step (the counts; the tokens
-    out and back, forward and backward) at the alpha-beta model's time, the slowest rank's."""
+    rank, replayed on the rows each expert got) and the part of the step that waited for
+    their gradients' all-reduce (the step less the same step reducing nothing, times the
+    experts' share of the gradients' bytes; at most the all-reduce's own time), plus EP's
+    slowest rank's expert compute (replayed the same way), its experts' gradient all-reduce
+    over their copies (none when ep is the world) and its all-to-alls: each exchange of the
+    step (the counts; the tokens out and back, forward and backward) at the alpha-beta
+    model's time, the slowest rank's."""
     ep_name, rep_name = f"EP {ep}, aux {args.aux_coef:g}", "MoE replicated (plain DP)"
     by = {r["method"]: r for r in rows}
-    ep_moes, rep_moes = (models[n].module.moes() for n in (ep_name, rep_name))
-    with models[ep_name].no_sync(), models[rep_name].no_sync():   # replays: no DDP reduction
+    (ep_model, _), (rep_model, rep_opt) = models[ep_name], models[rep_name]
+    ep_moes, rep_moes = (m.module.moes() for m in (ep_model, rep_model))
+    with ep_model.no_sync(), rep_model.no_sync():   # replays: no DDP reduction
         x_ep = expert_seconds(ctx, ep_moes, routing[ep_name][-1])
         x_rep = expert_seconds(ctx, rep_moes, routing[rep_name][-1])
     everyone = torch.tensor([x_ep, x_rep], dtype=torch.float64)
@@ -763,7 +787,12 @@ def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
     def allreduce(model, group=None):   # the experts' gradients, all-reduced over ``group``
         grads = torch.zeros(sum(p.numel() for p in expert_parameters(model.module)), device=ctx.device)
         return _timed(ctx, lambda: dist.all_reduce(grads, group=group))
-    ar, ar_ep = allreduce(models[rep_name]), allreduce(models[ep_name], groups[1]) if groups[1] is not None else 0.0
+    ar, ar_ep = allreduce(rep_model), allreduce(ep_model, groups[1]) if groups[1] is not None else 0.0
+    batch = tuple(common.shard(x, ctx.rank, ctx.world_size)
+                  for x in common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    exposed = exposed_allreduce(ctx, rep_model, rep_opt, batch)
+    share = sum(p.numel() for p in expert_parameters(rep_model.module)) / sum(p.numel() for p in rep_model.parameters())
+    ar_exposed = min(ar, exposed * share)   # the experts' part of what the step waited for
     layers = routing[ep_name][-1]
     d = ep_moes[0].router.in_features
     sizes = [4 * d * n for st in layers for n in (sum(st["send"]), sum(st["recv"]))]   # bytes put in, per exchange
@@ -771,10 +800,11 @@ def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
     a2a = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64)
     dist.all_reduce(a2a, op=dist.ReduceOp.MAX)       # forward and backward, and the counts; the slowest rank's
     a2a = a2a.item()
-    model = by[rep_name]["step_ms"] / 1e3 - x_rep - ar + x_ep + ar_ep + a2a
+    model = by[rep_name]["step_ms"] / 1e3 - x_rep - ar_exposed + x_ep + ar_ep + a2a
     return {"method": ep_name, "ep": ep, "step_ms": by[ep_name]["step_ms"], "model_ms": model * 1e3,
             "step_over_model": by[ep_name]["step_ms"] / 1e3 / model, "replicated_ms": by[rep_name]["step_ms"],
-            "replicated_experts_ms": x_rep * 1e3, "experts_allreduce_ms": ar * 1e3, "ep_experts_ms": x_ep * 1e3,
+            "replicated_experts_ms": x_rep * 1e3, "experts_allreduce_ms": ar * 1e3,
+            "experts_allreduce_exposed_ms": ar_exposed * 1e3, "ep_experts_ms": x_ep * 1e3,
             "ep_allreduce_ms": ar_ep * 1e3, "alltoall_ms": a2a * 1e3, "a2a_latency_us": alpha * 1e6,
             "a2a_GBps": beta / 1e9}
 
