@@ -305,12 +305,13 @@ class _RingAttention(torch.autograd.Function):
                     dq = dq_b.float()
                 else:
                     dq[:, :, qs] += dq_b
-                if ks.stop - ks.start == k.shape[2]:
-                    part = [dk_b.float(), dv_b.float()]
+                if ks.stop - ks.start == k.shape[2]:   # contiguous now, so the exchange sends it as it is
+                    part = [dk_b.float().contiguous(), dv_b.float().contiguous()]   # (no copy beside it)
                 else:
                     part = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
                     part[0][:, :, ks] += dk_b
                     part[1][:, :, ks] += dv_b
+                del dq_b, dk_b, dv_b   # the kernel's outputs go before the next block's arrive
             _traced(ctx.trace, "compute", t0)
             if arriving is not None:   # the earlier ranks' part of this block's gradient
                 t0 = time.perf_counter()
@@ -374,6 +375,7 @@ class _GatheredAttention(torch.autograd.Function):
                 dq[:, :, qs] += dq_b
                 dkv[src, 0][:, :, ks] += dk_b
                 dkv[src, 1][:, :, ks] += dv_b
+                del dq_b, dk_b, dv_b   # freed before the next block's are made
         del kv
         mine = torch.empty(dkv.shape[1:], dtype=torch.float32, device=k.device)
         _reduce_scatter(mine, dkv.flatten(0, 1), group=ctx.group)   # each block's parts summed at its owner
@@ -983,7 +985,7 @@ def main(argv=None):
                    help="the methods to verify and time (default: all; ulysses where cp divides the heads)")
     p.add_argument("--seq-lens", nargs="+", type=common.COUNT, default=[512, 2048],
                    help="sequence lengths to time")
-    p.add_argument("--memory-lens", nargs="+", type=common.COUNT, default=[256, 1024, 4096],
+    p.add_argument("--memory-lens", nargs="+", type=common.COUNT, default=[256, 1024, 4096, 16384],
                    help="sequence lengths of the memory table (one attention)")
     p.add_argument("--sweep", action="store_true",
                    help="instead of the timing tables: one attention's forward and backward across --sweep-lens, "
