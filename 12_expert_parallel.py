@@ -287,7 +287,7 @@ class MoE(nn.Module):
         in arrival order."""
         per, ranks, t0 = len(rows[0]), len(rows), time.perf_counter()
         counts = [sum(r[j] for r in rows) for j in range(per)]               # rows per local expert
-        self._stats["expert_rows"] = counts
+        self._stats["rows"] = rows
         perm = None
         if ranks > 1 and per > 1:                                            # arrived rank-major: one sort
             seg = torch.repeat_interleave(torch.arange(ranks * per, device=x.device), flat, output_size=x.shape[0])
@@ -720,14 +720,15 @@ def _timed(ctx, fn, reps=5, slowest=True) -> float:
 
 def expert_seconds(ctx, moes, layers) -> float:
     """This rank's experts' forward and backward in a step, replayed alone: each MoE layer's
-    local experts on as many rows as each got (``layers``: a step's stats per layer)."""
+    local experts on as many rows from each rank as they got (``layers``: a step's stats per
+    layer), sorted and put back as in the step."""
     d = moes[0].router.in_features
     total = 0.0
     for moe, stats in zip(moes, layers):
-        counts = stats["expert_rows"]
-        x = torch.randn(sum(counts), d, device=ctx.device, requires_grad=True)
-        flat = torch.tensor(counts, device=ctx.device)
-        total += _timed(ctx, lambda: moe._run_local(x, [counts], flat).sum().backward(), reps=3, slowest=False)
+        rows = stats["rows"]
+        x = torch.randn(sum(map(sum, rows)), d, device=ctx.device, requires_grad=True)
+        flat = torch.tensor([n for r in rows for n in r], device=ctx.device)
+        total += _timed(ctx, lambda: moe._run_local(x, rows, flat).sum().backward(), reps=3, slowest=False)
     return total
 
 
