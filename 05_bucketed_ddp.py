@@ -379,19 +379,36 @@ def lm_param_tensors(size: str) -> int:
     return 2 + 6 * common.MODEL_SIZES[size][2] + 2
 
 
+class LoopWrapper(nn.Module):
+    """A model with nothing left to do after backward, in the kit's loop: torch's DDP and
+    FSDP2 (they wait for their collectives inside backward), a bare module (no
+    communication), or one whose optimizer communicates (ZeRO-2). ``no_sync()`` is the
+    wrapped model's where it has one, else there is nothing to skip;
+    ``finish_gradient_synchronization()`` does nothing."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return getattr(self.module, "no_sync", contextlib.nullcontext)()
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
 def torch_ddp(module, cap_mb, device):
     from torch.nn.parallel import DistributedDataParallel
-    ddp = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
-                                  bucket_cap_mb=cap_mb)
-    ddp.finish_gradient_synchronization = lambda: None   # torch DDP has waited inside backward
-    return ddp
+    return LoopWrapper(DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
+                                               bucket_cap_mb=cap_mb))
 
 
 def no_wrapper(module):
     """Plain training on this rank's part of the batch: no communication at all."""
-    module.no_sync = contextlib.nullcontext
-    module.finish_gradient_synchronization = lambda: None
-    return module
+    return LoopWrapper(module)
 
 
 MODELS = {"lm": common.build_lm,                 # the kit's LM (RMSNorm, fused qkv, GELU MLP)

@@ -21,7 +21,6 @@ ours beside torch's twin. Writes <out>/06_sharded_memory, 06_sharded_optimizer a
 06_zero_stages (.json and .md).
 """
 
-import contextlib
 import copy
 import os
 import resource
@@ -608,21 +607,10 @@ def verify(ctx, args, cases=None, group=None):
     return out
 
 
-class _Unwrapped(torch.nn.Module):
-    """ZeRO-2 needs no model wrapper: 05's loop (no_sync for accumulation) on the model itself."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *a, **k):
-        return self.module(*a, **k)
-
-    def no_sync(self):
-        return contextlib.nullcontext()   # each backward reduce-scatters; the slices add up
-
-    def finish_gradient_synchronization(self):
-        pass
+def _Unwrapped(module):
+    """ZeRO-2 needs no model wrapper: 05's loop (no_sync for accumulation: each backward
+    reduce-scatters, the slices add up) on the model itself."""
+    return common.load_script(common.ROOT / "05_bucketed_ddp.py").LoopWrapper(module)
 
 
 def verify_ddp_case(ctx, args, case, group=None):
@@ -741,9 +729,8 @@ def benchmark(ctx, args):
 # ---- ZeRO's stages side by side: what each shards, its peak during a step, its time ----
 def _torch_ddp(model):
     from torch.nn.parallel import DistributedDataParallel
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    ddp.finish_gradient_synchronization = lambda: None   # torch DDP has waited inside backward
-    return ddp
+    bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+    return bucketed.LoopWrapper(DistributedDataParallel(model, gradient_as_bucket_view=True))
 
 
 def _stages(ctx):
