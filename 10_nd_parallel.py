@@ -180,9 +180,6 @@ def refusal(shape, schedule="1f1b", sp=False, recompute="none", ep=1):
         return "--sp with --ep: 12's experts keep the MLP whole, which sequence parallelism splits"
     if sp and schedule == "zb1":
         return "--sp with --schedule zb1: zb1 defers the weights' gradients of plain linears only; use 1f1b"
-    if recompute != "none" and shape["cp"] > 1:
-        return ("--recompute with --cp: 11's attention would exchange K and V again inside backward, which this "
-                "script neither verifies nor counts; leave one out")
     if recompute == "full" and schedule == "zb1":
         return "--recompute full with --schedule zb1: zb1's W needs each linear's kept input; use selective or 1f1b"
     return None
@@ -724,8 +721,9 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_me
     elif T > 1:   # 4 all-reduces a block (attention's f and g, the MLP's); a MoE's experts are not split: 2
         again = 1 if recompute == "full" else 0   # attention's all-reduce
         out["tp"] = blocks * ((2 if ep > 1 else 4) + again) * b * context * d * 4 * 2 * (T - 1) / T
-    if C > 1:   # one micro-batch's K (or V) on this rank: b/m sequences, its tokens, its heads
-        out["cp"] = blocks * m * cp_mod.attention_bytes(cp_method, C, b // m * context * d // T * 4)
+    if C > 1:   # one micro-batch's K (or V) on this rank: b/m sequences, its tokens, its heads; recomputed
+        out["cp"] = blocks * m * cp_mod.attention_bytes(cp_method, C, b // m * context * d // T * 4,   # (either
+                                                        recomputed=recompute != "none")   # mode): its exchange again
     if ep > 1:
         out["ep"] = 2 * routed["rows"] * d * 4 + routed["forwards"] * experts * 8
         copies = D * F // ep

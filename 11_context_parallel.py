@@ -744,18 +744,21 @@ def benchmark(ctx, args, methods, seq_lens):
     return rows
 
 
-def attention_bytes(method, cp, block) -> float:
+def attention_bytes(method, cp, block, recomputed=False) -> float:
     """Bytes a rank sends for one attention forward and backward, in closed form, for
     ``block`` bytes of this rank's K (or V, q, out). ring: K and V forward to the next rank
     cp-1 times, again in backward, and their gradients (float32) cp times around the circle;
     allgather: (cp-1)/cp of the gathered K and V, in forward and again in backward, and
     their gradients (float32) reduce-scattered; ulysses: (cp-1)/cp of q, k, v and out
-    through all-to-all, and of their gradients."""
+    through all-to-all, and of their gradients. ``recomputed``: the forward runs again in
+    backward (activation recomputation), its exchange with it."""
+    forward = (cp - 1) * 2 * block if method in ("ring", "allgather") else (cp - 1) / cp * block * 4
+    again = forward if recomputed else 0.0
     if method == "ring":
-        return (cp - 1) * 2 * block * 2 + cp * 2 * block
+        return (cp - 1) * 2 * block * 2 + cp * 2 * block + again
     if method == "allgather":
-        return 3 * (cp - 1) * 2 * block
-    return (cp - 1) / cp * block * 8
+        return 3 * (cp - 1) * 2 * block + again
+    return (cp - 1) / cp * block * 8 + again
 
 
 def saved_bytes(cp, b, h, t, d) -> float:

@@ -70,6 +70,8 @@ LEVERS = [(nd.mesh_of(pp=2, tp=2), "1f1b", {"sp": True, "recompute": "selective"
           (nd.mesh_of(pp=2, dp=2), "1f1b", {"recompute": "full"}), (nd.mesh_of(dp=2, tp=2), "1f1b", {"recompute": "full"}),
           (nd.mesh_of(fsdp=2, tp=2), "1f1b", {"recompute": "selective"}),
           (nd.mesh_of(dp=2, fsdp=2), "1f1b", {"recompute": "full"}),   # 07's units whole again for the recomputation
+          (nd.mesh_of(dp=2, cp=2), "1f1b", {"recompute": "full"}),     # 11's exchange again in the recomputed forward
+          (nd.mesh_of(cp=2, tp=2), "1f1b", {"recompute": "selective"}),
           (nd.mesh_of(pp=2, fsdp=2), "1f1b", {"dtype": "bf16"})]
 
 
@@ -199,7 +201,6 @@ def test_bad_input_exits_2_with_one_line():
     (["--fsdp", "2", "--tp", "2", "--sp"], "--sp with --fsdp"),
     (["--pp", "2", "--tp", "2", "--schedule", "zb1", "--sp"], "--sp with --schedule zb1"),
     (["--pp", "2", "--schedule", "zb1", "--recompute", "full"], "--recompute full with --schedule zb1"),
-    (["--cp", "2", "--recompute", "selective"], "--recompute with --cp"),
     (["--tp", "2", "--sp", "--context-length", "31"], "--sp gives each of the 2 cp x tp ranks"),
     (["--sp"], "apply to one mesh"),
     (["--dp", "2", "--ep", "2", "--dtype", "bf16"], "not verified with --ep"),
