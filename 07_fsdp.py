@@ -172,7 +172,7 @@ class FSDP(nn.Module):
         def hook(mod, args):
             if _in_backward():              # activation checkpointing runs the unit's forward again in
                 unit.unshard()              # backward: whole already (its backward has begun, or will
-                unit.lend(_Gather.apply(unit, *unit.params))   # after this), no order, no prefetch
+                unit.lend(unit.gather())   # after this), no order, no prefetch
                 return self._cast(args)
             if unit is not self._root:
                 self._seen.append(unit)
@@ -180,7 +180,7 @@ class FSDP(nn.Module):
             ahead = self._next(unit, 1) if unit is not self._root else (self._orders.get(self._kind) or [None])[0]
             if ahead is not None:
                 ahead.prefetch()
-            unit.lend(_Gather.apply(unit, *unit.params))
+            unit.lend(unit.gather())
             return self._cast(args)
         return hook
 
@@ -218,7 +218,7 @@ class FSDP(nn.Module):
         unit.unshard()
         if not unit.lent:
             with torch.enable_grad():       # as the forward's: a recomputation saves what it saved
-                unit.lend(_Gather.apply(unit, *unit.params))
+                unit.lend(unit.gather())
         before = self._next(unit, -1)
         if before is not None:
             before.prefetch()
@@ -432,6 +432,7 @@ class _Unit:
         self.size = offset                                 # U: this rank's flat buffer of shards
         self.whole_numel = sum(p.numel() for p, info in zip(params, self.infos) if info is None)
         self.flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        self.hooks = [list((getattr(p, "_backward_hooks", None) or {}).values()) for p in params]   # gradient hooks
         self.params = []             # what the optimizer sees: shards, and replicated parameters as they are
         with torch.no_grad():
             for p, info in zip(params, self.infos):
@@ -494,6 +495,18 @@ class _Unit:
         whole parameters, and the replicated parameters (cast to the compute dtype)."""
         return [(p.to(self.compute_dtype) if p.dtype != self.compute_dtype else p.view_as(p)) if t is None
                 else t.detach() for p, t in zip(params, self.full)]
+
+    def gather(self):
+        """The whole tensors for the unit's modules, through _Gather (whose backward hands
+        their gradients to the unit). A gradient hook a parameter carries runs on its whole
+        tensor's gradient, as it would without FSDP (08's sequence parallelism sums the
+        norms' gradients over tp with one)."""
+        whole = _Gather.apply(self, *self.params)
+        for t, hooks in zip(whole, self.hooks):
+            for hook in hooks:
+                if t.requires_grad:
+                    t.register_hook(hook)
+        return whole
 
     def lend(self, whole):
         """The modules see the whole tensors, under the parameters' own names."""

@@ -173,9 +173,6 @@ def refusal(shape, schedule="1f1b", sp=False, recompute="none", ep=1):
     shape = {a: shape.get(a, 1) for a in AXES}
     if sp and shape["tp"] < 2:
         return "--sp splits the sequence over the tp ranks: give --tp 2 or more"
-    if sp and shape["fsdp"] > 1:
-        return ("--sp with --fsdp: 07's FSDP hands each unit's gradients over outside autograd, where the hook that "
-                "sums the norms' gradients over tp does not see them; use --dp")
     if sp and ep > 1:
         return "--sp with --ep: 12's experts keep the MLP whole, which sequence parallelism splits"
     if sp and schedule == "zb1":

@@ -72,6 +72,7 @@ LEVERS = [(nd.mesh_of(pp=2, tp=2), "1f1b", {"sp": True, "recompute": "selective"
           (nd.mesh_of(dp=2, fsdp=2), "1f1b", {"recompute": "full"}),   # 07's units whole again for the recomputation
           (nd.mesh_of(dp=2, cp=2), "1f1b", {"recompute": "full"}),     # 11's exchange again in the recomputed forward
           (nd.mesh_of(cp=2, tp=2), "1f1b", {"recompute": "selective"}),
+          (nd.mesh_of(fsdp=2, tp=2), "1f1b", {"sp": True}),   # 08's norm-gradient hook run by 07's FSDP
           (nd.mesh_of(pp=2, fsdp=2), "1f1b", {"dtype": "bf16"})]
 
 
@@ -198,7 +199,6 @@ def test_bad_input_exits_2_with_one_line():
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
     (["--dp", "2", "--ep", "2", "--top-k", "5"], "--top-k 5 must be at most --experts 4"),
     (["--dp", "2", "--sp"], "--sp splits the sequence over the tp ranks"),
-    (["--fsdp", "2", "--tp", "2", "--sp"], "--sp with --fsdp"),
     (["--pp", "2", "--tp", "2", "--schedule", "zb1", "--sp"], "--sp with --schedule zb1"),
     (["--pp", "2", "--schedule", "zb1", "--recompute", "full"], "--recompute full with --schedule zb1"),
     (["--tp", "2", "--sp", "--context-length", "31"], "--sp gives each of the 2 cp x tp ranks"),
