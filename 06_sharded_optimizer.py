@@ -607,12 +607,6 @@ def verify(ctx, args, cases=None, group=None):
     return out
 
 
-def _Unwrapped(module):
-    """ZeRO-2 needs no model wrapper: 05's loop (no_sync for accumulation: each backward
-    reduce-scatters, the slices add up) on the model itself."""
-    return common.load_script(common.ROOT / "05_bucketed_ddp.py").LoopWrapper(module)
-
-
 def verify_ddp_case(ctx, args, case, group=None):
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     run = common.VerifyRun(ctx, args, case, group)
@@ -620,7 +614,7 @@ def verify_ddp_case(ctx, args, case, group=None):
     cls, kw = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}) if case.get("opt") == "adamw" else \
         (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
     opt = ShardedGradientOptimizer(params, cls, process_group=group, bucket_mb=BUCKET_MB, module=run.model, **kw)
-    model = _Unwrapped(run.model)
+    model = bucketed.LoopWrapper(run.model)   # ZeRO-2 needs no model wrapper: each backward reduce-scatters
     for step in range(run.steps):
         bucketed.train_step(model, opt, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
     return run.compare(run.model)
@@ -743,9 +737,9 @@ def _stages(ctx):
         "DDPBucketed + ShardedOptimizer (ours)": (1, lambda m: bucketed.DDPBucketed(m, 25), lambda ps, m:
                                                   ShardedOptimizer(ps, torch.optim.AdamW, **adamw)),
         "torch DDP + ZeroRedundancyOptimizer": (1, _torch_ddp, lambda ps, m: make_optimizer("zero")(ps)),
-        "ShardedGradientOptimizer, 25 MB buckets (ours)": (2, _Unwrapped, lambda ps, m: ShardedGradientOptimizer(
+        "ShardedGradientOptimizer, 25 MB buckets (ours)": (2, bucketed.LoopWrapper, lambda ps, m: ShardedGradientOptimizer(
             ps, torch.optim.AdamW, module=m, **adamw)),
-        "ShardedGradientOptimizer, 4 MB buckets (ours)": (2, _Unwrapped, lambda ps, m: ShardedGradientOptimizer(
+        "ShardedGradientOptimizer, 4 MB buckets (ours)": (2, bucketed.LoopWrapper, lambda ps, m: ShardedGradientOptimizer(
             ps, torch.optim.AdamW, bucket_mb=4, module=m, **adamw)),
         "torch FSDP2, reshard_after_forward=False": (2, lambda m: fsdp.torch_fsdp2(m, ctx, False), None),
         "FSDP (07, ours)": (3, lambda m: fsdp.FSDP(m), None),

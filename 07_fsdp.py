@@ -432,7 +432,8 @@ class _Unit:
         self.size = offset                                 # U: this rank's flat buffer of shards
         self.whole_numel = sum(p.numel() for p, info in zip(params, self.infos) if info is None)
         self.flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
-        self.hooks = [list((getattr(p, "_backward_hooks", None) or {}).values()) for p in params]   # gradient hooks
+        self.hooks = [(i, list(p._backward_hooks.values())) for i, p in enumerate(params)   # the parameters'
+                      if getattr(p, "_backward_hooks", None)]                                # gradient hooks
         self.params = []             # what the optimizer sees: shards, and replicated parameters as they are
         with torch.no_grad():
             for p, info in zip(params, self.infos):
@@ -502,10 +503,10 @@ class _Unit:
         tensor's gradient, as it would without FSDP (08's sequence parallelism sums the
         norms' gradients over tp with one)."""
         whole = _Gather.apply(self, *self.params)
-        for t, hooks in zip(whole, self.hooks):
-            for hook in hooks:
-                if t.requires_grad:
-                    t.register_hook(hook)
+        for i, hooks in self.hooks:
+            if whole[i].requires_grad:
+                for hook in hooks:
+                    whole[i].register_hook(hook)
         return whole
 
     def lend(self, whole):
