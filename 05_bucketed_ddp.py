@@ -29,8 +29,9 @@ import math
 import time
 
 import common
+from common import place   # the placement record (common.py's copy region of that name)
 
-# ---- begin copy: DDPBucketed (needs only torch and the standard library) ----
+# ---- begin copy: DDPBucketed (needs torch, the standard library and common.py's placement record) ----
 import contextlib
 
 import torch
@@ -70,7 +71,9 @@ class DDPBucketed(nn.Module):
     shard within a group, replicate across groups), its ``no_sync`` is entered with ours
     and its ``finish_gradient_synchronization`` runs before ours. ``ignore_parameters``:
     parameters left alone (neither broadcast nor reduced), such as a mixture of experts'
-    experts, which differ from rank to rank (torch DDP's parameters to ignore).
+    experts, which differ from rank to rank (torch DDP's parameters to ignore). Every other
+    parameter records a "replicate" placement over the group (common.py's placement record),
+    so that a clip_grad_norm_ or a checkpoint over a composition of axes counts it once.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
@@ -88,6 +91,9 @@ class DDPBucketed(nn.Module):
             for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
                 dist.broadcast(t, src=self._src, group=process_group)
         self._caps = (min(first_bucket_mb, bucket_size_mb) * 2**20, bucket_size_mb * 2**20)
+        for p in module.parameters():
+            if id(p) not in ignored:
+                place(p, "replicate", process_group)   # a copy on every rank of the group
         self._params = [p for p in module.parameters() if p.requires_grad and id(p) not in ignored]
         self._build(list(range(len(self._params)))[::-1])
         for i, p in enumerate(self._params):

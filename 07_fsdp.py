@@ -32,8 +32,10 @@ import time
 import torch.nn.functional as F
 
 import common
+from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
+                    load_full_state_dict, place)   # the placement record (common.py's copy region)
 
-# ---- begin copy: FSDP (needs only torch and the standard library) ----
+# ---- begin copy: FSDP (needs torch, the standard library and common.py's placement record) ----
 import contextlib
 import math
 
@@ -102,10 +104,13 @@ class FSDP(nn.Module):
     shards, so torch's would clip every rank by a different norm. ``no_sync()`` accumulates
     whole-size gradients locally (no communication) until a synchronized backward.
     ``full_state_dict`` / ``load_full_state_dict`` and ``full_optim_state_dict`` /
-    ``load_full_optim_state_dict`` save whole tensors and load them on any group size.
+    ``load_full_optim_state_dict`` save whole tensors and load them on any group size. These
+    are common.py's placement record's functions over this group: each shard records a
+    "shard" placement (dim 0 over the group, after any the parameter had), each replicated
+    parameter a "replicate" one, so the same functions serve FSDP inside other axes.
     ``ignore``: parameters left out (never broadcast, sharded, gathered or reduced: a
     mixture of experts' experts, distinct on every rank); clip_grad_norm_ counts them as
-    this rank's own, and their gradients are the caller's to reduce.
+    their own placement record says, and their gradients are the caller's to reduce.
     """
 
     def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None,
@@ -269,29 +274,13 @@ class FSDP(nn.Module):
             unit.reshard()              # a frozen unit a backward passed through (no gradient of its
             #                             own told it its backward was over)
 
-    # -- ordinary training-loop helpers ----------------------------------------------------
-    @torch.no_grad()
+    # -- ordinary training-loop helpers: common.py's placement record, over the group -------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the global norm over all ranks' shards and the replicated
-        parameters (counted once); a collective. Returns that norm. Use it instead of
-        torch.nn.utils.clip_grad_norm_."""
-        whole = {id(p) for u in self._units for p, info in zip(u.params, u.infos) if info is None}
-        params = [p for p in self.parameters() if p.grad is not None]
-        device = next(self.parameters()).device
-        parts = [[p.grad for p in params if id(p) not in whole], [p.grad for p in params if id(p) in whole]]
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max().float() for g in parts[0] + parts[1]] or [torch.zeros((), device=device)])
-            total = local.max()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
-        else:
-            sharded, replicated = (sum((g.float().abs().pow(norm_type).sum() for g in gs),
-                                       torch.zeros((), device=device)) for gs in parts)
-            dist.all_reduce(sharded, group=self.process_group)
-            total = (sharded + replicated).pow(1.0 / norm_type)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in parts[0] + parts[1]:
-            g.mul_(coef.to(g.dtype))
-        return total
+        parameters (counted once): clip_grad_norm_ of the placement record over this
+        group (a collective). Returns that norm. Use it instead of
+        torch.nn.utils.clip_grad_norm_, which would see only this rank's shards."""
+        return clip_grad_norm_(self.module, max_norm, norm_type, self.process_group)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict:
@@ -305,64 +294,22 @@ class FSDP(nn.Module):
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict with whole tensors, on the group's first rank
         (empty on the others); every rank must call it."""
-        whole = self.gather_full_params()
-        by_tensor = {id(p): name for name, p in self.module.named_parameters()}
-        if self.rank != 0:
-            return {}
-        return {k: (whole[by_tensor[id(v)]] if id(v) in by_tensor else v).detach().clone().cpu()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+        return full_state_dict(self.module, self.process_group)
 
-    @torch.no_grad()
     def load_full_state_dict(self, state: dict):
         """Load whole tensors (a state_dict of the unwrapped module, saved at any group
         size) into this rank's shards and replicated parameters. Pass it on every rank."""
-        own = self.module.state_dict(keep_vars=True)
-        if set(own) != set(state):
-            raise ValueError(f"keys differ: missing {sorted(set(own) - set(state))}, "
-                             f"unexpected {sorted(set(state) - set(own))}")
-        for key, value in state.items():
-            target, info = own[key], self._where.get(id(own[key]), (None, None))[1]
-            target.copy_(value if info is None else info.slice(value.to(target.device, target.dtype)))
+        load_full_state_dict(self.module, state)
 
-    @torch.no_grad()
     def full_optim_state_dict(self, optimizer) -> dict:
         """The optimizer's state with whole tensors, keyed by parameter name, on the group's
         first rank (empty on the others); every rank must call it."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        state, groups = {}, []
-        for group in optimizer.param_groups:
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": [names[id(p)] for p in group["params"]]})
-            for p in group["params"]:
-                unit, info = self._where.get(id(p), (None, None))   # (None: ignored, as this rank holds it)
-                state[names[id(p)]] = {k: unit.gather_one(info, v) if unit is not None and torch.is_tensor(v) and v.dim() else v
-                                       for k, v in optimizer.state.get(p, {}).items()}
-        if self.rank != 0:
-            return {}
-        return {"state": {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()},
-                "param_groups": groups}
+        return full_optim_state_dict(self.module, optimizer, self.process_group)
 
     def load_full_optim_state_dict(self, optimizer, full: dict):
         """Load a full_optim_state_dict (saved at any group size) into ``optimizer``, built
         over this model's parameters with the same parameter groups. Pass it on every rank."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        local, index = {"state": {}, "param_groups": []}, 0
-        if len(optimizer.param_groups) != len(full["param_groups"]):
-            raise ValueError("the optimizer's parameter groups differ from the saved ones")
-        for group, saved in zip(optimizer.param_groups, full["param_groups"]):
-            if [names[id(p)] for p in group["params"]] != saved["params"]:
-                raise ValueError("the optimizer's parameter groups differ from the saved ones")
-            ids = []
-            for p in group["params"]:
-                entry = full["state"].get(names[id(p)], {})
-                if entry:
-                    info = self._where.get(id(p), (None, None))[1]
-                    local["state"][index] = {k: (v.to(p.device) if info is None else info.slice(v.to(p.device)))
-                                             if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
-                ids.append(index)
-                index += 1
-            local["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-        optimizer.load_state_dict(local)
+        load_full_optim_state_dict(self.module, optimizer, full)
 
 
 class _ShardInfo:
@@ -438,11 +385,11 @@ class _Unit:
         with torch.no_grad():
             for p, info in zip(params, self.infos):
                 if info is None:
-                    self.params.append(p)
+                    self.params.append(place(p, "replicate", self.group))
                     continue
                 view = self.flat[info.offset:info.offset + info.numel].view(info.shard_shape)
                 view.copy_(info.slice(p.detach()))
-                shard = nn.Parameter(view, requires_grad=p.requires_grad)
+                shard = place(nn.Parameter(view, requires_grad=p.requires_grad), "shard", self.group, 0, p.shape, like=p)
                 for mod, attr in uses[id(p)]:
                     mod._parameters[attr] = shard
                 self.params.append(shard)

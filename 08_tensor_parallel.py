@@ -12,16 +12,17 @@ two in backward. Embeddings, norms and the output head stay whole on every rank.
 lecture's version splits every layer by columns and all-gathers its output (here with its
 backward): every rank then computes attention whole, and each layer costs a collective.
 
-In your own training loop (the copy region has all of it):
+In your own training loop (the copy region and common.py's placement record have all of it):
     for block in gpt.transformer.h:                     # same weights on every tp rank
         parallelize(block.mlp, {"c_fc": "column", "c_proj": "row"}, tp_group)
     opt = gpt.configure_optimizers(...)                 # parameter groups as usual
     loss.backward()                                     # every tp rank on the same batch
-    clip_grad_norm_(gpt, max_norm, tp_group)            # not torch's: a rank holds a part
+    clip_grad_norm_(gpt, max_norm, process_group=tp_group)   # not torch's: a rank holds a part
     opt.step()
-    ckpt = {"model": full_state_dict(gpt), "optim": full_optim_state_dict(gpt, opt)}
+    ckpt = {"model": full_state_dict(gpt, tp_group), "optim": full_optim_state_dict(gpt, opt, tp_group)}
     load_full_state_dict(gpt, ckpt["model"]); load_full_optim_state_dict(gpt, opt, ckpt["optim"])
-Checkpoints hold whole tensors by name: they load at any tensor-parallel degree. Dropout:
+Checkpoints hold whole tensors by name, on the group's first rank: they load at any
+tensor-parallel degree, and on one process. Dropout:
 parallelize gives every rank of the group the first rank's default generator, so dropout
 outside the split layers (after a row layer's all-reduce, on the residual stream) draws the
 same mask on every rank; the ranks must then run the same code, as they do. A dropout
@@ -46,8 +47,10 @@ Writes <out>/08_tensor_parallel.{json,md}.
 import copy
 
 import common
+from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
+                    load_full_state_dict, place, placements)   # the placement record (common.py's copy region)
 
-# ---- begin copy: tensor-parallel layers (need only torch and the standard library) ----
+# ---- begin copy: tensor-parallel layers (need torch, the standard library and common.py's placement record) ----
 import contextlib
 import fnmatch
 import math
@@ -260,6 +263,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // tp, device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))   # nn.Linear's, on this slice
+        for p in (self.weight, self.bias):   # rows, in the order ``rows`` puts them, split over the group
+            if p is not None:
+                place(p, "shard", process_group, 0, (out_features,) + tuple(p.shape[1:]), rows)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, process_group=None, gather_output=False, rows=None):
@@ -319,6 +325,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(6 * tp - 1))   # nn.Linear's bound, whole fan-in
+        place(self.weight, "shard", process_group, 1, (out_features, in_features))   # columns split
+        if self.bias is not None:
+            place(self.bias, "replicate", process_group)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, process_group=None):
@@ -466,7 +475,16 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         new = ParallelDropout(target.p, process_group) if kind == "dropout" else \
             (ColumnParallelLinear if kind == "column" else RowParallelLinear).from_linear(target, process_group)
         setattr(module.get_submodule(parent_name), child, new)
+    replicated_over(module, process_group)
     return module
+
+
+def replicated_over(module: nn.Module, process_group=None):
+    """Record a "replicate" placement over the group on every parameter of ``module`` that
+    no split over it placed: whole and the same on every rank of the group."""
+    for p in module.parameters():
+        if not any(pl.group is process_group for pl in placements(p)):
+            place(p, "replicate", process_group)
 
 
 def heads_by_rank(n_heads: int, head_dim: int, tp: int) -> torch.Tensor:
@@ -514,6 +532,7 @@ def tensor_parallel_lm(model: nn.Module, process_group=None, sequence_parallel=F
                                                                      *args[1:]))
         model.ln_f.register_forward_pre_hook(lambda mod, args: (_GatherSequence.apply(args[0], process_group),
                                                                  *args[1:]))
+    replicated_over(model, process_group)
     sync_rng(process_group)
     return model
 
@@ -528,81 +547,10 @@ def split_owner(module: nn.Module, name: str):
     return (layer, attr) if split else None
 
 
-@torch.no_grad()
-def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None, norm_type=2.0) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the norm of the whole
-    model's gradient, each element counted once over the tensor-parallel ``process_group``
-    (the split weights' slices summed over the group, everything whole on every rank once),
-    so that every rank clips by the same factor. Returns the total norm (collective: every
-    rank of the group calls it)."""
-    params = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
-    device = params[0][1].grad.device if params else torch.device("cpu")
-    split = [p.grad for n, p in params if split_owner(module, n)]
-    whole = [p.grad for n, p in params if not split_owner(module, n)]
-    if math.isinf(norm_type):
-        part = torch.stack([g.abs().max().float() for g in split] or [torch.zeros((), device=device)]).max()
-        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=process_group)
-        total = torch.stack([part] + [g.abs().max().float() for g in whole]).max()
-    else:
-        part = sum((g.float().norm(norm_type) ** norm_type for g in split), torch.zeros((), device=device))
-        dist.all_reduce(part, group=process_group)
-        total = (part + sum((g.float().norm(norm_type) ** norm_type for g in whole),
-                            torch.zeros((), device=device))) ** (1.0 / norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for _, p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return total
-
-
-def full_state_dict(module: nn.Module) -> dict:
-    """Every tensor of ``module.state_dict()`` whole, by its original name: the split
-    weights gathered over their group (a collective: every rank of the group calls it)."""
-    out = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        owner = split_owner(module, name)
-        out[name] = owner[0].whole(t, owner[1]) if owner else t.detach()
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(module: nn.Module, state: dict):
-    """Load whole tensors by name (a full_state_dict saved at any tensor-parallel degree):
-    each rank keeps its slice of the split ones."""
-    for name, t in module.state_dict(keep_vars=True).items():
-        owner = split_owner(module, name)
-        t.copy_(owner[0].local(state[name], owner[1]) if owner else state[name])
-
-
-def full_optim_state_dict(module: nn.Module, optimizer) -> dict:
-    """The optimizer's state with whole tensors, keyed by parameter name, and its groups
-    (their settings and parameter names): loadable at any tensor-parallel degree
-    (collective)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    state = {}
-    for p in (p for g in optimizer.param_groups for p in g["params"] if p in optimizer.state):   # the same order on every rank
-        owner = split_owner(module, names[id(p)])
-        state[names[id(p)]] = {k: owner[0].whole(v, owner[1]) if owner and torch.is_tensor(v) and v.shape == p.shape
-                               else v for k, v in optimizer.state[p].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
-
-
-def load_full_optim_state_dict(module: nn.Module, optimizer, full: dict):
-    """Load a full_optim_state_dict into ``optimizer``, whose groups hold the same
-    parameters in the same order: each rank keeps its slices of the split states."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    state = {}
-    for i, n in enumerate(order):
-        if n in full["state"]:
-            owner = split_owner(module, n)
-            state[i] = {k: owner[0].local(v, owner[1]) if owner and torch.is_tensor(v) and v.dim() else v
-                        for k, v in full["state"][n].items()}
-    ids, groups = iter(range(len(order))), []
-    for saved, g in zip(full["param_groups"], optimizer.param_groups):
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": [next(ids) for _ in g["params"]]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+# clip_grad_norm_, full_state_dict, load_full_state_dict, full_optim_state_dict and
+# load_full_optim_state_dict are the placement record's (common.py): every split weight
+# records a "shard" placement, everything else parallelize or tensor_parallel_lm touched a
+# "replicate" one, over the group: pass ``process_group=`` the tensor-parallel group.
 # ---- end copy: tensor-parallel layers ----
 
 
@@ -730,7 +678,7 @@ def verify_model(ctx, args, build, convert, batches, tp_group, dp_group):
         opts[0].step()
         train_step(wrapped, opts[1], (common.shard(x, dp_rank, dp_size), common.shard(y, dp_rank, dp_size)),
                    common.StepClock(ctx.device))
-    full = full_state_dict(model)
+    full = full_state_dict(model, all_ranks=True)   # over every rank: tp's slices, dp's copies once
     ok, diff = True, 0.0
     for name, p in ref.named_parameters():
         diff = max(diff, (full[name].double() - p.detach().double()).abs().max().item())

@@ -17,18 +17,19 @@ p-1) when F, B and W take as long, a third of 1F1B's, holding no more than 1F1B'
 Gradients accumulate over the micro-batches; one optimizer step per global batch. With
 p = 2 and m = 1 this is plain model parallelism: the model in two halves on two devices.
 
-In your own training loop (the copy region has all of it):
+In your own training loop (the copy region and common.py's placement record have all of it):
     stage = MyStage(model, rank, n_stages)             # its layers under the model's own names
     pipe = Pipeline(stage, 8, loss_fn, "1f1b", pp_group, activation_shape=(mb, t, d))
     opt.zero_grad(); pipe.step(x if pipe.first else None, y if pipe.last else None)
-    clip_grad_norm_(stage.parameters(), max_norm, pp_group)   # not torch's: a stage holds a part
+    clip_grad_norm_(stage, max_norm, process_group=pp_group)   # not torch's: a stage holds a part
     opt.step()
     model_sd, optim_sd = full_state_dict(stage, pp_group), full_optim_state_dict(stage, opt, pp_group)
     load_full_state_dict(stage, model_sd); load_full_optim_state_dict(stage, opt, optim_sd)
 The full state dicts come whole on the pipeline's first rank (save them there) and load at
 any number of stages. With data-parallel replicas of each stage, clip after their
 gradients are averaged, over the pipeline's group. A head tied to the embedding lives on
-the first and last stage: sum_tied_gradients adds the two copies' gradients (tied_group).
+the first and last stage: sum_tied_gradients adds the two copies' gradients (tied_group),
+and tie(copies, group) records them, so the norm counts the weight once.
 
 Run:
     python 09_pipeline_parallel.py                            # p = 2 and 4, m = 1..8, every schedule
@@ -51,8 +52,10 @@ import hashlib
 import math
 
 import common
+from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
+                    load_full_state_dict, place)   # the placement record (common.py's copy region)
 
-# ---- begin copy: pipeline parallelism (needs only torch and the standard library) ----
+# ---- begin copy: pipeline parallelism (needs torch, the standard library and common.py's placement record) ----
 import contextlib
 import time
 
@@ -365,6 +368,9 @@ class Pipeline:
         self.with_grad = [j for j, dt in enumerate(self.dtypes) if dt.is_floating_point]   # gradients flow back
         self.timed, self.count_activations = timed, count_activations
         self.timeline, self.peak_activation_bytes = [], 0
+        if self.n_stages > 1:
+            for p in module.parameters():   # this stage's own: the others hold the rest of the model
+                place(p, "part", process_group)
         self.receive_ahead = 2   # gloo: actions whose receives are posted before they run
 
     def _virtual(self, chunk):
@@ -555,91 +561,28 @@ def sum_tied_gradients(parameters, group):
         dist.all_reduce(p.grad, group=group)
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, process_group=None, norm_type=2.0, shared=()) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a pipeline stage: the norm of the whole model's
-    gradient, this stage's parameters' part summed over the pipeline ``process_group`` (the
-    stages hold disjoint parameters; ``shared``: those another stage holds too, such as the
-    last stage's tied head, clipped here but counted there), so that every stage clips by
-    the same factor. With data-parallel replicas of each stage, call it after their
-    gradients are averaged (they are equal then) with the pipeline's group. Returns the
-    total norm (collective: every stage calls it)."""
-    parameters = list(parameters)
-    skip = {id(p) for p in shared}
-    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(process_group) == "nccl" else torch.device("cpu")
-    if norm_type == float("inf"):
-        total = torch.stack([g.abs().max().float() for g in counted] or [torch.zeros((), device=device)]).max()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
-    else:
-        total = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
-        dist.all_reduce(total, group=process_group)
-        total = total ** (1.0 / norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total
+def tie(parameters, group):
+    """Record that each of ``parameters`` (the first stage's embedding, the last stage's
+    tied head) is one of two copies of one weight, kept equal over ``group`` (tied_group's)
+    by sum_tied_gradients: clip_grad_norm_ counts it once, checkpoints keep it under both
+    names (the model of one process loads either). Returns ``parameters``."""
+    for p in parameters:
+        place(p, "tied", group)
+    return parameters
 
 
-def _gather_to_first(obj, process_group):
-    """Every stage's ``obj`` on the group's first rank (a list), None on the others."""
-    first = dist.get_global_rank(process_group or dist.group.WORLD, 0)
-    everyone = [None] * dist.get_world_size(process_group) if dist.get_rank() == first else None
-    dist.gather_object(obj, everyone, dst=first, group=process_group)
-    return everyone
-
-
-def full_state_dict(module: nn.Module, process_group=None):
-    """The whole model's tensors by name, merged from every stage's ``module.state_dict()``
-    (each stage keeps its layers under the model's own names), in host memory on the
-    group's first rank; None on the others (collective)."""
-    parts = _gather_to_first({k: v.detach().cpu() for k, v in module.state_dict().items()}, process_group)
-    return None if parts is None else {k: v for part in parts for k, v in part.items()}
-
-
-@torch.no_grad()
-def load_full_state_dict(module: nn.Module, state: dict):
-    """Load this stage's tensors from a full_state_dict saved at any number of stages."""
-    for name, t in module.state_dict(keep_vars=True).items():
-        t.copy_(state[name])
-
-
-def full_optim_state_dict(module: nn.Module, optimizer, process_group=None):
-    """Every stage's optimizer state keyed by parameter name, and the settings of its
-    groups, merged on the group's first rank (None on the others; collective). Load it with
-    load_full_optim_state_dict at any number of stages."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    mine = {"state": {names[id(p)]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                      for p, s in optimizer.state.items()},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                              "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]}
-    parts = _gather_to_first(mine, process_group)
-    if parts is None:
-        return None
-    groups = [{**g, "params": [n for part in parts for n in part["param_groups"][i]["params"]]}
-              for i, g in enumerate(parts[0]["param_groups"])]
-    return {"state": {n: s for part in parts for n, s in part["state"].items()}, "param_groups": groups}
-
-
-def load_full_optim_state_dict(module: nn.Module, optimizer, full: dict):
-    """Load this stage's part of a full_optim_state_dict into ``optimizer`` (its groups
-    built as when it was saved: the same settings, this stage's parameters)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    ids = iter(range(len(order)))
-    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": [next(ids) for _ in g["params"]]}
-              for saved, g in zip(full["param_groups"], optimizer.param_groups)]
-    optimizer.load_state_dict({"state": {i: full["state"][n] for i, n in enumerate(order) if n in full["state"]},
-                               "param_groups": groups})
+# clip_grad_norm_, full_state_dict, load_full_state_dict, full_optim_state_dict and
+# load_full_optim_state_dict are the placement record's (common.py): Pipeline records each of
+# its stage's parameters as a "part" over the pipeline's group; pass that group as
+# ``process_group=`` (data-parallel copies of a stage, "replicate" over another group, each
+# clip alike and are saved once).
 # ---- end copy: pipeline parallelism ----
 
 
-def train_step(pipe, optimizer, batch, clock, tie=None, max_norm=None):
-    """One global batch through this rank's stage, timed by phase. ``tie``: (group, this
-    rank's copy of a tied weight, whether it is the one the norm counts), on the first and
-    last stage; ``max_norm``: clip by the whole model's norm."""
+def train_step(pipe, optimizer, batch, clock, tied=None, max_norm=None):
+    """One global batch through this rank's stage, timed by phase. ``tied``: (group, this
+    rank's copy of a tied weight, recorded by tie), on the first and last stage;
+    ``max_norm``: clip by the whole model's norm."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
     with clock.phase("pipeline"):     # every micro-batch's F, B (and W) in the schedule's order
@@ -647,11 +590,11 @@ def train_step(pipe, optimizer, batch, clock, tie=None, max_norm=None):
     with clock.phase("comm"):         # data parallel over the stage's replicas; the tied copies
         if hasattr(pipe.module, "finish_gradient_synchronization"):
             pipe.module.finish_gradient_synchronization()
-        if tie:
-            sum_tied_gradients([tie[1]], tie[0])
+        if tied:
+            sum_tied_gradients([tied[1]], tied[0])
     with clock.phase("optim"):
         if max_norm:
-            clip_grad_norm_(pipe.module.parameters(), max_norm, pipe.group, shared=[tie[1]] if tie and not tie[2] else ())
+            clip_grad_norm_(pipe.module, max_norm, process_group=pipe.group)   # the tied copies: counted once
         optimizer.step()
 
 
@@ -817,12 +760,12 @@ def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch, mode="n
     module = bucketed.DDPBucketed(stage, 0.01, process_group=dp_group) if dp_size > 1 else stage
     pipe = Pipeline(module, m, lm_loss, schedule, pipe_group, activation_shape=(batch // dp_size // m, VERIFY_T, d),
                     chunks=chunks)
-    tie = (tie_group, stage.tok.weight if stage.first else stage.head.weight, stage.first) if tie_group else None
+    tied = (tie_group, *tie([stage.tok.weight if stage.first else stage.head.weight], tie_group)) if tie_group else None
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     for step in range(args.verify_steps):
         x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, ctx.device)
         train_step(pipe, opt, (common.shard(x, dp_rank, dp_size), common.shard(y, dp_rank, dp_size)),
-                   common.StepClock(ctx.device), tie, MAX_NORM)
+                   common.StepClock(ctx.device), tied, MAX_NORM)
     mine, theirs = dict(stage.named_parameters()), dict(ref.named_parameters(remove_duplicate=False))
     ok, diff = bool(mine), 0.0
     for name, p in mine.items():

@@ -219,7 +219,7 @@ class ParallelLM:
             copies = mesh.partition(lambda c: where(c) + ((c["dp"] * F + c["fsdp"]) % ep,))
             self.expert_copies = copies if D * F > ep else None
             for moe in (m for m in model.modules() if isinstance(m, ep_mod.MoE)):
-                moe.distribute(self.ep_group)
+                moe.distribute(self.ep_group, self.expert_copies)
             self.experts = ep_mod.expert_parameters(model)
         self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P, chunks)
         pp_mod.recompute(self.stage.blocks.values(), recompute)
@@ -241,7 +241,8 @@ class ParallelLM:
         self.embed_group = mesh.subgroup("pp", [0, P - 1]) if self.tied and P > 1 else None
         self.tied_copy = self.params.get("tok.weight" if self.pipe.first else "head.weight") \
             if self.embed_group is not None else None
-        self.counted = [p for name, p in self.params.items() if self._counts_once(name)]
+        if self.tied_copy is not None:
+            pp_mod.tie([self.tied_copy], self.embed_group)
 
     def _activation(self, t) -> bool:
         """Whether a tensor autograd saves is an activation: not a weight FSDP gathered (the
@@ -249,18 +250,6 @@ class ParallelLM:
         gathered = {f.untyped_storage().data_ptr() for u in (self.fsdp._units if self.fsdp else [])
                     for f in u.full if f is not None and f.untyped_storage().nbytes()}
         return t.untyped_storage().data_ptr() not in gathered
-
-    def _counts_once(self, name) -> bool:
-        """Whether this rank counts ``name`` in the global gradient norm, so that over the mesh
-        every element is counted once: dp replicas and tp ranks holding a parameter whole
-        leave it to coordinate 0; FSDP's shards and tp slices are all distinct; the tied
-        head on the last stage is the first stage's embedding again."""
-        if self.ep > 1 and ".experts." in name:   # distinct in an ep group, copied across ep groups and tp
-            return self.mesh.coord("tp") == 0 and self.replica // self.ep == 0
-        if self.mesh.coord("dp") or self.mesh.coord("cp") or \
-                (tp_mod.split_owner(self.stage, name) is None and self.mesh.coord("tp")):
-            return False
-        return not (self.embed_group is not None and name == "head.weight")
 
     def part(self, batch):
         """This rank's replica's part of the global batch (every tp and pp rank of a replica
@@ -278,104 +267,31 @@ class ParallelLM:
         if self.ep > 1:   # each expert summed over its copies, over the data ranks' count (12)
             ep_mod.reduce_expert_gradients(self.stage, self.expert_copies, self.replicas)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip every gradient by the global L2 norm over the whole mesh, each element once."""
-        device = next(iter(self.params.values())).device
-        local = sum((p.grad.float().pow(2).sum() for p in self.counted if p.grad is not None),
-                    torch.zeros((), device=device))
-        dist.all_reduce(local, group=self.mesh.group())
-        total = local.sqrt()
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in self.params.values():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        """Clip every gradient by the global L2 norm over the whole mesh, each element once:
+        the placement record's clip_grad_norm_ over the mesh's ranks (every axis recorded
+        how it laid out each parameter)."""
+        total = common.clip_grad_norm_(self.stage, max_norm, process_group=self.mesh.group())
         self.last_norm = total.item()
         return total
 
     # -- whole tensors by name: verification and checkpoints ---------------------------------
-    def _tp_whole(self, name, t):
-        """A tensor shaped like this rank's tp slice of ``name`` made whole (collective over
-        tp for the split ones: 08's layers know how they split)."""
-        owner = tp_mod.split_owner(self.stage, name)
-        return owner[0].whole(t, owner[1]) if owner else t
-
-    def _tp_slice(self, name, whole):
-        """This rank's tp slice of a whole tensor shaped like ``name``."""
-        owner = tp_mod.split_owner(self.stage, name)
-        return owner[0].local(whole, owner[1]) if owner else whole
-
-    def _all_experts(self, table: dict) -> dict:
-        """``table`` (by parameter name) with every expert's entry, gathered over the ep group."""
-        if self.ep == 1:
-            return table
-        mine = {n: v for n, v in table.items() if ".experts." in n}
-        to_cpu = lambda v: {k: to_cpu(x) for k, x in v.items()} if isinstance(v, dict) else \
-            (v.cpu() if torch.is_tensor(v) else v)  # noqa: E731
-        everyone = [None] * self.ep
-        dist.all_gather_object(everyone, {n: to_cpu(v) for n, v in mine.items()}, group=self.ep_group)
-        device = next(iter(self.params.values())).device
-        to_dev = lambda v: {k: to_dev(x) for k, x in v.items()} if isinstance(v, dict) else \
-            (v.to(device) if torch.is_tensor(v) else v)  # noqa: E731
-        return {**table, **{n: to_dev(v) for part in everyone for n, v in part.items()}}
-
     @torch.no_grad()
     def full_parameters(self) -> dict:
-        """This rank's stage's parameters whole, by name (collective over fsdp, tp and ep)."""
-        local = self.fsdp.gather_full_params() if self.fsdp else {n: p.detach() for n, p in self.params.items()}
-        return self._all_experts({n: self._tp_whole(n, t) for n, t in local.items()})
+        """This rank's stage's parameters whole, by name (collective over fsdp and tp)."""
+        return {n: common.whole_tensor(p, common.placements(p)) for n, p in self.params.items()}
 
-    @torch.no_grad()
-    def full_checkpoint(self, optimizer):
-        """Whole parameters and optimizer state by name, with the optimizer's settings, on
-        global rank 0 (None on the others); every rank must call it."""
-        params = self.full_parameters()
-        if self.fsdp:
-            state = self.fsdp.full_optim_state_dict(optimizer).get("state")   # on the fsdp group's first rank
-        else:
-            names = {id(p): n for n, p in self.params.items()}
-            state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
-        if self.mesh.coord("fsdp") == 0:   # its tp group holds the same places: gather the slices
-            state = {n: {k: self._tp_whole(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
-                     for n, s in state.items()}
-        if self.ep > 1:   # the experts' state from every rank of the ep group (FSDP left them out)
-            names = {id(p): n for n, p in self.params.items()}
-            mine = {names[id(p)]: dict(optimizer.state[p]) for p in self.experts if p in optimizer.state}
-            state = {**(state or {}), **self._all_experts(mine)}
-        keep = all(self.mesh.coord(a) == 0 for a in ("dp", "fsdp", "cp", "tp"))   # one rank per stage
-        mine = {"model": {n: t.cpu() for n, t in params.items()},
-                "optim": {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()},
-                "settings": {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}} if keep else None
-        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, everyone, dst=0)
-        if everyone is None:
-            return None
-        parts = [p for p in everyone if p is not None]
-        return {"model": {k: v for p in parts for k, v in p["model"].items()},
-                "optim": {k: v for p in parts for k, v in p["optim"].items()}, "settings": parts[0]["settings"]}
+    def full_checkpoint(self, optimizer) -> dict:
+        """Whole parameters and optimizer state by name, with the optimizer's groups, on the
+        mesh's first rank ({} in each on the others); every rank must call it."""
+        group = self.mesh.group()
+        return {"model": common.full_state_dict(self.stage, group),
+                "optim": common.full_optim_state_dict(self.stage, optimizer, group)}
 
-    @torch.no_grad()
     def load_full_checkpoint(self, ckpt, optimizer):
-        """Load a full_checkpoint saved on any mesh (pass it on every rank)."""
-        def saved(table, name):   # a tied head saved from one stage holds the embedding's weight
-            return table[name] if name in table or not self.tied else table["tok.weight"]
-        keys = self.stage.state_dict(keep_vars=True)
-        local = {k: self._tp_slice(k, saved(ckpt["model"], k)) for k in keys}
-        if self.fsdp:
-            self.fsdp.load_full_state_dict(local)
-        else:
-            for k, p in keys.items():
-                p.copy_(local[k])
-        names = {id(p): n for n, p in self.params.items()}
-        order = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
-        state = {n: {k: self._tp_slice(n, v) if torch.is_tensor(v) and v.dim() else v
-                     for k, v in saved(ckpt["optim"], n).items()} for n in order}
-        if self.fsdp:
-            self.fsdp.load_full_optim_state_dict(optimizer, {"state": state,
-                                                             "param_groups": [{**ckpt["settings"], "params": order}]})
-        else:
-            optimizer.load_state_dict({"state": {i: state[n] for i, n in enumerate(order)},
-                                       "param_groups": [{**ckpt["settings"], "params": list(range(len(order)))}]})
+        """Load a full_checkpoint saved on any mesh, or one process's (pass it on every rank)."""
+        common.load_full_state_dict(self.stage, ckpt["model"])
+        common.load_full_optim_state_dict(self.stage, optimizer, ckpt["optim"])
 
 
 MAX_NORM = 0.4   # gradients clipped by the global norm (the verification LM's starts near 0.58: always clipped)

@@ -40,8 +40,10 @@ import contextlib
 import copy
 
 import common
+from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
+                    load_full_state_dict, place)   # the placement record (common.py's copy region)
 
-# ---- begin copy: mixture of experts (needs only torch and the standard library) ----
+# ---- begin copy: mixture of experts (needs torch, the standard library and common.py's placement record) ----
 import math
 import time
 
@@ -160,7 +162,7 @@ class MoE(nn.Module):
 
         moe = MoE(512, 2048, n_experts=8, top_k=2, capacity_factor=1.25)   # the same on every rank
         # or your own experts:  expert=lambda: FeedForward(512, 1408), shared_experts=FeedForward(512, 1408)
-        moe.distribute(ep_group)             # keep this rank's experts: 8/ep of them
+        moe.distribute(ep_group, replica_group)   # keep this rank's experts: 8/ep of them
         y = moe(x)                           # this rank's tokens in, their output out; moe.aux: the balance loss
         loss = task_loss + 0.01 * moe.aux
         loss.backward()
@@ -219,8 +221,11 @@ class MoE(nn.Module):
             s["dropped"] = 1.0 - s["kept"] / s.pop("assignments") if s["assignments"] else 0.0
         return s
 
-    def distribute(self, process_group=None):
-        """Keep this rank's experts, E/ep consecutive ones, and exchange tokens over the group."""
+    def distribute(self, process_group=None, copies=None):
+        """Keep this rank's experts, E/ep consecutive ones, and exchange tokens over the group.
+        ``copies``: the group of the ranks holding the same experts in other ep groups (the
+        replica group reduce_expert_gradients sums over), recorded with the experts'
+        placement so norms and checkpoints count them once."""
         self.group, self.ep, rank = process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
         self.distributed = True
         if self.n_experts % self.ep:
@@ -229,6 +234,10 @@ class MoE(nn.Module):
         for e in range(self.n_experts):
             if not rank * per <= e < (rank + 1) * per:
                 del self.experts[str(e)]
+        for p in self.experts.parameters():
+            place(p, "part", process_group)   # this rank's experts; the group's others hold the rest
+            if copies is not None:
+                place(p, "replicate", copies)
         return self
 
     def forward(self, x):
@@ -326,77 +335,11 @@ def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=Non
         p.grad.div_(data_ranks)
 
 
-@torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, ep_group=None) -> torch.Tensor:
-    """Clip every gradient of ``model`` by the 2-norm of the whole model's gradients and
-    return that norm, as torch's does, where torch's would see only this rank's experts:
-    the replicated weights counted once, the experts' squares summed over the ep group
-    (default: the MoEs' own group; the copies in other ep groups are equal, counted once).
-    Call it after reduce_expert_gradients; every rank gets the same norm and factor."""
-    experts = {id(p) for p in expert_parameters(model)}
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    shared, mine = (torch.zeros((), dtype=torch.float64, device=params[0].grad.device) for _ in range(2))
-    for p in params:
-        (mine if id(p) in experts else shared).add_(p.grad.detach().double().pow(2).sum())
-    moe = next((m for m in model.modules() if isinstance(m, MoE) and m.distributed), None)
-    if moe is not None:
-        dist.all_reduce(mine, group=ep_group if ep_group is not None else moe.group)
-    total = (shared + mine).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return total.float()
-
-
-def full_state_dict(model: nn.Module) -> dict:
-    """Every tensor of ``model.state_dict()`` whole, by name: each MoE's experts gathered
-    from every rank of its ep group (collective over it), the rest as it is."""
-    out = {k: v.detach() for k, v in model.state_dict().items()}
-    for prefix, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE) and m.distributed):
-        mine = {k: v.detach().cpu() for k, v in moe.experts.state_dict().items()}
-        everyone = [None] * moe.ep
-        dist.all_gather_object(everyone, mine, group=moe.group)
-        device = next(iter(out.values())).device
-        out.update({f"{prefix}.experts.{k}": v.to(device) for part in everyone for k, v in part.items()})
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: dict):
-    """Load whole tensors by name (a full_state_dict saved at any ep): each rank keeps its
-    experts."""
-    for name, t in model.state_dict(keep_vars=True).items():
-        t.copy_(state[name])
-
-
-def full_optim_state_dict(model: nn.Module, optimizer) -> dict:
-    """The optimizer's state keyed by parameter name, every expert's gathered over its ep
-    group (collective), and the groups' settings: loadable at any ep."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    mine = {names[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-            for p, s in optimizer.state.items()}
-    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, MoE) and m.distributed}
-    for group in groups.values():   # experts' entries from the other ranks of each ep group
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, {n: s for n, s in mine.items() if ".experts." in n}, group=group)
-        for part in everyone:
-            mine.update(part)
-    return {"state": mine, "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                            for g in optimizer.param_groups]}
-
-
-def load_full_optim_state_dict(model: nn.Module, optimizer, full: dict):
-    """Load a full_optim_state_dict into ``optimizer`` (built alike, on this rank's
-    parameters): each rank takes its parameters' entries."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    ids = iter(range(len(order)))
-    groups = [{**saved, "params": [next(ids) for _ in g["params"]]}
-              for saved, g in zip(full["param_groups"], optimizer.param_groups)]
-    optimizer.load_state_dict({"state": {i: full["state"][n] for i, n in enumerate(order) if n in full["state"]},
-                               "param_groups": groups})
+# clip_grad_norm_, full_state_dict, load_full_state_dict, full_optim_state_dict and
+# load_full_optim_state_dict are the placement record's (common.py): distribute records each
+# kept expert's parameters as a "part" over the ep group (and "replicate" over ``copies``),
+# DDPBucketed the other weights as "replicate": over every rank, the norm counts each
+# element once and a checkpoint holds every expert once, under its global name.
 # ---- end copy: mixture of experts ----
 
 
@@ -455,7 +398,7 @@ def expert_parallel(model, ep_group, replica_group, bucket_mb=25.0):
     """The MoE LM over the world: each MoE keeps its ep group's share of the experts, the
     other weights under DDPBucketed over every rank (ignoring the experts)."""
     for moe in model.moes():
-        moe.distribute(ep_group)
+        moe.distribute(ep_group, replica_group)
     wrapped = bucketed.DDPBucketed(model, bucket_mb, ignore_parameters=expert_parameters(model))
     wrapped.replica_group = replica_group
     return wrapped
@@ -570,8 +513,8 @@ def control_torch_clip(ctx, args, ep):
     own parameters (its experts only): must fail."""
     global clip_grad_norm_
     right = clip_grad_norm_
-    clip_grad_norm_ = lambda model, max_norm, ep_group=None: torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                                                             max_norm)
+    clip_grad_norm_ = lambda model, max_norm, *rest, **options: torch.nn.utils.clip_grad_norm_(  # noqa: E731
+        model.parameters(), max_norm)
     try:
         return verify_case(ctx, args, ep_groups(ctx.world_size, ep), 2 * ep, 2, 1.0, clip=True)
     finally:

@@ -78,7 +78,7 @@ def gpt_loop(model, ref, opts, data, steps, clip="ours", accum=2, group=None):
             for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
                 (m(xs, ys)[1] / accum).backward()
         if clip == "ours":
-            norm = tp.clip_grad_norm_(model, MAX_NORM, group)
+            norm = tp.clip_grad_norm_(model, MAX_NORM, process_group=group)
         else:   # the control: each rank clips by the norm of what it holds
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         norms.append((norm.item(), torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item()))
@@ -102,7 +102,7 @@ def tp_cases(ctx, args, path):
         with torch.no_grad():   # evaluation: every rank of the tp group runs it
             x, y = data[0]
             losses = (model(x, y)[1].item(), ref(x, y)[1].item())
-        r = compare(tp.full_state_dict(model), ref)
+        r = compare(tp.full_state_dict(model, all_ranks=True), ref)
         r.update(norms=norms, eval=losses, clipped=all(b > MAX_NORM for _, b in norms))
         out[f"clip {clip}"] = everyone(r)
     model, ref = gpt_tp(group)
@@ -118,7 +118,7 @@ def tp_cases(ctx, args, path):
         tp.load_full_state_dict(model, ckpt["model"])
         tp.load_full_optim_state_dict(model, opts[0], ckpt["optim"])
         gpt_loop(model, ref, opts, data, (SAVE_AFTER, STEPS), group=group)
-        out["resumed"] = everyone(compare(tp.full_state_dict(model), ref))
+        out["resumed"] = everyone(compare(tp.full_state_dict(model, all_ranks=True), ref))
     else:
         gpt_loop(model, ref, opts, data, (0, SAVE_AFTER), group=group)
         ckpt = {"model": tp.full_state_dict(model), "optim": tp.full_optim_state_dict(model, opts[0])}
@@ -260,7 +260,7 @@ def pipeline_loop(setup, data, steps, clip="ours"):
         if hasattr(module, "finish_gradient_synchronization"):
             module.finish_gradient_synchronization()
         ref(x, y).backward()
-        clipper = (lambda ps: pp.clip_grad_norm_(ps, MAX_NORM, group)) if clip == "ours" else \
+        clipper = (lambda ps: pp.clip_grad_norm_(ps, MAX_NORM, process_group=group)) if clip == "ours" else \
             (lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))   # the control: this stage's norm
         norms.append((clipper(list(stage.parameters())).item(),
                       torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item()))

@@ -90,9 +90,9 @@ def tensor_parallel(ctx, args):
             llama.loss_fn(wrapped(xs), ys).backward()
             if dp > 1:
                 wrapped.finish_gradient_synchronization()
-            norms.append(tp.clip_grad_norm_(model, MAX_NORM, tp_group).item())
+            norms.append(tp.clip_grad_norm_(model, MAX_NORM, process_group=tp_group).item())
             opt.step()
-        r = compare(tp.full_state_dict(model), ref_trained)
+        r = compare(tp.full_state_dict(model, all_ranks=True), ref_trained)
         r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
         out[f"dp {dp} x tp {t}"] = r
     return out
@@ -164,7 +164,7 @@ def expert_parallel(ctx, args):
         want.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
         for opt in opts:
             opt.step()
-    r = compare(ep.full_state_dict(model), ref)
+    r = compare(ep.full_state_dict(model, all_ranks=True), ref)
     r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
     shared = {id(p) for p in model.layers[0].feed_forward.shared_experts.parameters()}
     r["shared_replicated"] = not shared & {id(p) for p in ep.expert_parameters(model)}   # DDP's, not sent
@@ -288,9 +288,9 @@ def pipeline(ctx, args):
             pipe.step(x if pipe.first else None, y if pipe.last else None)
             norms.append(pp.clip_grad_norm_(stage.parameters(), MAX_NORM).item())
             opt.step()
-        full = pp.full_state_dict(stage)
-        r = compare(full, ref_trained) if full is not None else None
-        if full is not None:
+        full = pp.full_state_dict(stage)   # on the first rank ({} on the others)
+        r = compare(full, ref_trained) if full else None
+        if full:
             r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
             loaded = llama.Transformer(llama.ModelArgs(n_layers=4))
             loaded.load_state_dict(full)   # the model's own names: one process loads it as it is
@@ -315,18 +315,125 @@ def tied_pipeline(ctx, data, m):
                              first=["tok_embeddings"], last=["norm", "output"])
     pipe = pp.Pipeline(stage, m, llama.loss_fn, "1f1b", activation_shape=[(mb, t, a.dim), (t, hd // 2), (t, hd // 2)])
     group = pp.tied_group([list(range(ctx.world_size))])
-    tied = [stage.tok_embeddings.weight] if pipe.first else [stage.output.weight]
+    tied = pp.tie([stage.tok_embeddings.weight] if pipe.first else [stage.output.weight], group)
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-6)
     norms = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)
         pipe.step(x if pipe.first else None, y if pipe.last else None)
         pp.sum_tied_gradients(tied, group)
-        norms.append(pp.clip_grad_norm_(stage.parameters(), MAX_NORM, shared=tied if pipe.last else ()).item())
+        norms.append(pp.clip_grad_norm_(stage, MAX_NORM).item())   # the tied pair counted once
         opt.step()
     full = pp.full_state_dict(stage)
     r = None
-    if full is not None:
+    if full:
         r = compare(full, ref_trained)
         r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
     return everyone(r)[0]
+
+
+nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
+fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
+
+
+def compose(model, mesh, m):
+    """The Llama on ``mesh`` by calls, innermost first, as a user writes it: tp (08's whole-
+    model plan) -> pipeline stages (09's PipelineStage) -> fsdp (07, each layer a unit) ->
+    dp and cp's data ranks (05) -> the pipeline's schedule (09). Returns (the model or
+    stage whose names are the model's, the module the optimizer steps, the pipeline or
+    None). cp needs no call here: its context manager wraps each step."""
+    P, D, F_, C, T = (mesh.size(a) for a in ("pp", "dp", "fsdp", "cp", "tp"))
+    if T > 1:
+        tp.parallelize(model, TP_PLAN, mesh.group("tp"))
+    stage = pp.PipelineStage(model, "layers", mesh.coord("pp"), P, embed, head, first=["tok_embeddings"],
+                             last=["norm", "output"]) if P > 1 else model
+    layers = stage.layers.values() if P > 1 else stage.layers
+    module = fsdp.FSDP(stage, process_group=mesh.group("fsdp"), units=list(layers)) if F_ > 1 else stage
+    if D * C > 1:
+        module = ddp.DDPBucketed(module, 1, process_group=mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp"))
+    pipe = None
+    if P > 1:
+        a, mb = model.args, 8 // (D * F_) // m
+        hd = a.dim // a.n_heads
+        pipe = pp.Pipeline(module, m, llama.loss_fn, "1f1b", mesh.group("pp"),
+                           activation_shape=[(mb, 16, a.dim), (16, hd // 2), (16, hd // 2)])
+    return stage, module, pipe
+
+
+def composed_steps(mesh, stage, module, pipe, opt, data, norms):
+    """Clipped AdamW steps on the mesh: this replica's part of each batch (dp x fsdp), its cp
+    part inside context_parallel; every gradient synchronized, then one clip over the mesh."""
+    replicas = mesh.size("dp") * mesh.size("fsdp")
+    replica = mesh.coord("dp") * mesh.size("fsdp") + mesh.coord("fsdp")
+    for x, y in data:
+        x, y = (common.shard(t, replica, replicas).clone() for t in (x, y))
+        opt.zero_grad(set_to_none=True)
+        if pipe is not None:
+            pipe.step(x if pipe.first else None, y if pipe.last else None)
+        else:
+            pos = torch.arange(x.shape[1])
+            with cpm.context_parallel(mesh.group("cp"), buffers=[x, y, pos], seq_dims=[1, 1, 0], method="ring"):
+                llama.loss_fn(module(x, pos), y).backward()
+        if hasattr(module, "finish_gradient_synchronization"):
+            module.finish_gradient_synchronization()
+        if not norms:   # first step: the inf and 1-norms, clipping nothing
+            norms.append([common.clip_grad_norm_(stage, 1e9, norm_type=p).item() for p in (float("inf"), 1)])
+        norms.append(common.clip_grad_norm_(stage, MAX_NORM).item())   # one norm over every axis
+        opt.step()
+
+
+def composed(ctx, args):
+    """The Llama composed by calls on two meshes of 8 ranks, against one process: pp 2 x
+    fsdp 2 x tp 2 trains the first half of the steps, its full checkpoint (model and AdamW,
+    whole tensors by name) loads on dp 2 x cp 2 x tp 2, which trains the rest; and the
+    other way round. Each checks its norms (every step's, and the inf norm), its counted-
+    once parameter count and its whole weights against one process."""
+    data, half = batches(), STEPS // 2
+    torch.manual_seed(0)
+    ref = llama.Transformer(llama.ModelArgs(n_layers=4))
+    numel = sum(p.numel() for p in ref.parameters())
+    probe = copy.deepcopy(ref)
+    llama.loss_fn(probe(data[0][0]), data[0][1]).backward()
+    other = [torch.nn.utils.clip_grad_norm_(probe.parameters(), 1e9, norm_type=p).item() for p in (float("inf"), 1)]
+    ref_trained = copy.deepcopy(ref)
+    want = train_reference(ref_trained, data)
+    path = os.path.join(args.out, "composed.pt")
+    meshes = {"pp 2 x fsdp 2 x tp 2": {"pp": 2, "dp": 1, "fsdp": 2, "cp": 1, "tp": 2},
+              "dp 2 x cp 2 x tp 2": {"pp": 1, "dp": 2, "fsdp": 1, "cp": 2, "tp": 2}}
+    out = {}
+    for first, then in (tuple(meshes), tuple(meshes)[::-1]):
+        r = {}
+        for name, steps in ((first, data[:half]), (then, data[half:])):
+            mesh = nd.Mesh(meshes[name])
+            stage, module, pipe = compose(copy.deepcopy(ref), mesh, 2)
+            opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-6)
+            norms = [] if name == first else [other]
+            if name == then:
+                ckpt = torch.load(path, weights_only=False)
+                common.load_full_state_dict(stage, ckpt["model"])
+                common.load_full_optim_state_dict(stage, opt, ckpt["optim"])
+            composed_steps(mesh, stage, module, pipe, opt, steps, norms)
+            r[name] = {"count": common.count_parameters(stage) == numel}
+            if name == first:
+                r["inf and 1-norm"] = all(abs(a - b) <= 1e-5 * b for a, b in zip(norms[0], other))
+                try:   # a norm over tp alone: a stage's part is refused; data ranks' copies clip alike
+                    common.clip_grad_norm_(stage, 1e9, process_group=mesh.group("tp"))
+                    r["refused"] = "not refused"
+                except ValueError as e:
+                    r["refused"] = str(e)
+                ckpt = {"model": common.full_state_dict(stage), "optim": common.full_optim_state_dict(stage, opt)}
+                if ctx.rank == 0:
+                    torch.save(ckpt, path)
+                dist.barrier()
+            r[name]["norms"] = max(abs(a - b) / b for a, b in zip(norms[1:], want[:half] if name == first
+                                                                   else want[half:])) < 1e-4
+        full = common.full_state_dict(stage, all_ranks=True)
+        r.update(compare(full, ref_trained))
+        out[f"{first}, then {then}"] = everyone(r)
+    counted = common._counted   # the control: every rank counts what it holds (the record ignored)
+    common._counted = lambda tensor, process_group: True
+    try:
+        out["control count"] = common.count_parameters(stage) / numel
+    finally:
+        common._counted = counted
+    return out

@@ -17,8 +17,10 @@ CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp
            "10_nd_parallel": "Mesh", "11_context_parallel": "context-parallel attention",
            "12_expert_parallel": "mixture of experts"}
 MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline",   # several classes
-              "context-parallel attention": "_RingAttention", "mixture of experts": "MoE"}
-REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point"}   # 01's are functions
+              "context-parallel attention": "_RingAttention", "mixture of experts": "MoE",
+              "placement record": "Placement"}
+REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point",   # 01's are functions
+           "common": "placement record"}                        # what 05, 07, 08, 09 and 12's regions need
 
 
 def undefined_names(src: str) -> set:

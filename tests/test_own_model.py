@@ -90,3 +90,31 @@ def test_llama_with_its_head_tied_to_its_embedding_across_two_stages_trains_like
     r = run("pipeline", 2)["tied"]
     assert r["ok"], f"max diff {r['max_diff']}"
     assert r["norms"]
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    import own_model
+    return common.launch(own_model.composed, verify_args(8, out=str(tmp_path_factory.mktemp("composed"))),
+                         world_size=8)
+
+
+@pytest.mark.parametrize("case", ["pp 2 x fsdp 2 x tp 2, then dp 2 x cp 2 x tp 2",
+                                  "dp 2 x cp 2 x tp 2, then pp 2 x fsdp 2 x tp 2"])
+def test_llama_composed_by_calls_trains_clips_and_resumes_on_another_mesh(composed, case):
+    """08's plan, 09's stages, 07's FSDP, 05's DDP and 11's context manager on the user's
+    Llama, one clip_grad_norm_ and one checkpoint (common's placement record) over all of
+    them: the checkpoint of the first mesh, half-way, resumes on the second."""
+    for rank, r in enumerate(composed[case]):
+        assert r["ok"], f"rank {rank}: max diff {r['max_diff']}"
+        assert r["inf and 1-norm"], rank
+        if case.startswith("pp"):   # the norm over tp alone: a stage's part, refused (not silently partial)
+            assert "outside the process group" in r["refused"], r["refused"]
+        else:                       # the tp group holds the whole model: each data rank's copy clips alike
+            assert r["refused"] == "not refused"
+        for mesh in case.split(", then "):
+            assert r[mesh] == {"count": True, "norms": True}, (rank, mesh)
+
+
+def test_without_the_placement_record_the_count_is_wrong(composed):
+    assert composed["control count"] > 1.2   # tp's whole weights (embedding, norms, head) counted twice

@@ -141,8 +141,12 @@ def copied_region(script: str, name: str) -> str:
     """Exactly the text between a script's begin-copy and end-copy marks for ``name``."""
     with open(os.path.join(common.ROOT, script + ".py")) as f:
         text = f.read()
-    start = text.index("\n", text.index(f"# ---- begin copy: {name} ")) + 1
-    return text[start:text.index(f"# ---- end copy: {name} ----")]
+    begin = text.index(f"# ---- begin copy: {name} ")
+    start = text.index("\n", begin) + 1
+    region = text[start:text.index(f"# ---- end copy: {name} ----")]
+    if "placement record" in text[begin:start] and name != "placement record":   # copied with it, first
+        region = copied_region("common", "placement record") + region
+    return region
 
 
 def load_copy(script: str, name: str):
@@ -324,7 +328,7 @@ def train_tp_copy(ctx, args, mod):
             opt.zero_grad()
             m(x, y).backward()
             opt.step()
-    full = mod.full_state_dict(model)
+    full = mod.full_state_dict(model, all_ranks=True)
     diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return {"ok": diff < 1e-5 and set(full) == set(dict(ref.named_parameters())), "max_diff": diff}
 
@@ -501,7 +505,7 @@ def torch_tp_with_foreach(ctx, args):
             opt.step()
     whole = {n: p.full_tensor() for n, p in theirs.named_parameters()}
     order = tp.heads_by_rank(4, 32, ctx.world_size)   # torch's qkv rows are in our rank order
-    full = tp.full_state_dict(ours)
+    full = tp.full_state_dict(ours, all_ranks=True)
     for name, t in full.items():
         if name.endswith("qkv.weight"):
             full[name] = t[order]
@@ -612,7 +616,7 @@ def nd_controls(ctx, args):
     not summed (pp 4), a replicated parameter's gradient counted in the norm on every tp
     rank (tp 2 x pp 2); and clipping must be active in the check."""
     nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
-    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, nd.ParallelLM._counts_once
+    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, common._counted
     clipped, real_clip = [], nd.ParallelLM.clip_grad_norm_
 
     def clip(self, max_norm):
@@ -624,10 +628,10 @@ def nd_controls(ctx, args):
         nd.ParallelLM.finish_gradient_synchronization = lambda self: None   # no DP, no FSDP here: only the sum
         out["untied sum"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=4), tie=True)
         nd.ParallelLM.finish_gradient_synchronization = real_finish
-        nd.ParallelLM._counts_once = lambda self, name: True
+        common._counted = lambda tensor, process_group: True   # the placement record ignored
         out["norm counted on every tp rank"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=2, tp=2))
     finally:
-        nd.ParallelLM.finish_gradient_synchronization, nd.ParallelLM._counts_once = real_finish, real_counts
+        nd.ParallelLM.finish_gradient_synchronization, common._counted = real_finish, real_counts
         nd.ParallelLM.clip_grad_norm_ = real_clip
     out["clipped"] = all(clipped)
     return out
