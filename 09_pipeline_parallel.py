@@ -172,21 +172,19 @@ def lm_loss(logits, targets):
 
 
 def recompute(blocks, mode="full"):
-    """Activation recomputation, in place, on the kit's blocks (any modules with an
-    ``attention(q, k, v)`` attribute for "selective"): "full" keeps only each block's input
-    and runs its forward again in backward; "selective" only attention's core (softmax(q k^T)
-    v), the part Korthikanti et al. 2022 recompute: memory that grows with the sequence,
-    little work to redo (a fused kernel such as SDPA's flash already keeps only its output
-    and log-sum-exp); "none" leaves them. torch.utils.checkpoint, non-reentrant: under a
-    wrapper that frees parameters after forward (FSDP) only "selective" (no parameters)."""
-    from torch.utils.checkpoint import checkpoint
+    """Activation recomputation on the kit's blocks (common.Block: its ``recompute``
+    setting, read by its own forward): "full" keeps only each block's input and runs its
+    forward again in backward; "selective" only attention's core (softmax(q k^T) v), the
+    part Korthikanti et al. 2022 recompute: memory that grows with the sequence, little work
+    to redo (a fused kernel such as SDPA's flash already keeps only its output and
+    log-sum-exp); "none" leaves them. torch.utils.checkpoint, non-reentrant. Your own
+    layers: wrap them in torch's checkpoint_wrapper instead."""
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"unknown recompute mode {mode!r}: none, full or selective")
     for block in blocks:
-        if mode == "full":
-            block.forward = lambda *a, f=block.forward: checkpoint(f, *a, use_reentrant=False)
-        elif mode == "selective":
-            block.attention = lambda q, k, v, f=block.attention: checkpoint(f, q, k, v, use_reentrant=False)
-        elif mode != "none":
-            raise ValueError(f"unknown recompute mode {mode!r}: none, full or selective")
+        if not hasattr(block, "recompute"):
+            raise ValueError(f"{type(block).__name__} has no recompute setting: wrap it in torch's checkpoint_wrapper")
+        block.recompute = mode
     return blocks
 
 

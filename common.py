@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._python_dispatch
+import torch.utils.checkpoint
 
 ROOT = Path(__file__).resolve().parent
 # runs of one's own land here (git ignores it); make all passes --out results, the tracked tables
@@ -771,7 +772,11 @@ def causal_attention(q, k, v):
 class Block(nn.Module):
     """A pre-norm transformer block. ``attention(q, k, v)`` is a plain attribute (no
     parameters): context parallelism (11) swaps in an attention over the ranks' parts of the
-    sequence."""
+    sequence. ``recompute``: activation recomputation in training (torch.utils.checkpoint,
+    non-reentrant): "full" keeps only the block's input and runs its forward again in
+    backward, "selective" only attention's core (09's recompute sets it)."""
+
+    recompute = "none"
 
     def __init__(self, d_model, d_ff, n_heads):
         super().__init__()
@@ -785,10 +790,18 @@ class Block(nn.Module):
         self.ff_out = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         h = self.qkv(self.ln1(x))   # heads from its width: a tensor-parallel qkv gives this rank's heads
         q, k, v = h.view(*h.shape[:2], 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)   # (and the whole sequence
         # under sequence parallelism, where x is this rank's part)
-        a = self.attention(q, k, v)
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            a = torch.utils.checkpoint.checkpoint(self.attention, q, k, v, use_reentrant=False)
+        else:
+            a = self.attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).flatten(2))
         return x + self.feed_forward(self.ln2(x))
 
