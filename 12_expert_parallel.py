@@ -205,7 +205,7 @@ class MoE(nn.Module):
         if grouped == "auto" and not all(type(e) is Expert for e in self.experts.values()):
             grouped = False                                   # your own experts: a loop unless you say how
         self.grouped = grouped
-        self.group, self.ep, self.host_staging, self.distributed = None, 1, host_staging, False
+        self.group, self.ep, self.host_staging, self.distributed, self.copies = None, 1, host_staging, False, None
         self.aux, self._stats = None, {}
 
     @property
@@ -227,7 +227,7 @@ class MoE(nn.Module):
         replica group reduce_expert_gradients sums over), recorded with the experts'
         placement so norms and checkpoints count them once."""
         self.group, self.ep, rank = process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
-        self.distributed = True
+        self.distributed, self.copies = True, copies
         if self.n_experts % self.ep:
             raise ValueError(f"{self.ep} ranks do not divide the {self.n_experts} experts")
         per = self.n_experts // self.ep
@@ -325,14 +325,16 @@ def expert_parameters(model: nn.Module) -> list:
 def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=None):
     """After backward: each local expert's gradient summed over ``replica_group`` (the
     ranks that hold a copy of the same experts: those at the same place of other ep groups;
-    None: no copies) and divided by ``data_ranks`` (the ranks whose losses the step
-    averages; default: the world). The non-expert weights are a DDP wrapper's, told to
-    ignore expert_parameters(model)."""
+    default: the ``copies`` each MoE was distributed with, None: no copies) and divided by
+    ``data_ranks`` (the ranks whose losses the step averages; default: the world). The
+    non-expert weights are a DDP wrapper's, told to ignore expert_parameters(model)."""
     data_ranks = data_ranks or dist.get_world_size()
-    for p in expert_parameters(model):
-        if replica_group is not None:
-            dist.all_reduce(p.grad, group=replica_group)
-        p.grad.div_(data_ranks)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        group = replica_group if replica_group is not None else moe.copies
+        for p in moe.experts.parameters():
+            if group is not None:
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(data_ranks)
 
 
 # clip_grad_norm_, full_state_dict, load_full_state_dict, full_optim_state_dict and
@@ -399,9 +401,13 @@ def expert_parallel(model, ep_group, replica_group, bucket_mb=25.0):
     other weights under DDPBucketed over every rank (ignoring the experts)."""
     for moe in model.moes():
         moe.distribute(ep_group, replica_group)
-    wrapped = bucketed.DDPBucketed(model, bucket_mb, ignore_parameters=expert_parameters(model))
-    wrapped.replica_group = replica_group
-    return wrapped
+    return bucketed.DDPBucketed(model, bucket_mb, ignore_parameters=expert_parameters(model))
+
+
+def experts_split(model) -> bool:
+    """Whether ``model``'s experts are split over ranks (expert parallel), so their
+    gradients are reduce_expert_gradients' (a replicated MoE's are DDP's)."""
+    return any(m.distributed for m in model.modules() if isinstance(m, MoE))
 
 
 def train_step(model, optimizer, batch, clock, max_norm=None):
@@ -415,8 +421,8 @@ def train_step(model, optimizer, batch, clock, max_norm=None):
         loss.backward()
     with clock.phase("comm"):         # the shared weights averaged; each expert over its copies
         model.finish_gradient_synchronization()
-        if hasattr(model, "replica_group"):   # expert parallel (a replicated MoE: DDP did all)
-            reduce_expert_gradients(model.module, model.replica_group)
+        if experts_split(model):   # expert parallel (a replicated MoE: DDP did all)
+            reduce_expert_gradients(model.module)   # over the copies each MoE was distributed with
     if max_norm is not None:
         clip_grad_norm_(model, max_norm)
     with clock.phase("optim"):
@@ -500,7 +506,8 @@ def control_wrong_group(ctx, args, ep):
     right = reduce_expert_gradients
 
     def wrong(model, replica_group=None, data_ranks=None):
-        right(model, replica_group, dist.get_world_size(replica_group) if replica_group else 1)
+        copies = next(m.copies for m in model.modules() if isinstance(m, MoE))
+        right(model, replica_group, dist.get_world_size(copies) if copies else 1)
     reduce_expert_gradients = wrong
     try:
         return verify(ctx, args, ep, [(1, 1, 0.0)])
@@ -776,7 +783,8 @@ def capacity_and_loss(ctx, args, ep, steps=40, batches=4):
             loss = model(x, y)
             loss.backward()
             model.finish_gradient_synchronization()
-            reduce_expert_gradients(model.module, model.replica_group)
+            if experts_split(model):
+                reduce_expert_gradients(model.module)
             opt.step()
             task = loss.detach() - args.aux_coef * sum(m.aux.detach() for m in model.module.moes())
             dist.all_reduce(task)
