@@ -1287,13 +1287,16 @@ def _ranks(group) -> frozenset:
     return _RANKS[key][1]
 
 
-def _counted(tensor, process_group) -> bool:
+def _counted(tensor, process_group, known=()) -> bool:
     """Whether this rank counts ``tensor`` once in a sum over ``process_group`` (so that every
     element of the model is counted once over it): it is the first rank of every group that
-    replicates it inside ``process_group``. A tensor with no record is one process's,
-    the same on every rank: its group's first rank counts it. A shard or part spread over
-    ranks outside ``process_group`` cannot be summed in it: ValueError."""
-    record, within = placements(tensor), _ranks(process_group)
+    replicates it inside ``process_group``, and of every group of ``known`` (the groups the
+    model's other records name) that its record does not mention: an axis that split or
+    spread the tensor would have said so (a weight a partial tensor-parallel plan left whole
+    is the same on every tp rank). A tensor with no record is one process's, the same on
+    every rank: the group's first rank counts it. A shard or part spread over ranks outside
+    ``process_group`` cannot be summed in it: ValueError."""
+    record, within, me = placements(tensor), _ranks(process_group), dist.get_rank()
     if not record:
         return dist.get_rank(process_group) == 0
     for p in record:
@@ -1303,7 +1306,21 @@ def _counted(tensor, process_group) -> bool:
         if p.kind in ("shard", "part") and not inside:
             raise ValueError(f"a parameter is split ({p.kind}) over ranks outside the process group the norm or count "
                              f"is taken over: pass a process_group that holds them (default: every rank)")
+    for group in known:
+        ranks = _ranks(group)
+        if ranks <= within and not any((_ranks(p.group) & ranks) - {me} for p in record) \
+                and dist.get_rank(group) != 0:
+            return False
     return True
+
+
+def _known_groups(params) -> list:
+    """Every group the records of ``params`` name (each once)."""
+    groups = {}
+    for p in params:
+        for pl in placements(p):
+            groups.setdefault(id(pl.group), pl.group)
+    return list(groups.values())
 
 
 def _parameters(model_or_parameters) -> list:
@@ -1330,7 +1347,8 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
     device = grads[0].device if grads else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl"
         else torch.device("cpu"))
-    counted = [g for p, g in zip(params, grads) if _counted(p, process_group)]
+    known = _known_groups(params)
+    counted = [g for p, g in zip(params, grads) if _counted(p, process_group, known)]
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         total = torch.stack([g.abs().max().float() for g in counted if g.numel()]
@@ -1364,7 +1382,8 @@ def count_parameters(model_or_parameters, process_group=None) -> int:
     """The whole model's number of parameters, each counted once over ``process_group``
     (collective: every rank of it calls)."""
     params = _parameters(model_or_parameters)
-    mine = sum(_real_numel(p) for p in params if _counted(p, process_group))
+    known = _known_groups(params)
+    mine = sum(_real_numel(p) for p in params if _counted(p, process_group, known))
     total = torch.tensor([mine], dtype=torch.float64,
                           device=params[0].device if params else torch.device("cpu"))
     dist.all_reduce(total, group=process_group)

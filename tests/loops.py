@@ -315,3 +315,62 @@ def real_loops(ctx, args, path):
     """Every case of this world size: {case: every rank's result}."""
     return {**{f"tp {k}": v for k, v in tp_cases(ctx, args, path).items()},
             **{f"pp {k}": v for k, v in pp_cases(ctx, args, path).items()}}
+
+
+# ----------------------------------------------------------------------------------------
+# Three axes on the GPT, composed by documented calls; one clip and one checkpoint
+# ----------------------------------------------------------------------------------------
+def gpt_three_axes(ctx, args, path):
+    """The GPT (its own configure_optimizers: two parameter groups, weight decay by dim; its
+    tied head) on dp 2 x fsdp 2 x tp 2: every MLP split by 08's parallelize, 07's FSDP over
+    each fsdp group (a unit per block), 05's DDPBucketed over each dp group; two micro-batches
+    accumulated (no_sync), the placement record's clip_grad_norm_ and full checkpoint. Saved
+    after SAVE_AFTER steps and resumed on fsdp 4 x tp 2; both against one process."""
+    fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
+    nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
+    data, out = batches(STEPS), {}
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig())
+    ref_opt = ref.configure_optimizers(0.1, 1e-3)
+    want = []
+    for x, y in data:   # one process, the same accumulation
+        ref_opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (ref(xs, ys)[1] / 2).backward()
+        want.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+        ref_opt.step()
+    for name, shape, steps in (("dp 2 x fsdp 2 x tp 2", {"dp": 2, "fsdp": 2, "tp": 2}, (0, SAVE_AFTER)),
+                               ("fsdp 4 x tp 2", {"dp": 1, "fsdp": 4, "tp": 2}, (SAVE_AFTER, STEPS))):
+        mesh = nd.Mesh(shape)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig())
+        for block in model.transformer.h:   # the user's calls, innermost axis first
+            tp.parallelize(block.mlp, {"c_fc": "column", "c_proj": "row"}, mesh.group("tp"))
+        sharded = fsdp.FSDP(model, process_group=mesh.group("fsdp"), units=list(model.transformer.h))
+        wrapped = ddp.DDPBucketed(sharded, 1, process_group=mesh.group("dp")) if shape["dp"] > 1 else sharded
+        opt = model.configure_optimizers(0.1, 1e-3)   # the model's own groups, over its shards
+        if steps[0]:
+            ckpt = torch.load(path, weights_only=False)
+            common.load_full_state_dict(model, ckpt["model"])
+            common.load_full_optim_state_dict(model, opt, ckpt["optim"])
+        replicas, replica = shape["dp"] * shape["fsdp"], mesh.coord("dp") * shape["fsdp"] + mesh.coord("fsdp")
+        norms = []
+        for x, y in data[steps[0]:steps[1]]:
+            x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
+            opt.zero_grad(set_to_none=True)
+            with wrapped.no_sync():
+                (wrapped(x[:1], y[:1])[1] / 2).backward()
+            (wrapped(x[1:], y[1:])[1] / 2).backward()
+            wrapped.finish_gradient_synchronization()
+            norms.append(common.clip_grad_norm_(model, MAX_NORM).item())
+            opt.step()
+        r = {"norms": list(zip(norms, want[steps[0]:steps[1]]))}
+        if steps[0] == 0:
+            ckpt = {"model": common.full_state_dict(model), "optim": common.full_optim_state_dict(model, opt)}
+            if ctx.rank == 0:
+                torch.save(ckpt, path)
+            dist.barrier()
+        else:
+            r.update(compare(common.full_state_dict(model, all_ranks=True), ref))
+        out[name] = everyone(r)
+    return out

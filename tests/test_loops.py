@@ -85,3 +85,14 @@ def test_torch_clip_on_a_pipeline_stage_is_silently_wrong():
 def test_a_pipeline_checkpoint_resumes_at_another_number_of_stages():
     ranks = run(4)["pp resumed"]   # saved at 2 stages after 3 steps, resumed at 4
     assert all(r["ok"] for r in ranks), [r["max_diff"] for r in ranks]
+
+
+def test_a_gpt_on_three_axes_by_documented_calls_trains_clips_and_resumes_on_another_mesh(tmp_path):
+    """tp (parallelize) x fsdp (FSDP) x dp (DDPBucketed) on the GPT, with its own parameter
+    groups and accumulation: every step's norm is the process's; the checkpoint saved on
+    dp 2 x fsdp 2 x tp 2 resumes on fsdp 4 x tp 2 and ends at the process's weights."""
+    import loops
+    res = common.launch(loops.gpt_three_axes, verify_args(8), str(tmp_path / "gpt.pt"), world_size=8)
+    for ranks in res.values():
+        assert norms_agree(ranks)
+    assert all(r["ok"] for r in res["fsdp 4 x tp 2"]), [r["max_diff"] for r in res["fsdp 4 x tp 2"]]
