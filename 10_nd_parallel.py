@@ -49,6 +49,7 @@ md}, 10_accounting.{json,md}, 10_memory.{json,md}, 10_timeline.png; --plan write
 import argparse
 import contextlib
 import copy
+import dataclasses
 import os
 import tempfile
 import time
@@ -160,6 +161,38 @@ class Mesh:
 
 AXES = ("pp", "dp", "fsdp", "cp", "tp")   # outermost first: tp innermost (the fastest links)
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zb1")   # 09's schedules a mesh can run
+MOE_EXPERTS, MOE_TOP_K = 4, 2   # 12's MoE LM in the checks: experts per MoE, each token's
+
+
+@dataclasses.dataclass(frozen=True)
+class Levers:
+    """The knobs that travel together through 10, passed whole: the pipeline's ``schedule``,
+    ``chunks`` a stage (interleaved; the other schedules hold one: ``v``) and
+    ``microbatches`` (None: 2 x pp, ``m(shape)``); 08's sequence parallelism ``sp``; 09's
+    ``recompute``; the compute ``dtype``; 11's ``cp_method``; 12's ``ep`` degree, with
+    ``experts`` per MoE and ``top_k``; and whether the head is ``tie``d to the embedding.
+    ``dataclasses.replace(levers, sp=True)`` makes a variant."""
+
+    schedule: str = "1f1b"
+    chunks: int = 2
+    microbatches: int | None = None
+    sp: bool = False
+    recompute: str = "none"
+    dtype: str = "float32"
+    cp_method: str = "ring"
+    ep: int = 1
+    experts: int = MOE_EXPERTS
+    top_k: int = MOE_TOP_K
+    tie: bool = False
+
+    @property
+    def v(self) -> int:
+        """The chunks a stage holds."""
+        return chunks_of(self.schedule, self.chunks)
+
+    def m(self, shape) -> int:
+        """The micro-batches a step runs on ``shape``."""
+        return self.microbatches or default_microbatches(shape)
 ddp_mod = common.load_script(common.ROOT / "05_bucketed_ddp.py")
 fsdp_mod = common.load_script(common.ROOT / "07_fsdp.py")
 tp_mod = common.load_script(common.ROOT / "08_tensor_parallel.py")
@@ -187,16 +220,21 @@ class ParallelLM:
     pp, 05's DDPBucketed over dp, 07's FSDP over fsdp (a unit per block of the stage, the
     rest the root), 08's tensor-parallel blocks over tp. ``model``: the whole LM, the same on
     every rank (its head may share the embedding's weight); ``batch``: the global batch,
-    split over the dp x fsdp replicas and then into ``microbatches``; ``schedule`` and
-    ``chunks``: 09's (interleaved: each stage holds ``chunks`` chunks of the blocks; zb1
-    not with fsdp, whose reduce-scatters run in backward, before zb1's deferred W).
-    ``sp``: 08's sequence parallelism over tp (the stages pass each tp rank's part of the
-    sequence); ``recompute``: 09's activation recomputation of the blocks; ``dtype`` bf16:
-    train_step runs the pipeline in autocast (weights, gradients, their reduction and the
-    optimizer stay float32)."""
+    split over the dp x fsdp replicas and then into ``levers.m(shape)`` micro-batches.
+    ``levers`` (Levers): 09's ``schedule`` and ``chunks`` (interleaved: each stage holds
+    ``chunks`` chunks of the blocks; zb1 not with fsdp, whose reduce-scatters run in
+    backward, before zb1's deferred W); ``sp``: 08's sequence parallelism over tp (the stages
+    pass each tp rank's part of the sequence); ``recompute``: 09's activation recomputation
+    of the blocks; ``dtype`` bf16: train_step runs the pipeline in autocast (weights,
+    gradients, their reduction and the optimizer stay float32); ``cp_method``: 11's; ``ep``:
+    12's experts over ep data ranks. Each axis is a call on the model, innermost first, and
+    records its placements (common.py), which clip_grad_norm_ and the checkpoints read."""
 
-    def __init__(self, mesh, model, batch, microbatches, schedule="1f1b", bucket_mb=25.0, count_activations=False,
-                 chunks=1, cp_method="ring", ep=1, sp=False, recompute="none", dtype="float32", **pipeline_options):
+    def __init__(self, mesh, model, batch, levers=Levers(), bucket_mb=25.0, count_activations=False,
+                 **pipeline_options):
+        schedule, chunks, cp_method, ep, sp, recompute, dtype = (levers.schedule, levers.v, levers.cp_method, levers.ep,
+                                                                 levers.sp, levers.recompute, levers.dtype)
+        microbatches = levers.m(mesh.shape)
         self.mesh, self.ep, self.sp, self.recompute, self.dtype = mesh, ep, sp, recompute, dtype
         P, D, F, C, T = (mesh.size(a) for a in AXES)
         if schedule == "zb1" and F > 1:
@@ -340,11 +378,21 @@ def label(shape, tie=False, schedule="1f1b", chunks=2) -> str:
     return " x ".join(f"{a} {n}" for a, n in shape.items() if n > 1) + (" (tied)" if tie else "") + sched
 
 
-def lever_label(sp=False, recompute="none", dtype="float32") -> str:
+def lever_label(levers) -> str:
     """The memory levers a name mentions: sequence parallel, recomputation, bf16."""
-    on = (["sequence parallel"] if sp else []) + ([f"recompute {recompute}"] if recompute != "none" else []) + \
-        (["bf16 autocast"] if dtype == "bf16" else [])
+    on = (["sequence parallel"] if levers.sp else []) + \
+        ([f"recompute {levers.recompute}"] if levers.recompute != "none" else []) + \
+        (["bf16 autocast"] if levers.dtype == "bf16" else [])
     return f", {', '.join(on)}" if on else ""
+
+
+def levers_of(args) -> Levers:
+    """The command's levers (its flags; the ones a parser lacks at their defaults)."""
+    get = lambda name, default: getattr(args, name, None) if getattr(args, name, None) is not None else default  # noqa: E731
+    return Levers(schedule=get("schedule", "1f1b"), chunks=get("chunks", 2), microbatches=get("microbatches", None),
+                  sp=get("sp", False), recompute=get("recompute", "none"), dtype=get("dtype", "float32"),
+                  cp_method=get("cp_method", "ring"), ep=get("ep", 1), experts=get("experts", MOE_EXPERTS),
+                  top_k=get("top_k", MOE_TOP_K), tie=get("tie", False))
 
 
 def chunks_of(schedule, chunks) -> int:
@@ -353,10 +401,6 @@ def chunks_of(schedule, chunks) -> int:
 
 def default_microbatches(shape) -> int:
     return 2 * shape["pp"] if shape["pp"] > 1 else 1
-
-
-def microbatches(args, shape) -> int:
-    return args.microbatches if args.microbatches is not None else default_microbatches(shape)
 
 
 def lm(dims, context, tie, seed, device="cpu"):
@@ -420,27 +464,25 @@ def compare(model: ParallelLM, ref, norms=(), tol=None, extra_ok=True) -> dict:
             "max_diff": max(r["max_diff"] for r in everyone)}
 
 
-def verify_mesh(ctx, args, shape, tie=False, steps=VERIFY_STEPS, checkpoint=None, batch=None, schedule="1f1b",
-                chunks=2, ep=1, saved_on=None, sp=False, recompute="none", dtype="float32"):
+def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoint=None, batch=None):
     """Train the verification LM over ``shape`` and one process on the same global batches
     (AdamW, clipped at MAX_NORM); compare. ``checkpoint`` = (path, "save" | "resume", k):
     save after step k, or start from the file at step k (the reference still trains from
-    step 0). ``ep`` > 1: 12's MoE LM, its experts over ep data ranks (the reference routes
-    each replica's micro-batches as they are routed; ``saved_on``: the mesh a resumed
-    checkpoint's steps ran on, routed as there). ``sp``, ``recompute``, ``dtype``: the memory
-    levers (the reference trains without the first two; bf16: under the same autocast,
+    step 0; a fourth entry: the mesh the resumed checkpoint's steps ran on, with ep routed as
+    there). ``levers.ep`` > 1: 12's MoE LM, its experts over ep data ranks (the reference
+    routes each replica's micro-batches as they are routed). ``sp``, ``recompute``,
+    ``dtype``: the memory levers (the reference trains without the first two; bf16: under the same autocast,
     within common.BF16_TOL, and its losses within common.BF16_LOSS_BOUND of float32's)."""
-    mesh, m = Mesh(shape), default_microbatches(shape)
+    mesh, m, ep, dtype = Mesh(shape), levers.m(shape), levers.ep, levers.dtype
     batch = batch or 2 * m * shape["dp"] * shape["fsdp"]
-    ref = moe_lm(VERIFY_LM, VERIFY_T, tie, args.seed, MOE_EXPERTS, MOE_TOP_K, ctx.device) if ep > 1 else \
-        lm(VERIFY_LM, VERIFY_T, tie, args.seed, ctx.device)
+    ref = moe_lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, levers.experts, levers.top_k, ctx.device) if ep > 1 else \
+        lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, ctx.device)
     fp32 = copy.deepcopy(ref) if dtype == "bf16" else None
-    model = ParallelLM(mesh, copy.deepcopy(ref), batch, m, schedule, chunks=chunks_of(schedule, chunks), ep=ep, sp=sp,
-                       recompute=recompute, dtype=dtype)
+    model = ParallelLM(mesh, copy.deepcopy(ref), batch, levers)
     opt, ref_opt = make_optimizer(model), make_optimizer(model, ref.parameters())
     fp32_opt = make_optimizer(model, fp32.parameters()) if fp32 is not None else None
     gap = 0.0
-    path, action, k = checkpoint or (None, None, None)
+    path, action, k, saved_on = (tuple(checkpoint) + (None,))[:4] if checkpoint else (None, None, None, None)
     routed = lambda s: routed_as(s["dp"] * s["fsdp"], default_microbatches(s)) if ep > 1 else None  # noqa: E731
     norms = []
     for step in range(steps):
@@ -499,34 +541,34 @@ SUITE_CHUNKS = 2
 # ones); and a checkpoint of dp 4 x tp 2 at ep 4 after 2 steps, resumed on dp 2 x tp 2 at ep 2.
 SUITE_EP = {4: [(mesh_of(dp=2, tp=2), 2), (mesh_of(dp=4), 2), (mesh_of(pp=2, dp=2), 2), (mesh_of(fsdp=2, tp=2), 2)]}
 EP_RESUME = ((mesh_of(dp=4, tp=2), 4), (mesh_of(dp=2, tp=2), 2), 2)
-MOE_EXPERTS, MOE_TOP_K = 4, 2
 RESUME = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(pp=2, dp=2), 2)   # saved on, resumed on, after step
 RESUME_STEPS, RESUME_BATCH = 4, 16
 
 
-def verify(ctx, args, cases, resume=None, chunks=SUITE_CHUNKS, levers=None):
-    """Each (mesh shape, tie, schedule) of ``cases`` in these processes; ``resume`` = (path,
-    "save" or "resume") also saves RESUME's checkpoint from its first mesh or resumes it on
-    its second, whichever has this world size. ``levers``: {"sp", "recompute", "dtype"}
-    for every case (a name says which are on)."""
-    levers = levers or {}
-    out = {label(shape, tie, schedule, chunks) + lever_label(**levers): verify_mesh(
-        ctx, args, shape, tie, schedule=schedule, chunks=chunks, **levers) for shape, tie, schedule in cases}
+def verify(ctx, args, cases, resume=None, levers=None):
+    """Each (mesh shape, tie, schedule) of ``cases`` in these processes, with ``levers`` (a
+    Levers' fields, as a dict: the job crosses to fresh processes; its chunks and memory
+    levers, a name says which are on); ``resume`` = (path, "save" or "resume") also saves
+    RESUME's checkpoint from its first mesh or resumes it on its second, whichever has this
+    world size."""
+    levers = Levers(**(levers or {}))
+    out = {label(shape, tie, schedule, levers.chunks) + lever_label(levers): verify_mesh(   # (default micro-batches)
+        ctx, args, shape, dataclasses.replace(levers, tie=tie, schedule=schedule, microbatches=None))
+        for shape, tie, schedule in cases}
     if resume is not None and resume[0] == "ep":   # one mesh with 12's experts (the command's --ep)
         _, ep, shape, tie = resume
-        return {f"{label(shape, tie)}, ep {ep}": verify_mesh(ctx, args, shape, tie, ep=ep)}
+        return {f"{label(shape, tie)}, ep {ep}": verify_mesh(ctx, args, shape, Levers(tie=tie, ep=ep))}
     for shape, ep in SUITE_EP.get(ctx.world_size, []) if resume is not None else []:
-        out[f"{label(shape)}, ep {ep}"] = verify_mesh(ctx, args, shape, ep=ep)
+        out[f"{label(shape)}, ep {ep}"] = verify_mesh(ctx, args, shape, Levers(ep=ep))
     if resume is not None:
         path, action = resume
         shape = RESUME[0] if action == "save" else RESUME[1]
-        r = verify_mesh(ctx, args, shape, True, RESUME_STEPS, (path, action, RESUME[2]), RESUME_BATCH)
+        r = verify_mesh(ctx, args, shape, Levers(tie=True), RESUME_STEPS, (path, action, RESUME[2]), RESUME_BATCH)
         if action == "resume":
             out[f"checkpoint of {label(RESUME[0], True)} after step {RESUME[2]}, resumed on {label(shape)}"] = r
         (then, ep_then), (now, ep_now), k = EP_RESUME
         shape, ep = (then, ep_then) if action == "save" else (now, ep_now)
-        r = verify_mesh(ctx, args, shape, False, RESUME_STEPS, (path + ".ep", action, k), RESUME_BATCH, ep=ep,
-                        saved_on=then)
+        r = verify_mesh(ctx, args, shape, Levers(ep=ep), RESUME_STEPS, (path + ".ep", action, k, then), RESUME_BATCH)
         if action == "resume":
             out[f"checkpoint of {label(then)}, ep {ep_then} after step {k}, resumed on {label(now)}, ep {ep_now}"] = r
     return out
@@ -557,15 +599,15 @@ def counted_bytes(model: ParallelLM, log) -> dict:
     return out
 
 
-def stage_layout(dims, context, shape, stage, tie, chunks=1, ep=1, ep_rank=0, experts=None):
+def stage_layout(dims, context, shape, stage, levers=Levers(), ep_rank=0):
     """(name, whole shape, unit) of every parameter on ``stage`` (tp slices: the local
-    shape), from the model's dimensions alone (a model on the meta device); ``ep`` > 1: 12's
-    MoE LM, with the experts of place ``ep_rank`` of its ep group only."""
+    shape), from the model's dimensions alone (a model on the meta device); ``levers.ep`` >
+    1: 12's MoE LM, with the experts of place ``ep_rank`` of its ep group only."""
     d, f, _, _ = dims
+    tie, chunks, ep, experts = levers.tie, levers.v, levers.ep, levers.experts
     T = shape["tp"]
     local = {"qkv.weight": lambda s: (s[0] // T, s[1]), "proj.weight": lambda s: (s[0], s[1] // T),
              "ff_in.weight": lambda s: (s[0] // T, s[1]), "ff_out.weight": lambda s: (s[0], s[1] // T)}
-    experts = experts or MOE_EXPERTS
     whole = moe_lm(dims, context, tie, 0, experts, 1, "meta") if ep > 1 else lm(dims, context, tie, 0, "meta")
     model = pp_mod.LMStage(whole, stage, shape["pp"], chunks)
     per = experts // ep
@@ -580,8 +622,7 @@ def stage_layout(dims, context, shape, stage, tie, chunks=1, ep=1, ep_rank=0, ex
     return out
 
 
-def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_method="ring", ep=1, routed=None,
-                    experts=None, sp=False, recompute="none") -> dict:
+def predicted_bytes(dims, context, shape, coords, batch, levers=Levers(), routed=None) -> dict:
     """Bytes a rank at ``coords`` sends per step, by axis, in closed form (ring algorithms:
     an all-reduce of S bytes over n ranks sends 2(n-1)/n S, an all-gather or reduce-scatter
     of S (n-1)/n S). DP: an all-reduce of the rank's gradients (plus a has-gradient flag per
@@ -604,11 +645,12 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_me
     up to the last tensor backward needs (torch's checkpoint stops there): not the MLP's
     output reduction, which only the next block's input needs (3 of SP's 4, 1 of TP's 2)."""
     d = dims[0]
+    m, tie, chunks, cp_method, ep, experts, sp, recompute = (levers.m(shape), levers.tie, levers.v, levers.cp_method,
+                                                             levers.ep, levers.experts, levers.sp, levers.recompute)
     P, D, F, C, T = (shape[a] for a in AXES)
     s, n_ranks, b, context = coords["pp"], math.prod(shape.values()), batch // (D * F), context // C
     replica = coords["dp"] * F + coords["fsdp"]
-    experts = experts or MOE_EXPERTS
-    full = stage_layout(dims, context * C, shape, s, tie, chunks, ep, replica % ep, experts)
+    full = stage_layout(dims, context * C, shape, s, levers, replica % ep)
     layout = [e for e in full if ".experts." not in e[0]] if ep > 1 else full
 
     def shard(shp):   # FSDP's shard of a parameter: its rows padded to a multiple of F
@@ -651,7 +693,7 @@ def predicted_bytes(dims, context, shape, coords, batch, m, tie, chunks=1, cp_me
     return out
 
 
-def activation_bytes(dims, context, shape, stage, mb, chunks=1, cp=1, sp=False, recompute="none") -> list:
+def activation_bytes(dims, context, shape, stage, mb, levers=Levers()) -> list:
     """Bytes autograd saves for one micro-batch of ``mb`` sequences through each of the
     stage's chunks (float32): per block and token 6d + (4d + 2f + h) / T + 2 numbers
     (RMSNorm's input, its scaled input and output, twice; q, k, v, the attention output and
@@ -663,6 +705,7 @@ def activation_bytes(dims, context, shape, stage, mb, chunks=1, cp=1, sp=False, 
     block_activation_bytes): selective drops the log-sum-exp, full keeps the input (d, or
     d/T under SP)."""
     d, f, _, h = dims
+    chunks, cp, sp, recompute = levers.v, shape["cp"], levers.sp, levers.recompute
     ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, shape["pp"], chunks).ranges
     context //= cp
     P, T, n = shape["pp"], shape["tp"], mb * context
@@ -693,18 +736,17 @@ def kept_bytes(dims, context, shape, stage, mb, chunks=1) -> list:
             for c, (lo, hi) in enumerate(ranges)]
 
 
-def predicted_memory(dims, context, shape, stage, batch, m, schedule="1f1b", chunks=1, sp=False,
-                     recompute="none") -> dict:
+def predicted_memory(dims, context, shape, stage, batch, levers=Levers()) -> dict:
     """Bytes per rank: parameters (tp slices, FSDP shards), gradients (as many), AdamW's two
     moments and a step count per tensor, and the activations the stage holds at its peak,
     by the schedule's order (09's held_peak: GPipe all m; 1F1B at most p - s; interleaved
     its warm-up's chunk-micro-batches; zb1 also what W keeps)."""
-    F, C = shape["fsdp"], shape["cp"]
-    layout = stage_layout(dims, context, shape, stage, False, chunks)
+    F, C, m, chunks = shape["fsdp"], shape["cp"], levers.m(shape), levers.v
+    layout = stage_layout(dims, context, shape, stage, dataclasses.replace(levers, tie=False, ep=1))
     numel = sum((-(-shp[0] // F) * math.prod(shp[1:]) if shp else 1) for _, shp, _ in layout)
     mb = batch // (shape["dp"] * F) // m
-    order = pp_mod.SCHEDULES[schedule](m, stage, shape["pp"], chunks)
-    held = pp_mod.held_peak(order, activation_bytes(dims, context, shape, stage, mb, chunks, C, sp, recompute),
+    order = pp_mod.SCHEDULES[levers.schedule](m, stage, shape["pp"], chunks)
+    held = pp_mod.held_peak(order, activation_bytes(dims, context, shape, stage, mb, levers),
                             kept_bytes(dims, context // C, shape, stage, mb, chunks))
     return {"params": 4 * numel, "grads": 4 * numel, "opt_state": 8 * numel + 4 * len(layout), "activations": held}
 
@@ -720,16 +762,13 @@ def measured_memory(model: ParallelLM, optimizer) -> dict:
             "activations": model.pipe.peak_activation_bytes}
 
 
-def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks=1, ep=1):
+def account(ctx, args, shape, dims, batch, levers=Levers()):
     """One counted step of ``shape`` (after two to settle the buckets and the units' order):
     every rank's bytes per axis and memory, each beside its prediction."""
     mesh = Mesh(shape)
-    experts, top_k = getattr(args, "experts", None) or MOE_EXPERTS, getattr(args, "top_k", None) or MOE_TOP_K
-    whole = moe_lm(dims, args.context_length, tie, args.seed, experts, top_k, ctx.device) if ep > 1 else \
-        lm(dims, args.context_length, tie, args.seed, ctx.device)
-    sp, recompute = getattr(args, "sp", False), getattr(args, "recompute", "none")
-    model = ParallelLM(mesh, whole, batch, m, schedule, count_activations=True, chunks=chunks,
-                       cp_method=getattr(args, "cp_method", "ring"), ep=ep, sp=sp, recompute=recompute)
+    whole = moe_lm(dims, args.context_length, levers.tie, args.seed, levers.experts, levers.top_k, ctx.device) \
+        if levers.ep > 1 else lm(dims, args.context_length, levers.tie, args.seed, ctx.device)
+    model = ParallelLM(mesh, whole, batch, levers, count_activations=True)
     opt = make_optimizer(model)
     routed = {"rows": 0, "forwards": 0}   # every MoE forward of the counted step: rows kept and received
 
@@ -746,11 +785,9 @@ def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks
         for h in hooks:
             h.remove()
     row = {"coords": mesh.coords, "counted": counted_bytes(model, counter.log),
-           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, m, tie, chunks,
-                                        getattr(args, "cp_method", "ring"), ep, routed, experts, sp, recompute),
+           "predicted": predicted_bytes(dims, args.context_length, shape, mesh.coords, batch, levers, routed),
            "memory": measured_memory(model, opt),
-           "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, m, schedule,
-                                                chunks, sp, recompute)}
+           "memory_predicted": predicted_memory(dims, args.context_length, shape, mesh.coord("pp"), batch, levers)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, row)
     return everyone
@@ -759,7 +796,7 @@ def account(ctx, args, shape, dims, batch, m, tie=False, schedule="1f1b", chunks
 # ----------------------------------------------------------------------------------------
 # Benchmark: ours beside torch's own composition, steps alternating
 # ----------------------------------------------------------------------------------------
-def torch_composition(ctx, shape, model, batch, m, schedule="1f1b", chunks=1, recompute="none", dtype="float32"):
+def torch_composition(ctx, shape, model, batch, levers=Levers()):
     """The same mesh with torch's classes: init_device_mesh; parallelize_module on the same
     four layers per block, the replicated modules' parameters Replicate DTensors (08's
     baseline); fully_shard per block and on each chunk over (dp, fsdp) (HSDP: replicate over
@@ -772,6 +809,7 @@ def torch_composition(ctx, shape, model, batch, m, schedule="1f1b", chunks=1, re
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, schedules
     P, D, F, C, T = (shape[a] for a in AXES)
+    m, schedule, chunks, recompute, dtype = levers.m(shape), levers.schedule, levers.v, levers.recompute, levers.dtype
     if C > 1:
         raise ValueError("torch's composition here has no cp axis: its context_parallel runs on CUDA only")
     # Under tp without pp, the stage's logits come out as a view (the Replicate head's
@@ -849,31 +887,30 @@ def benchmark(ctx, args, shapes, dims, trace=None):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)   # its advice on meshes
     rows, accounting, timeline = [], [], None
     peak = peak_flops(ctx.device, args.peak_tflops)
-    schedule, chunks = args.schedule, chunks_of(args.schedule, args.chunks)
-    levers = {k: getattr(args, k, d) for k, d in (("sp", False), ("recompute", "none"), ("dtype", "float32"))}
+    levers = dataclasses.replace(levers_of(args), tie=False)   # the timed LM is untied
     for shape in shapes:
-        m, name = microbatches(args, shape), label(shape, False, schedule, chunks) + lever_label(**levers)
+        m, name = levers.m(shape), label(shape, False, levers.schedule, levers.v) + lever_label(levers)
         batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
         holder = {}
 
         def ours():
             whole = moe_lm(dims, args.context_length, False, args.seed, args.experts, args.top_k, ctx.device) \
                 if args.ep > 1 else lm(dims, args.context_length, False, args.seed, ctx.device)
-            model = ParallelLM(Mesh(shape), whole, batch, m, schedule, chunks=chunks, ep=args.ep, **levers)
+            model = ParallelLM(Mesh(shape), whole, batch, levers)
             opt = make_optimizer(model)
             holder.update(model=model, opt=opt)
             return lambda b, clock: train_step(model, opt, model.part(b), clock)
 
         def theirs():
-            return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch, m,
-                                     schedule, chunks, levers["recompute"], levers["dtype"])
+            return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch,
+                                     levers)
         timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
         methods = {f"{name} (ours)": ours}
         # 09 says why torch's pipelining may not run; torch's context_parallel runs on CUDA only
         # torch has no expert parallelism; its SequenceParallel is timed beside ours in 08 (here its
         # pipeline stages would pass parts whose shapes torch.distributed.pipelining infers whole)
         if (shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type)) and shape["cp"] == 1 \
-                and args.ep == 1 and not levers["sp"]:
+                and args.ep == 1 and not levers.sp:
             methods[f"{name} (torch)"] = theirs
         got = common.time_methods(ctx, timing, methods, global_batch=True)
         tokens = batch * args.context_length
@@ -889,9 +926,9 @@ def benchmark(ctx, args, shapes, dims, trace=None):
         if shape == trace:
             timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
         holder.clear()
-        if levers["dtype"] == "float32":   # the formulas count float32 bytes
+        if levers.dtype == "float32":   # the formulas count float32 bytes
             accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
-                               "ranks": account(ctx, args, shape, dims, batch, m, False, schedule, chunks, args.ep)})
+                               "ranks": account(ctx, args, shape, dims, batch, levers)})
     return rows, accounting, timeline
 
 
@@ -1056,8 +1093,7 @@ def act_per_token(d, f, T, sp=False, recompute="none") -> float:
     return 2 * ((d / T if sp else d) + f / T)
 
 
-def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="1f1b", chunks=1, active=None,
-               top_k=0, sp=False, recompute="none") -> dict:
+def mesh_costs(hw, model, shape, tokens, act_fraction=1.0, levers=Levers()) -> dict:
     """Per device, one step of ``tokens`` tokens over the mesh, in the course's (the Scaling
     Book's) model: bf16 weights, activations and communication; fp32 master weights,
     gradients and AdamW state (16 bytes a weight) sharded over fsdp, tp and pp; every
@@ -1065,8 +1101,12 @@ def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="
     overlaps compute; the pipeline runs 4p micro-batches with ``schedule`` (interleaved: v
     chunks a stage, v times the activations crossing stages). A MoE (``active``: the weights
     a token uses, ``top_k``): compute on the active weights, state and weight traffic on all
-    of them, and its experts' all-to-alls, k d values a token each way, twice. Seconds and
-    bytes."""
+    of them, and its experts' all-to-alls, k d values a token each way, twice. ``model``:
+    plan_model's (d, f, n, weights, active); ``levers``: schedule, chunks, sp, recompute and,
+    for a MoE (active below weights), top_k. Seconds and bytes."""
+    d, f, n, weights, active = model
+    schedule, chunks, sp, recompute = levers.schedule, levers.v, levers.sp, levers.recompute
+    top_k = levers.top_k if active != weights else 0
     P, D, F, _, T = (shape[a] for a in AXES)
     b = tokens / (D * F)                                   # tokens one data replica (fsdp shard) sees
     C, W = hw["flops"], hw["link"]
@@ -1088,13 +1128,11 @@ def mesh_costs(hw, d, f, n, weights, shape, tokens, act_fraction=1.0, schedule="
     return out
 
 
-def compute_bound_tokens(hw, d, f, n, weights, shape, schedule="1f1b", chunks=1, active=None, top_k=0,
-                         **levers) -> float:
+def compute_bound_tokens(hw, model, shape, levers=Levers()) -> float:
     """The fewest tokens per step at which compute is at least every axis's communication
     (inf if an axis's traffic grows with the batch faster than its compute: tp, when
     d_ff / tp < alpha / M_tp)."""
-    one, two = (mesh_costs(hw, d, f, n, weights, shape, t, schedule=schedule, chunks=chunks, active=active,
-                           top_k=top_k, **levers) for t in (1.0, 2.0))
+    one, two = (mesh_costs(hw, model, shape, t, levers=levers) for t in (1.0, 2.0))
     need = 0.0
     for axis in ("fsdp_s", "tp_s", "dp_s", "pp_s", "ep_s"):
         slope, fixed = two[axis] - one[axis], 2 * one[axis] - two[axis]
@@ -1114,25 +1152,23 @@ def plan(args) -> dict:
     if args.device_memory:
         hw["memory_gb"] = args.device_memory
     experts, top_k = getattr(args, "experts", 1) or 1, getattr(args, "top_k", 1)
-    d, f, n, weights, active = plan_model(args.model_size, experts, top_k)
-    moe = {"active": active, "top_k": top_k if experts > 1 else 0,
-           "sp": getattr(args, "sp", False), "recompute": getattr(args, "recompute", "none")}
+    model = plan_model(args.model_size, experts, top_k)
+    d, f, n, weights, active = model
     shapes = []
     for pp_, tp_ in itertools.product(range(1, args.devices + 1), repeat=2):
         if args.devices % (pp_ * tp_) or n % pp_ or f % tp_:
             continue
         rest = args.devices // (pp_ * tp_)
         shapes += [mesh_of(pp=pp_, dp=rest // k, fsdp=k, tp=tp_) for k in range(1, rest + 1) if rest % k == 0]
-    schedule = getattr(args, "schedule", "1f1b")
-    chunks = chunks_of(schedule, getattr(args, "chunks", 1))
-    shapes = [s for s in shapes if s["pp"] * chunks <= n]   # interleaved: a chunk holds at least a block
-    bounds = {label(s): compute_bound_tokens(hw, d, f, n, weights, s, schedule, chunks, **moe) for s in shapes}
+    levers = Levers(schedule=getattr(args, "schedule", "1f1b"), chunks=getattr(args, "chunks", 1),
+                    sp=getattr(args, "sp", False), recompute=getattr(args, "recompute", "none"), top_k=top_k)
+    shapes = [s for s in shapes if s["pp"] * levers.v <= n]   # interleaved: a chunk holds at least a block
+    bounds = {label(s): compute_bound_tokens(hw, model, s, levers) for s in shapes}
     finite = [t for t in bounds.values() if t < math.inf]
     meshes = []
     for shape in shapes:   # each at its compute-bound batch; one that never is, at the largest other one
         tokens = bounds[label(shape)]
-        cost = mesh_costs(hw, d, f, n, weights, shape, tokens if tokens < math.inf else max(finite, default=0.0),
-                          schedule=schedule, chunks=chunks, **moe)
+        cost = mesh_costs(hw, model, shape, tokens if tokens < math.inf else max(finite, default=0.0), levers=levers)
         meshes.append({"mesh": label(shape) or "one device", **shape, "bound_tokens": tokens,
                        "bound_tokens_per_device": tokens / args.devices, "fits": cost["memory_gb"] <= hw["memory_gb"],
                        **cost})
@@ -1151,7 +1187,7 @@ def plan(args) -> dict:
                "tp_ratio": f / Y, "tp_bound": alpha / hw["m_tp"], "tp_met": f / Y >= alpha / hw["m_tp"]}
     if pick:   # one sequence of --context-length tokens on the pick: its activations, and the cp that fits them
         L = getattr(args, "context_length", None) or 0
-        per_token = n / pick["pp"] * act_per_token(d, f, pick["tp"], moe["sp"], moe["recompute"])   # this device's blocks
+        per_token = n / pick["pp"] * act_per_token(d, f, pick["tp"], levers.sp, levers.recompute)   # this device's blocks
         free = hw["memory_gb"] - pick["state_gb"]
         answers.update(context=L, sequence_gb=L * per_token / 1e9,
                        cp_needed=max(1, math.ceil(L * per_token / 1e9 / free)) if free > 0 else math.inf)
@@ -1267,12 +1303,12 @@ def report_plan(args):
 # ----------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------
-def check_mesh(shape, dims, m, batch, verified=True, timed=True, schedule="1f1b", chunks=1, context=None,
-               cp_method="ring", sp=False):
+def check_mesh(shape, dims, batch, levers, context=None, verified=True, timed=True):
     """Bad input for one mesh, as the command runs it: ``verified`` (on the verification
     LM) and ``timed`` (on the LM of ``dims``): one line (UsageError). A pipeline's stages
     need not divide the blocks (09 balances them)."""
     T, P = shape["tp"], shape["pp"]
+    m, schedule, chunks, cp_method, sp = levers.m(shape), levers.schedule, levers.v, levers.cp_method, levers.sp
     if schedule != "1f1b" and P < 2:
         raise common.UsageError(f"--schedule {schedule} is a pipeline schedule: it needs --pp 2 or more")
     if schedule == "zb1" and shape["fsdp"] > 1:
@@ -1389,10 +1425,10 @@ def main(argv=None):
     if not single and args.schedule != "1f1b":
         raise common.UsageError(f"--schedule {args.schedule} without a mesh: the suite verifies its own schedules; "
                                 f"give a mesh (--pp 2 or more) to time this one")
-    levers = {"sp": args.sp, "recompute": args.recompute, "dtype": args.dtype}
-    if lever_label(**levers) and not single:
+    levers = levers_of(args)
+    if lever_label(levers) and not single:
         raise common.UsageError("--sp, --recompute and --dtype bf16 apply to one mesh: give one (--tp 2, say)")
-    if lever_label(**levers) and args.ep > 1:
+    if lever_label(levers) and args.ep > 1:
         raise common.UsageError("--sp, --recompute and --dtype bf16 are not verified with --ep: leave them out")
     why = refusal(shape, args.schedule, args.sp, args.recompute, args.ep)
     if why:
@@ -1400,9 +1436,9 @@ def main(argv=None):
     timed = [shape] if single else [s for w in (4, 8) for s, tie, sched in SUITE[w] if not tie and sched == "1f1b"]
     cases = [(shape, args.tie, args.schedule)] if single else [c for cases in SUITE.values() for c in cases]
     for s, _, sched in cases:
-        check_mesh(s, dims, microbatches(args, s), args.batch_size, not args.no_verify,
-                   not args.no_bench and s in timed and (single or sched == "1f1b"), sched, chunks_of(sched, args.chunks if single else SUITE_CHUNKS),
-                   args.context_length, args.cp_method, args.sp)
+        check_mesh(s, dims, args.batch_size, dataclasses.replace(levers, schedule=sched,
+                                                                  chunks=args.chunks if single else SUITE_CHUNKS),
+                   args.context_length, not args.no_verify, not args.no_bench and s in timed and (single or sched == "1f1b"))
 
     if not args.no_verify:
         if single and args.ep > 1:
@@ -1416,8 +1452,9 @@ def main(argv=None):
         try:
             for world, cases, resume in jobs:
                 common.check_verification(common.launch(verify, args, cases, resume,
-                                                        args.chunks if single else SUITE_CHUNKS,
-                                                        levers if single else None, world_size=world),
+                                                        dataclasses.asdict(levers) if single else
+                                                        {"chunks": SUITE_CHUNKS},
+                                                        world_size=world),
                                           f"{NAME} at {world} ranks")
         finally:
             if not single:

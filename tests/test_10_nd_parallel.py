@@ -86,7 +86,7 @@ def levers():
 @pytest.mark.parametrize("i", range(len(LEVERS)))
 def test_the_memory_levers_train_like_one_process_and_count_as_predicted(i):
     shape, schedule, lever = LEVERS[i]
-    name = nd.label(shape, False, schedule) + nd.lever_label(**lever)
+    name = nd.label(shape, False, schedule) + nd.lever_label(nd.Levers(**lever))
     verified, accounting = levers()
     assert verified[name]["ok"], f"{name}: max diff {verified[name]['max_diff']}"
     if lever.get("dtype") == "bf16":

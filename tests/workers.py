@@ -626,7 +626,7 @@ def nd_controls(ctx, args):
     nd.ParallelLM.clip_grad_norm_ = clip
     try:
         nd.ParallelLM.finish_gradient_synchronization = lambda self: None   # no DP, no FSDP here: only the sum
-        out["untied sum"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=4), tie=True)
+        out["untied sum"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=4), nd.Levers(tie=True))
         nd.ParallelLM.finish_gradient_synchronization = real_finish
         common._counted = lambda *record: True   # the placement record ignored
         out["norm counted on every tp rank"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=2, tp=2))
@@ -644,26 +644,23 @@ def nd_accounting(ctx, args, shapes):
     for shape, schedule, *ep in shapes:
         m = nd.default_microbatches(shape)
         tie = shape["pp"] > 1 and shape["tp"] > 1
-        out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m, tie, schedule,
-                              nd.chunks_of(schedule, 2), *ep))
+        out.append(nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"],
+                              nd.Levers(tie=tie, schedule=schedule, ep=ep[0] if ep else 1)))
     return out
 
 
 def nd_levers(ctx, args, cases):
     """10's verify_mesh on each (mesh, schedule, levers): {name: result}; and account() on
     those that run in float32 (the formulas count float32): {name: every rank's row}."""
-    import argparse
     nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
     out, accounting = {}, {}
-    for shape, schedule, levers in cases:
-        name = nd.label(shape, False, schedule) + nd.lever_label(**levers)
-        out[name] = nd.verify_mesh(ctx, args, shape, schedule=schedule, **levers)
-        if levers.get("dtype", "float32") == "float32":
+    for shape, schedule, options in cases:
+        levers = nd.Levers(schedule=schedule, **options)
+        name = nd.label(shape, False, schedule) + nd.lever_label(levers)
+        out[name] = nd.verify_mesh(ctx, args, shape, levers)
+        if levers.dtype == "float32":
             m = nd.default_microbatches(shape)
-            own = argparse.Namespace(**{**vars(args), "sp": levers.get("sp", False),
-                                        "recompute": levers.get("recompute", "none")})
-            accounting[name] = nd.account(ctx, own, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], m,
-                                          False, schedule)
+            accounting[name] = nd.account(ctx, args, shape, nd.VERIFY_LM, 2 * m * shape["dp"] * shape["fsdp"], levers)
     return out, accounting
 
 
