@@ -317,6 +317,21 @@ def real_loops(ctx, args, path):
             **{f"pp {k}": v for k, v in pp_cases(ctx, args, path).items()}}
 
 
+def sharded_equals_full(stage, opt, folder) -> bool:
+    """Load the sharded checkpoint over what the full one loaded (each tensor set to -1
+    first): every parameter, buffer and optimizer state must come back bit for bit."""
+    mine = {k: v.detach().clone() for k, v in stage.state_dict(keep_vars=True).items()}
+    states = {id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for p, s in opt.state.items()}
+    with torch.no_grad():
+        for t in list(stage.state_dict(keep_vars=True).values()) + [v for s in opt.state.values() for v in s.values()
+                                                                       if torch.is_tensor(v)]:
+            t.fill_(-1)
+    extra = common.load_sharded(stage, opt, folder)
+    same = all(torch.equal(v, mine[k]) for k, v in stage.state_dict().items())
+    same &= all(torch.equal(v, states[id(p)][k]) for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v))
+    return same and set(extra) == {"mesh"}
+
+
 # ----------------------------------------------------------------------------------------
 # Three axes on the GPT, composed by documented calls; one clip and one checkpoint
 # ----------------------------------------------------------------------------------------
@@ -353,6 +368,7 @@ def gpt_three_axes(ctx, args, path):
             ckpt = torch.load(path, weights_only=False)
             common.load_full_state_dict(model, ckpt["model"])
             common.load_full_optim_state_dict(model, opt, ckpt["optim"])
+            sharded = sharded_equals_full(model, opt, common.latest_checkpoint(path + ".sharded"))
         replicas, replica = shape["dp"] * shape["fsdp"], mesh.coord("dp") * shape["fsdp"] + mesh.coord("fsdp")
         norms = []
         for x, y in data[steps[0]:steps[1]]:
@@ -369,8 +385,9 @@ def gpt_three_axes(ctx, args, path):
             ckpt = {"model": common.full_state_dict(model), "optim": common.full_optim_state_dict(model, opt)}
             if ctx.rank == 0:
                 torch.save(ckpt, path)
+            common.save_sharded(model, opt, path + ".sharded", steps[1], extra={"mesh": name})
             dist.barrier()
         else:
-            r.update(compare(common.full_state_dict(model, all_ranks=True), ref))
+            r.update(compare(common.full_state_dict(model, all_ranks=True), ref), sharded=sharded)
         out[name] = everyone(r)
     return out

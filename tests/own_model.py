@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import common
 import llama
+from loops import sharded_equals_full
 
 tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
 ddp = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
@@ -412,9 +413,14 @@ def composed(ctx, args):
                 ckpt = torch.load(path, weights_only=False)
                 common.load_full_state_dict(stage, ckpt["model"])
                 common.load_full_optim_state_dict(stage, opt, ckpt["optim"])
+                r[name] = {"sharded": sharded_equals_full(stage, opt, common.latest_checkpoint(folder))}
             composed_steps(mesh, stage, module, pipe, opt, steps, norms)
-            r[name] = {"count": common.count_parameters(stage) == numel}
+            r[name] = {**r.get(name, {}), "count": common.count_parameters(stage) == numel}
             if name == first:
+                folder = os.path.join(args.out, f"sharded {first}")   # each rank writes what it holds
+                common.save_sharded(stage, opt, folder, half, extra={"mesh": first}, async_save=first == tuple(meshes)[0])
+                common.wait_for_saves()
+                dist.barrier()
                 r["inf and 1-norm"] = all(abs(a - b) <= 1e-5 * b for a, b in zip(norms[0], other))
                 try:   # a norm over tp alone: a stage's part is refused; data ranks' copies clip alike
                     common.clip_grad_norm_(stage, 1e9, process_group=mesh.group("tp"))

@@ -96,3 +96,4 @@ def test_a_gpt_on_three_axes_by_documented_calls_trains_clips_and_resumes_on_ano
     for ranks in res.values():
         assert norms_agree(ranks)
     assert all(r["ok"] for r in res["fsdp 4 x tp 2"]), [r["max_diff"] for r in res["fsdp 4 x tp 2"]]
+    assert all(r["sharded"] for r in res["fsdp 4 x tp 2"])   # the sharded checkpoint loads as the full one

@@ -112,8 +112,9 @@ def test_llama_composed_by_calls_trains_clips_and_resumes_on_another_mesh(compos
             assert "outside the process group" in r["refused"], r["refused"]
         else:                       # the tp group holds the whole model: each data rank's copy clips alike
             assert r["refused"] == "not refused"
-        for mesh in case.split(", then "):
-            assert r[mesh] == {"count": True, "norms": True}, (rank, mesh)
+        first, then = case.split(", then ")
+        assert r[first] == {"count": True, "norms": True}, (rank, first)
+        assert r[then] == {"count": True, "norms": True, "sharded": True}, (rank, then)   # sharded = full, bit for bit
 
 
 def test_without_the_placement_record_the_count_is_wrong(composed):
