@@ -881,6 +881,25 @@ def methods(args, ctx):
     return out
 
 
+def train(ctx, args):
+    """--train: the LM of --model-size under FSDP over every rank (AdamW, clipped at 1.0),
+    trained from the newest checkpoint in --checkpoint-dir (common.train_with_checkpoints:
+    saves, resumes, the final sha256); step i's global batch depends on i alone."""
+    model = FSDP(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed),
+                 DTYPES[args.compute_dtype])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i):
+        x, y = (common.shard(t, ctx.rank, ctx.world_size)
+                for t in common.lm_batch(args.batch_size, args.context_length, i, args.seed, ctx.device))
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        model.finish_gradient_synchronization()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+    return common.train_with_checkpoints(ctx, args, model.module, opt, step)
+
+
 def build(ctx, args, wrap, optimizer):
     model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
     params = list(model.parameters())
@@ -1047,7 +1066,12 @@ def main(argv=None):
     p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32",
                    help="dtype of gathered weights, communication and compute (master stays float32)")
     common.add_dtype_flag(p)   # bf16: also FSDP's bf16 weights with float32 gradient reduction, beside FSDP2's
+    common.add_train_flags(p)
+    common.check_train_flags(p.parse_args(argv))
     args = common.parse(p, argv)
+    if args.train:
+        common.launch(train, args)
+        return
     if not args.no_verify:
         common.check_verification(common.launch(verify, args), f"{NAME} at {args.world_size} rank(s)")
         common.check_resume(resume_run_course_rule, args, f"{NAME}: a full checkpoint on another world size "

@@ -574,6 +574,24 @@ def verify(ctx, args, cases, resume=None, levers=None):
     return out
 
 
+def train(ctx, args, shape):
+    """--train: the LM of --model-size on ``shape`` with the command's levers, trained from
+    the newest checkpoint in --checkpoint-dir (common.train_with_checkpoints: saves, resumes,
+    the final sha256); step i's global batch depends on i alone."""
+    levers = levers_of(args)
+    dims, m = common.MODEL_SIZES[args.model_size], levers.m(shape)
+    batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
+    whole = moe_lm(dims, args.context_length, args.tie, args.seed, levers.experts, levers.top_k, ctx.device) \
+        if levers.ep > 1 else lm(dims, args.context_length, args.tie, args.seed, ctx.device)
+    model = ParallelLM(Mesh(shape), whole, batch, levers)
+    opt = make_optimizer(model)
+
+    def step(i):
+        x, y = common.lm_batch(batch, args.context_length, i, args.seed, ctx.device)
+        train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
+    return common.train_with_checkpoints(ctx, args, model.stage, opt, step)
+
+
 # ----------------------------------------------------------------------------------------
 # Accounting: bytes each axis sends and memory per rank, counted beside the formulas
 # ----------------------------------------------------------------------------------------
@@ -1381,8 +1399,10 @@ def main(argv=None):
     p.add_argument("--act-tokens", nargs="+", type=common.COUNT0, default=[0, 4096],
                    help="--plan, question (b): tokens of activations per device")
     p.add_argument("--plan-rows", type=common.COUNT, default=20, help="--plan: rows of the table (all go to the JSON)")
+    common.add_train_flags(p)
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
+    common.check_train_flags(first)
     first.experts = first.experts if first.experts is not None else (1 if first.plan else MOE_EXPERTS)
     if first.experts > 1 and first.top_k > first.experts:
         raise common.UsageError(f"--top-k {first.top_k} must be at most --experts {first.experts}")
@@ -1440,6 +1460,11 @@ def main(argv=None):
                                                                   chunks=args.chunks if single else SUITE_CHUNKS),
                    args.context_length, not args.no_verify, not args.no_bench and s in timed and (single or sched == "1f1b"))
 
+    if args.train:
+        if not single:
+            raise common.UsageError("--train runs one mesh: give it (--pp 2 --dp 2, say)")
+        common.launch(train, args, shape)
+        return
     if not args.no_verify:
         if single and args.ep > 1:
             jobs = [(args.world_size, [], ("ep", args.ep, shape, args.tie))]

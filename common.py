@@ -377,6 +377,19 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
             pickle.dump(result, f)
 
 
+def _attempt_store(timeout):
+    """Under torchrun: the agent's store, its keys under this restart's own prefix (None
+    where torchrun's workers make their own). After a restart (--max-restarts) the
+    process group must not read the addresses the killed attempt's ranks published there:
+    gloo would connect to ports nobody listens on."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/kit/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}", store)
+
+
 def launch(worker, args, *job, world_size=None, backend=None, device=None, timeout=None):
     """Run ``worker(ctx, args, *job)`` on every rank and return rank 0's result.
 
@@ -395,7 +408,9 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
         if not dist.is_initialized():   # the group lives on for the script's next launch
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            store = _attempt_store(timeout)
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout), store=store,
+                                    **({"rank": ctx.rank, "world_size": world_size} if store is not None else {}))
         return worker(ctx, args, *job)
     script = Path(sys.modules[worker.__module__].__file__).resolve()
     # The parent holds the rendezvous store on a port the OS picked: no race for a free port.
@@ -447,6 +462,8 @@ def _announce(args, world_size, backend, device):
     _announce_next.clear()
     parts = [what for flag, what in (("no_verify", "verification"), ("no_bench", "benchmark"))
              if not getattr(args, flag, False)]
+    if getattr(args, "train", None):
+        parts = [f"training, {args.train} steps"]
     print(f"running: {Path(sys.argv[0]).name} on {world_size} rank{'s' * (world_size > 1)} ({backend}, {device}): "
           f"{', then '.join(parts) or 'nothing but the checks'}", flush=True)
 
@@ -1211,6 +1228,85 @@ def save_figure(fig, path):
     """Save a matplotlib figure atomically as PNG and close it."""
     _atomic_write(Path(path), lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     pyplot().close(fig)
+
+
+# ----------------------------------------------------------------------------------------
+# A training run that survives a crash: --train, saving and resuming sharded checkpoints
+# ----------------------------------------------------------------------------------------
+# Fault injection for the resume test: "STEP:RANK" makes that rank kill itself (SIGKILL)
+# before step STEP, on a run's first attempt only (torchrun's restarts count from 0)
+FAULT_ENV = "KIT_FAULT_AT_STEP"
+
+
+def add_train_flags(p: argparse.ArgumentParser):
+    p.add_argument("--train", type=COUNT, default=None, metavar="N",
+                   help="train N steps instead of verifying and timing, resuming from --checkpoint-dir's newest "
+                        "complete checkpoint; prints the final weights' sha256")
+    p.add_argument("--checkpoint-every", type=COUNT, default=None, metavar="K",
+                   help="--train: a sharded checkpoint every K steps (each rank writes what it holds)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="D",
+                   help="--train: the checkpoints' folder, shared by every rank")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="--train: each checkpoint copied to host memory, then written while training goes on")
+
+
+def check_train_flags(args):
+    """The --train flags, where they apply (UsageError otherwise)."""
+    if args.train is None:
+        given = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--checkpoint-dir", args.checkpoint_dir),
+                                ("--checkpoint-async", args.checkpoint_async)) if v]
+        if given:
+            raise UsageError(f"{given[0]} applies to a training run: add --train N")
+        return
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir: the folder the checkpoints go to")
+    if args.checkpoint_async and not args.checkpoint_every:
+        raise UsageError("--checkpoint-async needs --checkpoint-every: how often to save")
+    if args.checkpoint_dir:
+        try:
+            check_out(args.checkpoint_dir)
+        except UsageError as e:
+            raise UsageError(str(e).replace("--out", "--checkpoint-dir")) from None
+
+
+def weights_sha256(full: dict) -> str:
+    """sha256 of a whole state dict: each name, then its tensor's bytes, in name order."""
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(full):
+        h.update(name.encode())
+        h.update(full[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_with_checkpoints(ctx, args, module, optimizer, step_fn):
+    """--train: ``step_fn(i)`` for the steps from the newest complete checkpoint in
+    --checkpoint-dir (or 0) to --train, saving a sharded checkpoint of ``module`` (the
+    model under its own names) and ``optimizer`` every --checkpoint-every steps; the data
+    of step i must depend on i only. Prints "resumed from step K" and, at the end, "final
+    weights sha256 <hex>" (the whole model, gathered); returns that hex on the first rank."""
+    import signal
+    start, folder = 0, latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    if folder:
+        start = load_sharded(module, optimizer, folder)["step"]
+        if ctx.rank == 0:
+            print(f"resumed from step {start}", flush=True)
+    fault = os.environ.get(FAULT_ENV)
+    kill_at, kill_rank = (int(v) for v in fault.split(":")) if fault else (None, None)
+    for i in range(start, args.train):
+        if i == kill_at and ctx.rank == kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        step_fn(i)
+        if args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
+            save_sharded(module, optimizer, args.checkpoint_dir, i + 1, extra={"step": i + 1},
+                         async_save=args.checkpoint_async)
+    wait_for_saves()
+    full = full_state_dict(module)
+    if not full:
+        return None
+    digest = weights_sha256(full)
+    print(f"final weights sha256 {digest}", flush=True)
+    return digest
 
 
 # ----------------------------------------------------------------------------------------

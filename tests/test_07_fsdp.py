@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -254,3 +255,35 @@ def test_the_step_peak_prints_nothing_when_a_block_from_before_it_is_freed_insid
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "True"
     assert "Memory block" not in p.stderr, p.stderr
+
+
+def test_a_rank_dying_mid_save_leaves_the_last_checkpoint_and_ignores_the_partial_one(tmp_path):
+    """Sharded checkpoints are atomic: rank 1 dies after writing its tensors of step 2 but
+    before its piece of the metadata; step 2 is never published (its partial folder stays
+    aside), and a fresh job resumes from step 1, the weights as they were saved."""
+    import workers
+    folder = str(tmp_path / "ckpt")
+    with pytest.raises(common.LaunchError, match="rank 1"):
+        common.launch(workers.checkpoint_crash, verify_args(2), folder, "save", world_size=2)
+    names = sorted(os.listdir(folder))
+    assert "step-000000001" in names and "step-000000002" not in names, names
+    assert any(n.startswith(".partial-step-000000002-") for n in names), names
+    got = common.launch(workers.checkpoint_crash, verify_args(2), folder, "load", world_size=2)
+    saved = torch.load(os.path.join(folder, "saved-at-1.pt"))
+    assert got["latest"] == "step-000000001" and got["extra"] == {"step": 1}
+    assert set(got["weights"]) == set(saved) and all(torch.equal(got["weights"][k], saved[k]) for k in saved)
+
+
+def test_a_training_run_resumes_from_its_newest_checkpoint_to_the_same_weights(tmp_path):
+    """07 --train: a run stopped after 5 steps (its checkpoint of step 3 written in the
+    background) resumes from step 3 and ends at 8 steps with the sha256 of a run of 8."""
+    from conftest import run_script
+    base = ["07_fsdp.py", "--world-size", "2", "--checkpoint-every", "3", "--out", str(tmp_path)]
+    whole = run_script(*base, "--train", "8", "--checkpoint-dir", str(tmp_path / "whole"))
+    first = run_script(*base, "--train", "5", "--checkpoint-async", "--checkpoint-dir", str(tmp_path / "cut"))
+    then = run_script(*base, "--train", "8", "--checkpoint-dir", str(tmp_path / "cut"))
+    for p in (whole, first, then):
+        assert p.returncode == 0, p.stderr[-2000:]
+    sha = lambda p: [line for line in p.stdout.splitlines() if line.startswith("final weights sha256")]  # noqa: E731
+    assert "resumed from step 3" in then.stdout.splitlines() and "resumed" not in whole.stdout
+    assert len(sha(whole)) == 1 and sha(then) == sha(whole) and sha(first) != sha(whole)

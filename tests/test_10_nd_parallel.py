@@ -251,3 +251,36 @@ def test_a_refusal_concerns_only_what_the_command_runs():
     assert "--pp 3 is more stages than the model's 2 blocks" in refused("10_nd_parallel.py", "--dp", "2", "--pp", "3")
     tp8 = refused("10_nd_parallel.py", "--tp", "8", "--model-size", "mini", "--no-verify")
     assert "the model's 4 heads" in tp8   # the verification LM is not named: it does not run
+
+
+TRAIN = ["10_nd_parallel.py", "--pp", "2", "--dp", "2", "--train", "40", "--checkpoint-every", "10"]
+
+
+def test_a_run_killed_after_its_second_checkpoint_resumes_to_the_same_weights(tmp_path):
+    """The documented command: under torchrun with one restart, rank 1 killed (SIGKILL) at
+    step 25, after the checkpoints of steps 10 and 20 (written in the background); the
+    restarted run resumes from step 20 and ends with the sha256 of a run never killed (data
+    order, optimizer state and RNG restored)."""
+    from conftest import run_script
+    whole = run_script(*TRAIN, "--checkpoint-dir", str(tmp_path / "whole"), "--out", str(tmp_path))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    want = [line for line in whole.stdout.splitlines() if line.startswith("final weights sha256 ")]
+    assert len(want) == 1 and "resumed" not in whole.stdout
+    assert sorted(os.listdir(tmp_path / "whole")) == [f"step-{s:09d}" for s in (10, 20, 30, 40)]
+    killed = run_script("-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1", *TRAIN,
+                        "--checkpoint-async", "--checkpoint-dir", str(tmp_path / "killed"), "--out", str(tmp_path),
+                        env={common.FAULT_ENV: "25:1"}, timeout=300)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "failed (exitcode: -9) local_rank: 1" in killed.stderr   # the kill happened, and torchrun restarted
+    lines = killed.stdout.splitlines()
+    assert "resumed from step 20" in lines, killed.stdout
+    assert [line for line in lines if line.startswith("final weights sha256 ")] == want
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--pp", "2", "--checkpoint-every", "5"], "--checkpoint-every applies to a training run: add --train N"),
+    (["--pp", "2", "--train", "4", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--train", "4"], "--train runs one mesh"),
+])
+def test_training_flags_are_refused_where_they_do_not_apply(argv, words):
+    assert words in refused("10_nd_parallel.py", *argv)

@@ -703,3 +703,42 @@ def fsdp_resume_runs(ctx, args, runs):
     start, stop, save_at) on batches of 16 sequences; their final weights."""
     fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
     return [getattr(fsdp, run)(ctx, args, path, start, stop, save_at, 16) for run, path, start, stop, save_at in runs]
+
+
+def checkpoint_crash(ctx, args, folder, phase):
+    """A small model under 07's FSDP on 2 ranks, sharded checkpoints in ``folder``. "save":
+    one step, saved as step 1; another step, and saving step 2 rank 1 dies (SIGKILL-like
+    exit) once its tensor file is written, before its piece of the metadata. "load": the
+    newest complete checkpoint loaded into a fresh model: its whole weights and the
+    checkpoint's extra."""
+    fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
+    torch.manual_seed(0)
+    model = fsdp.FSDP(torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.GELU(), torch.nn.Linear(15, 3)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))).square().mean().backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    if phase == "load":
+        latest = common.latest_checkpoint(folder)
+        extra = common.load_sharded(model.module, opt, latest)
+        return {"latest": os.path.basename(latest), "extra": extra, "weights": model.full_state_dict()}
+    step()
+    common.save_sharded(model.module, opt, folder, 1, extra={"step": 1})
+    saved = model.full_state_dict()
+    dist.barrier()
+    step()
+    if ctx.rank == 1:
+        real = common._write
+
+        def dying(path, write):
+            real(path, write)
+            if os.path.basename(path).startswith("shard-"):
+                os._exit(9)
+        common._write = dying
+    torch.save(saved, os.path.join(folder, "saved-at-1.pt")) if ctx.rank == 0 else None
+    common.save_sharded(model.module, opt, folder, 2, extra={"step": 2}, timeout=5.0)
+    dist.barrier()   # rank 1 never gets here
+    return None
