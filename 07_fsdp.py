@@ -26,7 +26,11 @@ side. Writes <out>/07_fsdp.{json,md} and <out>/07_fsdp_memory.{json,md}.
 
 import copy
 import os
+import shutil
+import statistics
 import sys
+import tempfile
+import threading
 import time
 
 import torch.nn.functional as F
@@ -900,6 +904,109 @@ def train(ctx, args):
     return common.train_with_checkpoints(ctx, args, model.module, opt, step)
 
 
+class HostPeak:
+    """The peak growth of this process's resident memory while the block runs (a thread
+    reads /proc/self/statm every millisecond; Linux; None elsewhere). Memory the allocator
+    had freed and reuses does not show: a lower bound of what the block held."""
+
+    def __enter__(self):
+        self.page, self.peak, self.stop = os.sysconf("SC_PAGE_SIZE"), 0, threading.Event()
+        self.start = self.read()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def read(self):
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self.page
+        except OSError:
+            return None
+
+    def watch(self):
+        while not self.stop.is_set():
+            now = self.read()
+            if now is not None and self.start is not None:
+                self.peak = max(self.peak, now - self.start)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.mb = self.peak / 2**20 if self.start is not None else None
+
+
+def checkpoint_benchmark(ctx, args, folder):
+    """Ours (07's FSDP, save_sharded, sync and async) beside torch's (FSDP2,
+    torch.distributed.checkpoint.save and async_save) on the same LM and ranks: the step
+    alone; the time a save blocks the loop; for async, the next step's time (the writer
+    thread beside it) and the save's time until it is on disk; the growth of host memory
+    during the save (the snapshot); the bytes written. Each save 3 times, the median."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    batch = tuple(common.shard(t, ctx.rank, ctx.world_size)
+                  for t in common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
+    rows = []
+    apart = dist.new_group(backend="gloo")   # dcp's own collectives, off the training's group: async_save's run
+    for owner in ("ours", "torch"):          # in its thread beside the next step's all-gathers
+        lm = common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)
+        model = FSDP(lm) if owner == "ours" else torch_fsdp2(lm, ctx)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(*batch).backward()
+            model.finish_gradient_synchronization()
+            opt.step()
+            common.sync(ctx.device)
+        for _ in range(2):
+            step()
+        plain = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            step()
+            plain.append(time.perf_counter() - t0)
+        for mode in ("sync", "async"):
+            blocked, after, total, peaks = [], [], [], []
+            for k in range(3):
+                path = os.path.join(folder, f"{owner}-{mode}-{k}")
+                dist.barrier()
+                with HostPeak() as host:
+                    t0 = time.perf_counter()
+                    if owner == "ours":
+                        common.save_sharded(model.module, opt, path, k, async_save=mode == "async")
+                    else:
+                        sd = dict(zip(("model", "optim"), get_state_dict(lm, opt)))
+                        pending = (dcp.async_save if mode == "async" else dcp.save)(sd, checkpoint_id=path,
+                                                                                    process_group=apart)
+                    blocked.append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    if mode == "async":
+                        step()
+                        after.append(time.perf_counter() - t1)
+                        if owner == "ours":
+                            common.wait_for_saves()
+                        else:
+                            pending.result()
+                    total.append(time.perf_counter() - t0)   # async: until on disk, the step beside it included
+                peaks.append(host.mb)
+                dist.barrier()
+            written = sum(os.path.getsize(os.path.join(d, f))
+                          for d, _, fs in os.walk(os.path.join(folder, f"{owner}-{mode}-0")) for f in fs)
+            med = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
+            name = {("ours", "sync"): "ours: save_sharded", ("ours", "async"): "ours: save_sharded(async_save=True)",
+                    ("torch", "sync"): "torch: dcp.save", ("torch", "async"): "torch: dcp.async_save"}[owner, mode]
+            rows.append({"method": name,
+                         "rank": ctx.rank, "step_ms": med(plain), "blocked_ms": med(blocked),
+                         "step_during_write_ms": med(after), "save_total_ms": med(total),
+                         "rss_growth_MB": max((p for p in peaks if p is not None), default=None),
+                         "written_MB": written / 2**20})
+        del model, opt
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, rows)
+    return [r for part in everyone for r in part]
+
+
 def build(ctx, args, wrap, optimizer):
     model = wrap(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
     params = list(model.parameters())
@@ -1058,6 +1165,10 @@ HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_torch", "vs_to
            "optim_ms", "collectives", "comm_MB"]
 MEM_HEADERS = ["method", "rank", "params_MB", "grads_MB", "opt_state_MB", "state_MB", "step_peak_MB",
                "vs_fsdp2", "peak_rss_MB", "rss_vs_fsdp2"]
+CKPT_HEADERS = ["method", "rank", "step_ms", "blocked_ms", "step_during_write_ms", "save_total_ms", "rss_growth_MB",
+                "written_MB"]
+CKPT_TITLE = ("Sharded checkpoints: ours (07's FSDP, save_sharded) beside torch's (FSDP2, torch.distributed.checkpoint), "
+              "the time a save blocks the loop, a step while an async save writes, host memory")
 NAME, TITLE = "07_fsdp", "FSDP against DDP, DDP + sharded optimizer and torch's FSDP2: time per iteration"
 
 
@@ -1084,6 +1195,14 @@ def main(argv=None):
     mem = [row for i in range(len(methods(args, None))) for row in common.launch(memory_worker, args, i)]
     if common.is_reporter():
         report_memory(args, mem)
+    if args.dtype != "float32":   # checkpoints are the same in every run: once, in the float32 one
+        return
+    folder = tempfile.mkdtemp(prefix="kit_ckpt_bench_")   # the same folder on every rank: one machine here
+    try:
+        ckpt = common.launch(checkpoint_benchmark, args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    common.report_table(args, "07_checkpoint", CKPT_TITLE, ckpt, CKPT_HEADERS)
 
 
 def report_memory(args, mem):
