@@ -318,18 +318,9 @@ def real_loops(ctx, args, path):
 
 
 def sharded_equals_full(stage, opt, folder) -> bool:
-    """Load the sharded checkpoint over what the full one loaded (each tensor set to -1
-    first): every parameter, buffer and optimizer state must come back bit for bit."""
-    mine = {k: v.detach().clone() for k, v in stage.state_dict(keep_vars=True).items()}
-    states = {id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for p, s in opt.state.items()}
-    with torch.no_grad():
-        for t in list(stage.state_dict(keep_vars=True).values()) + [v for s in opt.state.values() for v in s.values()
-                                                                       if torch.is_tensor(v)]:
-            t.fill_(-1)
-    extra = common.load_sharded(stage, opt, folder)
-    same = all(torch.equal(v, mine[k]) for k, v in stage.state_dict().items())
-    same &= all(torch.equal(v, states[id(p)][k]) for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v))
-    return same and set(extra) == {"mesh"}
+    """common.sharded_matches (the sharded checkpoint gives back what the full one loaded,
+    bit for bit), and its extra came back."""
+    return common.sharded_matches(stage, opt, folder) and set(common.load_sharded(stage, None, folder)) == {"mesh"}
 
 
 # ----------------------------------------------------------------------------------------

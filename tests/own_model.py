@@ -414,6 +414,9 @@ def composed(ctx, args):
                 common.load_full_state_dict(stage, ckpt["model"])
                 common.load_full_optim_state_dict(stage, opt, ckpt["optim"])
                 r[name] = {"sharded": sharded_equals_full(stage, opt, common.latest_checkpoint(folder))}
+                plain = llama.Transformer(llama.ModelArgs(n_layers=4))   # and into the model of one process
+                common.load_sharded(plain, None, common.latest_checkpoint(folder))
+                r["one process"] = all(torch.equal(v, ckpt["model"][k]) for k, v in plain.state_dict().items())
             composed_steps(mesh, stage, module, pipe, opt, steps, norms)
             r[name] = {**r.get(name, {}), "count": common.count_parameters(stage) == numel}
             if name == first:

@@ -44,6 +44,7 @@ def test_a_checkpoint_saved_on_one_mesh_resumes_on_another():
                           "checkpoint of dp 4 x tp 2, ep 4 after step 2, resumed on dp 2 x tp 2, ep 2"}
     for case, r in cases.items():
         assert r["ok"], f"{case}: max diff {r['max_diff']}"
+        assert r["sharded"]   # its sharded checkpoint (tp's head order, FSDP's shards, experts) loads the same
 
 
 def test_the_checks_fail_without_the_tied_copies_sum_or_with_a_norm_counted_twice():

@@ -108,6 +108,7 @@ def test_llama_composed_by_calls_trains_clips_and_resumes_on_another_mesh(compos
     for rank, r in enumerate(composed[case]):
         assert r["ok"], f"rank {rank}: max diff {r['max_diff']}"
         assert r["inf and 1-norm"], rank
+        assert r["one process"], rank   # the sharded checkpoint loads into the model of one process too
         if case.startswith("pp"):   # the norm over tp alone: a stage's part, refused (not silently partial)
             assert "outside the process group" in r["refused"], r["refused"]
         else:                       # the tp group holds the whole model: each data rank's copy clips alike
