@@ -1178,6 +1178,9 @@ def main(argv=None):
                    help="dtype of gathered weights, communication and compute (master stays float32)")
     common.add_dtype_flag(p)   # bf16: also FSDP's bf16 weights with float32 gradient reduction, beside FSDP2's
     common.add_train_flags(p)
+    p.add_argument("--checkpoint-bench", action="store_true",
+                   help="time sharded checkpoints instead of the step and memory tables: save_sharded (sync, async) "
+                        "beside torch.distributed.checkpoint's save and async_save on FSDP2 (results/07_checkpoint)")
     common.check_train_flags(p.parse_args(argv))
     args = common.parse(p, argv)
     if args.train:
@@ -1189,20 +1192,24 @@ def main(argv=None):
                                                           f"(norms replicated, the rest sharded)")
     if args.no_bench:
         return
+    if args.checkpoint_bench:
+        return report_checkpoints(args)
     rows = common.launch(benchmark, args)
     common.report_table(args, NAME, TITLE, rows, HEADERS)
     # one job per method: fresh processes, so each peak belongs to that method alone
     mem = [row for i in range(len(methods(args, None))) for row in common.launch(memory_worker, args, i)]
     if common.is_reporter():
         report_memory(args, mem)
-    if args.dtype != "float32":   # checkpoints are the same in every run: once, in the float32 one
-        return
+
+
+def report_checkpoints(args):
+    """--checkpoint-bench: the checkpoint table (results/07_checkpoint)."""
     folder = tempfile.mkdtemp(prefix="kit_ckpt_bench_")   # the same folder on every rank: one machine here
     try:
-        ckpt = common.launch(checkpoint_benchmark, args, folder)
+        rows = common.launch(checkpoint_benchmark, args, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    common.report_table(args, "07_checkpoint", CKPT_TITLE, ckpt, CKPT_HEADERS)
+    common.report_table(args, "07_checkpoint", CKPT_TITLE, rows, CKPT_HEADERS)
 
 
 def report_memory(args, mem):

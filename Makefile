@@ -5,6 +5,9 @@
 # make levers the memory levers' tables (bf16 in 05 and 07, sequence parallelism in 08,
 #            recomputation in 09, all of them on one mesh of 10), each verified first, into
 #            results/NN_*/ folders (about 5 minutes; not in `all`, which must stay under 15)
+# make checkpoints sharded checkpoints (07's save_sharded, sync and async) beside
+#            torch.distributed.checkpoint's save and async_save on FSDP2 (results/07_checkpoint;
+#            about 30 seconds; not in `all`)
 # make cp-sweep one attention from 1k to 16k tokens, one process beside every context-parallel
 #            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 10 minutes)
 # make test  runs the test suite
@@ -16,7 +19,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives levers cp-sweep $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -68,6 +71,9 @@ clean-results:
 07: $(STAMP)
 	$(PY) 07_fsdp.py --out results
 
+checkpoints: $(STAMP)
+	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results
+
 # 2 ranks (TP 2 against DP 2 and torch's TP): make all stays under 15 minutes on 2 cores.
 # The script's default adds 4 ranks (TP 4, TP 2 x DP 2), about 2 minutes more here:
 #   python 08_tensor_parallel.py --warmup 3 --out results/08_world_sizes_2_4
@@ -81,10 +87,10 @@ clean-results:
 09: $(STAMP)
 	$(PY) 09_pipeline_parallel.py --warmup 2 --steps 6 --microbatches 1 8 --stages 2 --out results
 
-# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition (6 paired
+# the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition (5 paired
 # steps: make all stays under 15 minutes), and the XXL plan
 10: $(STAMP)
-	$(PY) 10_nd_parallel.py --warmup 2 --steps 6 --out results
+	$(PY) 10_nd_parallel.py --warmup 2 --steps 5 --out results
 
 # The memory levers, each verified, then measured beside float32 / no lever and torch's twin:
 # bf16 autocast in 05 (25 MB buckets, ours and torch DDP) and 07 (FSDP reducing in float32
