@@ -40,7 +40,7 @@ test: $(STAMP)
 # 3 timed iterations a size after 1 warm-up (the script's default is 10 after 5; a 1 GB
 # all-reduce at 6 ranks takes 2.5 s here): make all stays under 15 minutes
 01: $(STAMP)
-	$(PY) 01_allreduce_bench.py --iters 3 --warmup 1 --out results
+	$(PY) 01_allreduce_bench.py --iters 2 --warmup 1 --out results
 
 # Every collective, ring and tree all-reduce from scratch (about 2 minutes; not in `all`,
 # which must stay under 15 minutes on 2 cores)
@@ -59,14 +59,14 @@ clean-results:
 04: $(STAMP)
 	$(PY) 04_overlap_ddp.py --out results
 
-# 6 paired steps a setting (the script's default is 20): make all stays under 15 minutes
+# 5 paired steps a setting (the script's default is 20): make all stays under 15 minutes
 05: $(STAMP)
-	$(PY) 05_bucketed_ddp.py --steps 6 --out results
+	$(PY) 05_bucketed_ddp.py --steps 5 --out results
 
-# with its ZeRO stage table (stages 0 to 3, ours beside torch's); 6 paired steps (the
+# with its ZeRO stage table (stages 0 to 3, ours beside torch's); 5 paired steps (the
 # script's default is 10): make all stays under 15 minutes
 06: $(STAMP)
-	$(PY) 06_sharded_optimizer.py --steps 6 --out results
+	$(PY) 06_sharded_optimizer.py --steps 5 --out results
 
 07: $(STAMP)
 	$(PY) 07_fsdp.py --out results
@@ -81,11 +81,11 @@ checkpoints: $(STAMP)
 	$(PY) 08_tensor_parallel.py --warmup 3 --world-sizes 2 --out results
 
 # 2 stages at m = 1 and 8, the bubble's two ends, every schedule (interleaved at m = 8 only:
-# groups of p), 6 paired steps: make all stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
+# groups of p), 5 paired steps: make all stays under 15 minutes on 2 cores. The write-up's tables add 4 stages:
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 1 8 --out results/09_stages_2_4
 #   python 09_pipeline_parallel.py --warmup 3 --microbatches 4 8 --steps 20 --no-verify --out results/09_schedules
 09: $(STAMP)
-	$(PY) 09_pipeline_parallel.py --warmup 2 --steps 6 --microbatches 1 8 --stages 2 --out results
+	$(PY) 09_pipeline_parallel.py --warmup 2 --steps 5 --microbatches 1 8 --stages 2 --out results
 
 # the suite: every verified mesh at 4, 6 and 8 ranks, timed beside torch's composition (5 paired
 # steps: make all stays under 15 minutes), and the XXL plan
