@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import common
 from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
-                    load_full_state_dict, place)   # the placement record (common.py's copy region)
+                    load_full_state_dict, place, placements, whole_tensor)   # the placement record (common.py's copy region)
 
 # ---- begin copy: FSDP (needs torch, the standard library and common.py's placement record) ----
 import contextlib
@@ -288,12 +288,10 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def gather_full_params(self) -> dict:
-        """{original parameter name: whole tensor}, on every rank (a collective); ignored
-        parameters as this rank holds them."""
-        out = {name: p.detach() for name, p in self._ignored.items()}
-        for unit in self._units:
-            out.update(unit.gather_whole())
-        return out
+        """{original parameter name: whole tensor (a copy)}, on every rank (a collective,
+        each shard gathered by its placement record); ignored parameters as this rank holds
+        them."""
+        return {name: whole_tensor(p, placements(p)).clone() for name, p in self.module.named_parameters()}
 
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict with whole tensors, on the group's first rank
@@ -551,21 +549,6 @@ class _Unit:
                 p.grad = g
             else:
                 p.grad.add_(g)
-
-    def gather_one(self, info, shard):
-        """The whole tensor (this parameter's shape) from every rank's shard-shaped tensor
-        (a replicated parameter's, ``info`` None, is whole already)."""
-        if info is None:
-            return shard.detach().clone()
-        buf = torch.empty(self.fsdp.world_size * info.numel, dtype=shard.dtype, device=shard.device)
-        _all_gather(buf, shard.reshape(-1).contiguous(), self.group)
-        g = buf.view(self.fsdp.world_size, info.numel)
-        whole = torch.empty(info.shape, dtype=shard.dtype, device=shard.device)
-        _ShardInfo(info.shape, 0, info.world_size, info.rank).copy_out(g, whole)
-        return whole
-
-    def gather_whole(self) -> dict:
-        return {name: self.gather_one(info, p.detach()) for name, info, p in zip(self.names, self.infos, self.params)}
 
 
 def _in_backward() -> bool:
