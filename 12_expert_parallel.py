@@ -668,17 +668,26 @@ def _timed(ctx, fn, reps=5, slowest=True) -> float:
     return t.item()
 
 
-def expert_seconds(ctx, moes, layers) -> float:
-    """This rank's experts' forward and backward in a step, replayed alone: each MoE layer's
-    local experts on as many rows from each rank as they got (``layers``: a step's stats per
-    layer), sorted and put back as in the step."""
-    d = moes[0].router.in_features
-    total = 0.0
-    for moe, stats in zip(moes, layers):
-        rows = stats["rows"]
-        x = torch.randn(sum(map(sum, rows)), d, device=ctx.device, requires_grad=True)
-        flat = torch.tensor([n for r in rows for n in r], device=ctx.device)
-        total += _timed(ctx, lambda: moe._run_local(x, rows, flat).sum().backward(), reps=3, slowest=False)
+def expert_seconds(ctx, runs: dict, reps=9) -> dict:
+    """Each model's experts' forward and backward in a step on this rank, replayed alone:
+    ``runs`` maps a name to (its MoE layers, a step's stats per layer); each layer's local
+    experts on as many rows from each rank as they got, sorted and put back as in the step.
+    The sum over layers of each layer's median of ``reps`` calls (the ranks start each
+    together), the models' calls alternating so that the machine's drift hits all alike."""
+    calls = []
+    for name, (moes, layers) in runs.items():
+        for moe, stats in zip(moes, layers):
+            rows = stats["rows"]
+            x = torch.randn(sum(map(sum, rows)), moe.router.in_features, device=ctx.device, requires_grad=True)
+            flat = torch.tensor([n for r in rows for n in r], device=ctx.device)
+            calls.append((name, lambda moe=moe, x=x, rows=rows, flat=flat: moe._run_local(x, rows, flat).sum().backward()))
+    times = [[] for _ in calls]
+    for _ in range(reps):
+        for (_, fn), t in zip(calls, times):
+            t.append(_timed(ctx, fn, reps=1, slowest=False))
+    total = dict.fromkeys(runs, 0.0)
+    for (name, _), t in zip(calls, times):
+        total[name] += sorted(t)[reps // 2]
     return total
 
 
@@ -715,6 +724,55 @@ def exposed_allreduce(ctx, model, optimizer, batch, reps=6) -> float:
     return max(0.0, sorted(times[True])[reps // 2] - sorted(times[False])[reps // 2])
 
 
+def exchanges_in_step(ctx, model, optimizer, batch, group, layers, reps=11) -> float:
+    """EP's all-to-alls timed where EP makes them: the replicated MoE's step with, at each
+    point where EP exchanges, an all-to-all of the bytes EP sent there (``layers``: EP's
+    routing stats of a step, per MoE layer) over ``group``, beside the same step without
+    (the two alternating; the median of the pairs' differences, each step the slowest
+    rank's), in seconds: the transfers and what the ranks wait for each other there (each
+    exchange holds every rank of the group until the slowest arrives)."""
+    moes = model.module.moes()
+    x, y = batch
+    on = [False]
+
+    def hooks(moe, st):
+        d, per = moe.router.in_features, moe.n_experts // dist.get_world_size(group)
+        staged = moe.host_staging if moe.host_staging is not None else \
+            ctx.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        send, recv, n = st["send"], st["recv"], dist.get_world_size(group)
+
+        def a2a(out, back):   # rows ``out`` to each rank, ``back`` from each (EP's _exchange)
+            if on[0]:
+                _exchange(torch.zeros(sum(out), d, device=ctx.device), out, back, group, staged)
+
+        def counts_and_tokens(*_):
+            if on[0]:
+                _exchange(torch.zeros(moe.n_experts, dtype=torch.long, device=ctx.device), [per] * n, [per] * n,
+                          group, staged)
+            a2a(send, recv)
+        return [moe.register_forward_pre_hook(counts_and_tokens),                      # counts, tokens out
+                moe.register_forward_hook(lambda *_: a2a(recv, send)),                 # outputs back
+                moe.register_full_backward_pre_hook(lambda *_: a2a(send, recv)),       # their gradients out
+                moe.register_full_backward_hook(lambda *_: a2a(recv, send))]           # inputs' gradients back
+
+    def step(exchange):
+        on[0] = exchange
+        optimizer.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    handles = [h for moe, st in zip(moes, layers) for h in hooks(moe, st)]
+    try:
+        more = []   # each pair's difference: the machine's drift cancels within a pair
+        for i in range(reps):
+            pair = {exchange: _timed(ctx, lambda: step(exchange), reps=1) for exchange in ((True, False), (False, True))[i % 2]}
+            more.append(pair[True] - pair[False])
+    finally:
+        for h in handles:
+            h.remove()
+    return max(0.0, sorted(more)[reps // 2])
+
+
 def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
     """EP's step time by a model of its parts, each measured alone in this job: the
     replicated MoE's step, less its experts' compute (forward and backward, the slowest
@@ -723,16 +781,17 @@ def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
     experts' share of the gradients' bytes; at most the all-reduce's own time), plus EP's
     slowest rank's expert compute (replayed the same way), its experts' gradient all-reduce
     over their copies (none when ep is the world) and its all-to-alls: each exchange of the
-    step (the counts; the tokens out and back, forward and backward) at the alpha-beta
-    model's time, the slowest rank's."""
+    step (the counts; the tokens out and back, forward and backward) with EP's bytes, made
+    at the same points of the replicated step (the step with them less the step without:
+    the transfers and the ranks' waits for each other there). Beside it, for reference, the
+    same exchanges at the alpha-beta model's time (timed back to back, the slowest rank's)."""
     ep_name, rep_name = f"EP {ep}, aux {args.aux_coef:g}", "MoE replicated (plain DP)"
     by = {r["method"]: r for r in rows}
     (ep_model, _), (rep_model, rep_opt) = models[ep_name], models[rep_name]
     ep_moes, rep_moes = (m.module.moes() for m in (ep_model, rep_model))
     with ep_model.no_sync(), rep_model.no_sync():   # replays: no DDP reduction
-        x_ep = expert_seconds(ctx, ep_moes, routing[ep_name][-1])
-        x_rep = expert_seconds(ctx, rep_moes, routing[rep_name][-1])
-    everyone = torch.tensor([x_ep, x_rep], dtype=torch.float64)
+        x = expert_seconds(ctx, {"ep": (ep_moes, routing[ep_name][-1]), "rep": (rep_moes, routing[rep_name][-1])})
+    everyone = torch.tensor([x["ep"], x["rep"]], dtype=torch.float64)
     dist.all_reduce(everyone, op=dist.ReduceOp.MAX)
     x_ep, x_rep = everyone.tolist()
     def allreduce(model, group=None):   # the experts' gradients, all-reduced over ``group``
@@ -745,19 +804,19 @@ def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
     share = sum(p.numel() for p in expert_parameters(rep_model.module)) / sum(p.numel() for p in rep_model.parameters())
     ar_exposed = min(ar, exposed * share)   # the experts' part of what the step waited for
     layers = routing[ep_name][-1]
+    a2a = exchanges_in_step(ctx, rep_model, rep_opt, batch, groups[0], layers)
     d = ep_moes[0].router.in_features
     sizes = [4 * d * n for st in layers for n in (sum(st["send"]), sum(st["recv"]))]   # bytes put in, per exchange
     alpha, beta = alltoall_model(ctx, groups[0])
-    a2a = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64)
-    dist.all_reduce(a2a, op=dist.ReduceOp.MAX)       # forward and backward, and the counts; the slowest rank's
-    a2a = a2a.item()
+    ab = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64)
+    dist.all_reduce(ab, op=dist.ReduceOp.MAX)       # forward and backward, and the counts; the slowest rank's
     model = by[rep_name]["step_ms"] / 1e3 - x_rep - ar_exposed + x_ep + ar_ep + a2a
     return {"method": ep_name, "ep": ep, "step_ms": by[ep_name]["step_ms"], "model_ms": model * 1e3,
             "step_over_model": by[ep_name]["step_ms"] / 1e3 / model, "replicated_ms": by[rep_name]["step_ms"],
             "replicated_experts_ms": x_rep * 1e3, "experts_allreduce_ms": ar * 1e3,
             "experts_allreduce_exposed_ms": ar_exposed * 1e3, "ep_experts_ms": x_ep * 1e3,
-            "ep_allreduce_ms": ar_ep * 1e3, "alltoall_ms": a2a * 1e3, "a2a_latency_us": alpha * 1e6,
-            "a2a_GBps": beta / 1e9}
+            "ep_allreduce_ms": ar_ep * 1e3, "alltoall_ms": a2a * 1e3, "alltoall_alpha_beta_ms": ab.item() * 1e3,
+            "a2a_latency_us": alpha * 1e6, "a2a_GBps": beta / 1e9}
 
 
 CAPACITIES = (0.0, 2.0, 1.25, 1.0, 0.5)

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pickle
+import signal
 import platform
 import statistics
 import sys
@@ -60,10 +61,22 @@ class LaunchError(RuntimeError):
     """A rank failed (or a verification did); the message names it."""
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every ``finally`` runs (the ranks are
+    ended and the job's files removed, as for Ctrl-C)."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
 def run_main(main_fn):
     """Run a script's main(): bad input exits 2 with one line, a failed rank exits 1."""
     prog = Path(sys.argv[0]).name
     _announce_next[:] = [True]
+    previous = None   # a kill (timeout, a scheduler) ends the ranks and cleans up like Ctrl-C
+    if not under_torchrun() and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         main_fn()
     except UsageError as e:
@@ -75,8 +88,13 @@ def run_main(main_fn):
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except _Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     finally:
         _announce_next.clear()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if under_torchrun() and dist.is_initialized():
             dist.destroy_process_group()
 

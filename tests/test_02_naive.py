@@ -86,6 +86,29 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+def test_a_terminated_launcher_ends_its_workers_and_leaves_no_files(tmp_path):
+    """SIGTERM (a timeout, a scheduler's kill) ends the job as Ctrl-C does: the ranks are
+    ended at once and the job's result file is removed."""
+    import signal
+    import subprocess
+    import sys
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers.py"), str(tmp_path), "sleep_forever"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    deadline = time.time() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and list(scratch.glob("ddp_result_*"))   # the job's file, while it runs
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip().endswith("workers.py: terminated"), err
+    assert not any(_alive(p) for p in pids)   # ended by the launcher before it returned
+    assert not list(scratch.glob("ddp_result_*"))
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)

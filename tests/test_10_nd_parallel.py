@@ -15,9 +15,12 @@ def suite(world_size):
     """The verification suite's job at this world size (the 8-rank job saves the checkpoint
     the 4-rank job resumes: it runs first)."""
     if world_size not in _cache:
+        import atexit
+        import shutil
         import tempfile
         if "folder" not in _cache:
             _cache["folder"] = tempfile.mkdtemp(prefix="nd_test_")
+            atexit.register(shutil.rmtree, _cache["folder"], True)   # the checkpoints go with the session
         path = os.path.join(_cache["folder"], "checkpoint.pt")
         if world_size == 4:
             suite(8)

@@ -193,7 +193,8 @@ def test_script_times_routes_and_counts(tmp_path):
     assert ep["vs_replicated_min"] <= ep["vs_replicated"] <= ep["vs_replicated_max"]
     [m] = json.loads((tmp_path / "12_time_model.json").read_text())["rows"]   # the model's terms, each measured
     assert m["method"] == "EP 2, aux 0.01" and m["step_ms"] == ep["step_ms"] and m["ep_allreduce_ms"] == 0
-    assert min(m[k] for k in ("replicated_experts_ms", "experts_allreduce_ms", "ep_experts_ms", "alltoall_ms")) > 0
+    assert min(m[k] for k in ("replicated_experts_ms", "experts_allreduce_ms", "ep_experts_ms", "alltoall_ms",
+                              "alltoall_alpha_beta_ms")) > 0
     assert 0 <= m["experts_allreduce_exposed_ms"] <= m["experts_allreduce_ms"]   # no more than the collective
     assert m["model_ms"] == pytest.approx(m["replicated_ms"] - m["replicated_experts_ms"]
                                           - m["experts_allreduce_exposed_ms"] + m["ep_experts_ms"] + m["alltoall_ms"])

@@ -2,7 +2,9 @@
 08's parallelize, and a pipeline of nn.TransformerEncoderLayer stages, against one process,
 with clipping by the global norm (torch's clip on a rank's part as the control that must
 fail), accumulation, dropout, evaluation, and checkpoints resumed at another degree."""
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -19,7 +21,10 @@ def run(world_size):
     4-rank job resumes: it runs first)."""
     import loops
     if world_size not in _cache:
-        folder = _cache.setdefault("folder", tempfile.mkdtemp(prefix="loops_"))
+        if "folder" not in _cache:
+            _cache["folder"] = tempfile.mkdtemp(prefix="loops_")
+            atexit.register(shutil.rmtree, _cache["folder"], True)   # the checkpoints go with the session
+        folder = _cache["folder"]
         if world_size == 4:
             run(2)
         _cache[world_size] = common.launch(loops.real_loops, verify_args(world_size), os.path.join(folder, "ckpt.pt"),
