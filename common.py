@@ -1481,18 +1481,21 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
     known = _known_groups(params)
     counted = [g for p, g in zip(params, grads) if _counted(p, process_group, known)]
     norm_type = float(norm_type)
+    fp32 = [g for g in counted if g.dtype == torch.float32 and g.numel()]   # torch's fused norms
+    rest = [g for g in counted if g.dtype != torch.float32 and g.numel()]   # each in float32
     if math.isinf(norm_type):
-        total = torch.stack([g.abs().max().float() for g in counted if g.numel()]
-                             + [torch.zeros((), device=device)]).max()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
+        total = torch.stack([g.abs().max().float() for g in rest] + [torch.zeros((), device=device)]
+                            + ([torch.nn.utils.get_total_norm(fp32, norm_type).to(device)] if fp32 else [])).max()
+        if dist.get_world_size(process_group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
     else:
-        total = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in counted),
-                    torch.zeros((), device=device))
-        dist.all_reduce(total, group=process_group)
+        total = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in rest),
+                    torch.nn.utils.get_total_norm(fp32, norm_type).to(device) ** norm_type if fp32
+                    else torch.zeros((), device=device))
+        if dist.get_world_size(process_group) > 1:
+            dist.all_reduce(total, group=process_group)
         total = total ** (1.0 / norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)   # max_norm / (total + 1e-6), at most 1
     return total
 
 
