@@ -974,17 +974,60 @@ class ToyModel(nn.Module):
         return logits if targets is None else F.cross_entropy(logits.float(), targets)
 
 
+MNIST_FILES = {"train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",   # the .gz files' MD5
+               "train-labels-idx1-ubyte": "d53e105ee54ea40749a09fcbcd1e9432"}
+MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "https://storage.googleapis.com/cvdf-datasets/mnist/")
+
+
+def _read_idx(path: Path) -> torch.Tensor:
+    """An array in the idx format MNIST ships in (optionally gzipped): two zero bytes, the
+    element type (0x08: unsigned bytes), the number of dimensions, each size as a big-endian
+    uint32, then the elements."""
+    import gzip
+    import struct
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if data[:2] != b"\0\0" or data[2] != 0x08:
+        raise UsageError(f"{path} is not an idx file of unsigned bytes (MNIST's format)")
+    dims = struct.unpack(f">{data[3]}I", data[4:4 + 4 * data[3]])
+    return torch.frombuffer(bytearray(data[4 + 4 * data[3]:]), dtype=torch.uint8).reshape(dims)
+
+
+def _fetch_mnist(raw: Path, name: str):
+    """``name``.gz from the first mirror that answers, checked against its MD5."""
+    import hashlib
+    import urllib.request
+    raw.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for mirror in MNIST_MIRRORS:
+        try:
+            with urllib.request.urlopen(mirror + name + ".gz", timeout=60) as r:
+                data = r.read()
+        except OSError as e:
+            errors.append(f"{mirror}: {e}")
+            continue
+        if hashlib.md5(data).hexdigest() != MNIST_FILES[name]:
+            errors.append(f"{mirror}: {name}.gz has the wrong checksum")
+            continue
+        (raw / (name + ".gz")).write_bytes(data)
+        return
+    raise UsageError(f"could not download MNIST's {name}.gz: " + "; ".join(errors))
+
+
 def load_mnist(root, download: bool):
-    """MNIST training images as (N, 784) float in [0, 1] and labels, via torchvision."""
-    from torchvision.datasets import MNIST
-    try:
-        ds = MNIST(root, train=True, download=download)
-    except RuntimeError as e:
-        if "not found" in str(e).lower():
-            raise UsageError(f"MNIST not found under {root}/MNIST/raw: add --download (needs internet) "
-                             f"or point --data-root at a folder that holds MNIST/raw") from None
-        raise
-    return ds.data.reshape(len(ds.data), -1).float() / 255.0, ds.targets.long()
+    """MNIST training images as (N, 784) float in [0, 1] and labels, read from
+    ``root``/MNIST/raw (the idx files, plain or gzipped, where torchvision keeps them);
+    ``download``: fetch what is missing first."""
+    raw = Path(root) / "MNIST" / "raw"
+    found = {}
+    for name in MNIST_FILES:
+        if download and not (raw / name).exists() and not (raw / (name + ".gz")).exists():
+            _fetch_mnist(raw, name)
+        found[name] = next((p for p in (raw / name, raw / (name + ".gz")) if p.exists()), None)
+    if None in found.values():
+        raise UsageError(f"MNIST not found under {root}/MNIST/raw: add --download (needs internet) "
+                         f"or point --data-root at a folder that holds MNIST/raw")
+    images, labels = (_read_idx(found[name]) for name in MNIST_FILES)
+    return images.reshape(len(images), -1).float() / 255.0, labels.long()
 
 
 def verify_batches(args, steps: int, global_batch: int):

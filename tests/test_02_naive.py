@@ -3,6 +3,7 @@ import os
 import time
 
 import pytest
+import torch
 
 import common
 from conftest import check_equivalence, ROOT, refused, run_inline, run_script, spawned_workers, workers_left, verify_args, write_fake_mnist
@@ -30,6 +31,37 @@ def test_mnist_path_on_a_tiny_dataset_in_mnist_format(tmp_path):
                    "--no-bench", "--verify-steps", "2")
     assert p.returncode == 0, p.stderr
     assert "verify 02_naive_ddp at 2 rank(s): PASS" in p.stdout
+
+
+def test_mnist_reads_gzipped_files_and_downloads_what_is_missing(tmp_path, monkeypatch):
+    """The idx reader on gzipped files gives the plain files' values; --download fetches the
+    .gz files from the first mirror whose copy has the right checksum."""
+    import gzip
+    import hashlib
+    import io as io_
+    import urllib.request
+    write_fake_mnist(tmp_path / "plain")
+    raw = tmp_path / "plain" / "MNIST" / "raw"
+    want_x, want_y = common.load_mnist(str(tmp_path / "plain"), download=False)
+    assert torch.equal(want_y, torch.tensor(list((raw / "train-labels-idx1-ubyte").read_bytes()[8:])))
+    blobs = {name: gzip.compress((raw / name).read_bytes()) for name in common.MNIST_FILES}
+    asked = []
+
+    def urlopen(url, timeout):
+        asked.append(url)
+        mirror, name = url.rsplit("/", 1)
+        if mirror + "/" == common.MNIST_MIRRORS[0]:
+            raise OSError("unreachable")
+        return io_.BytesIO(blobs[name[:-3]])
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    with pytest.raises(common.UsageError, match="wrong checksum"):   # the real MD5s: not these bytes
+        common.load_mnist(str(tmp_path / "fetched"), download=True)
+    monkeypatch.setattr(common, "MNIST_FILES", {n: hashlib.md5(b).hexdigest() for n, b in blobs.items()})
+    x, y = common.load_mnist(str(tmp_path / "fetched"), download=True)
+    assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    assert sorted(p.name for p in (tmp_path / "fetched" / "MNIST" / "raw").iterdir()) == \
+        ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"]
+    assert asked[-1].startswith(common.MNIST_MIRRORS[1]) and asked[-2].startswith(common.MNIST_MIRRORS[0])
 
 
 def test_missing_mnist_says_how_to_get_it(tmp_path):
