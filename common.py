@@ -20,8 +20,8 @@ import json
 import math
 import os
 import pickle
-import signal
 import platform
+import signal
 import statistics
 import sys
 import tempfile
