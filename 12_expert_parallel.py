@@ -259,8 +259,7 @@ class MoE(nn.Module):
         rows = _count(key, E + 1)[:E]                                         # rows this rank sends each expert
         self._stats = {"tokens": counts, "assignments": flat.numel()}
         if self.distributed:                                                  # to the experts' ranks and back
-            staged = self.host_staging if self.host_staging is not None else \
-                x.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
+            staged = self.staged(x.device, self.group)
             per = E // self.ep
             got = _exchange(rows, [per] * self.ep, [per] * self.ep, self.group, staged)   # the counts first
             counts_here = torch.cat([rows, got]).tolist()   # the forward's one wait on the device: the split sizes
@@ -287,6 +286,13 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
+
+    def staged(self, device, group) -> bool:
+        """Whether the exchanges over ``group`` go through host memory: ``host_staging``
+        if given, else when the group is gloo and the tokens on a GPU."""
+        if self.host_staging is not None:
+            return self.host_staging
+        return device.type != "cpu" and dist.get_backend(group) == "gloo"
 
     def _run_local(self, x, rows, flat):
         """Run the local experts on the rows that arrived: ``rows[r][j]`` rows from rank r for
@@ -705,22 +711,25 @@ def alltoall_model(ctx, group, nbytes=8 << 20) -> tuple:
     return alpha, per * n * 4 / max(_timed(ctx, run(per)) - alpha, alpha)
 
 
+def _plain_step(model, optimizer, batch, sync=True):
+    """A DDP-wrapped model's training step, untimed (``sync`` False: backward under no_sync,
+    the gradients left unreduced)."""
+    optimizer.zero_grad(set_to_none=True)
+    with contextlib.nullcontext() if sync else model.no_sync():
+        model(*batch).backward()
+    if sync:
+        model.finish_gradient_synchronization()
+    optimizer.step()
+
+
 def exposed_allreduce(ctx, model, optimizer, batch, reps=6) -> float:
     """Seconds a DDP step waits for its gradients' all-reduce beyond what backward hides:
     the step (median, the slowest rank's) less the same step that reduces nothing (backward
     under no_sync, no finish), the two alternating."""
-    x, y = batch
-    def step(sync):
-        optimizer.zero_grad(set_to_none=True)
-        with contextlib.nullcontext() if sync else model.no_sync():
-            model(x, y).backward()
-        if sync:
-            model.finish_gradient_synchronization()
-        optimizer.step()
     times = {True: [], False: []}
     for _ in range(reps):
         for sync in (True, False):
-            times[sync].append(_timed(ctx, lambda: step(sync), reps=1))
+            times[sync].append(_timed(ctx, lambda: _plain_step(model, optimizer, batch, sync), reps=1))
     return max(0.0, sorted(times[True])[reps // 2] - sorted(times[False])[reps // 2])
 
 
@@ -732,13 +741,11 @@ def exchanges_in_step(ctx, model, optimizer, batch, group, layers, reps=11) -> f
     rank's), in seconds: the transfers and what the ranks wait for each other there (each
     exchange holds every rank of the group until the slowest arrives)."""
     moes = model.module.moes()
-    x, y = batch
     on = [False]
 
     def hooks(moe, st):
         d, per = moe.router.in_features, moe.n_experts // dist.get_world_size(group)
-        staged = moe.host_staging if moe.host_staging is not None else \
-            ctx.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        staged = moe.staged(ctx.device, group)
         send, recv, n = st["send"], st["recv"], dist.get_world_size(group)
 
         def a2a(out, back):   # rows ``out`` to each rank, ``back`` from each (EP's _exchange)
@@ -757,10 +764,7 @@ def exchanges_in_step(ctx, model, optimizer, batch, group, layers, reps=11) -> f
 
     def step(exchange):
         on[0] = exchange
-        optimizer.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        model.finish_gradient_synchronization()
-        optimizer.step()
+        _plain_step(model, optimizer, batch)
     handles = [h for moe, st in zip(moes, layers) for h in hooks(moe, st)]
     try:
         more = []   # each pair's difference: the machine's drift cancels within a pair

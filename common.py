@@ -1363,7 +1363,6 @@ def train_with_checkpoints(ctx, args, module, optimizer, step_fn):
     model under its own names) and ``optimizer`` every --checkpoint-every steps; the data
     of step i must depend on i only. Prints "resumed from step K" and, at the end, "final
     weights sha256 <hex>" (the whole model, gathered); returns that hex on the first rank."""
-    import signal
     start, folder = 0, latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     if folder:
         start = load_sharded(module, optimizer, folder)["step"]
@@ -1526,17 +1525,16 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
     norm_type = float(norm_type)
     fp32 = [g for g in counted if g.dtype == torch.float32 and g.numel()]   # torch's fused norms
     rest = [g for g in counted if g.dtype != torch.float32 and g.numel()]   # each in float32
-    if math.isinf(norm_type):
-        total = torch.stack([g.abs().max().float() for g in rest] + [torch.zeros((), device=device)]
-                            + ([torch.nn.utils.get_total_norm(fp32, norm_type).to(device)] if fp32 else [])).max()
-        if dist.get_world_size(process_group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
+    fused = torch.nn.utils.get_total_norm(fp32, norm_type).to(device) if fp32 else torch.zeros((), device=device)
+    inf = math.isinf(norm_type)
+    if inf:
+        total = torch.stack([g.abs().max().float() for g in rest] + [fused]).max()
     else:
         total = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in rest),
-                    torch.nn.utils.get_total_norm(fp32, norm_type).to(device) ** norm_type if fp32
-                    else torch.zeros((), device=device))
-        if dist.get_world_size(process_group) > 1:
-            dist.all_reduce(total, group=process_group)
+                    fused ** norm_type)
+    if dist.get_world_size(process_group) > 1:   # a group of one has nothing to add
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=process_group)
+    if not inf:
         total = total ** (1.0 / norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)   # max_norm / (total + 1e-6), at most 1
     return total
