@@ -30,8 +30,8 @@ Run:
 Prints PASS/FAIL per verification case (attention outputs and q, k, v gradients at cp 2, 3
 and 4 in the tests; LM training against one process), then tables: step time and tokens/s
 per rank of each method beside one process across sequence lengths; one attention's saved
-and peak memory per rank beside the formula and the bound (one process's peak / cp + the
-blocks in flight), and the bytes it sends (per layer and step) counted beside the closed
+and peak memory per rank beside the formula and the bound (the rank's share of one
+process's peak + the blocks in flight), and the bytes it sends (per layer and step) counted beside the closed
 form; each rank's ring attention time in the contiguous and zig-zag layouts. --sweep
 instead times one attention and measures its peak from 1k to 16k tokens, one process
 beside every method at cp 2 and 4 (11_sweep.{json,md,png}; make cp-sweep). Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
@@ -330,11 +330,15 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def _gather_kv(k, v, group):
-    """Every rank's K and V, (cp, 2, batch, heads, its tokens, head dim), in rank order."""
-    kv = torch.stack([k, v])
-    out = torch.empty(dist.get_world_size(group) * 2, *k.shape, dtype=k.dtype, device=k.device)
-    _all_gather(out, kv, group=group)
-    return out.view(-1, *kv.shape)
+    """Every rank's K and V, (cp, 2, batch, heads, its tokens, head dim), in rank order:
+    this rank's written into its own slot of the output and gathered in place (as FSDP2
+    gathers), with no stacked copy of them for the collective to hold."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.empty(cp, 2, *k.shape, dtype=k.dtype, device=k.device)
+    out[rank, 0].copy_(k)
+    out[rank, 1].copy_(v)
+    _all_gather(out.view(cp * 2, *k.shape), out[rank], group=group)
+    return out
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -771,7 +775,7 @@ def saved_bytes(cp, b, h, t, d) -> float:
 
 
 def in_flight_bytes(method, cp, block) -> float:
-    """What a rank holds at its peak beyond its 1/cp share of one process's attention, in
+    """What a rank holds at its peak beyond its share of one process's attention, in
     closed form, for ``block`` bytes of its K (float32). ring, in a backward step: the K/V
     block attended and the next one arriving (4 blocks); the block's dK/dV, the accumulator
     sent and the one arriving (6); dq's block (1); and one block allowed for the fused
@@ -784,18 +788,25 @@ def in_flight_bytes(method, cp, block) -> float:
 def attention_memory(ctx, args, methods, seq_lens):
     """For each sequence length, one attention forward and backward (one sequence, the
     model's heads): the bytes saved for backward (counted as autograd saves them) and the
-    peak of live tensor bytes (07's StepPeak), per rank, beside the formula and the bound
-    (one process's measured peak / cp + what the method holds in flight); and the bytes
-    sent, counted, beside the formula."""
+    peak of live tensor bytes (07's StepPeak), per rank, beside the formula and the bound:
+    the rank's share of one process's measured peak plus what the method holds in flight
+    (in_flight_bytes). The share is one process's peak / cp for the ring and all-gather (a
+    rank attends with t/cp queries); for Ulysses, one process's peak on the h/cp heads the
+    rank attends with, measured (the whole sequence: the fused kernel's working memory is
+    per query tile and thread, not per head, so it does not fall with cp). The bytes sent,
+    counted, beside the formula."""
     d_model, _, _, h = common.MODEL_SIZES[args.model_size]
     d, cp, rows = d_model // h, ctx.world_size, []
     for t in seq_lens:
         one = one_attention(ctx, t, h, d, "one process")
         rows.append({**one, "peak_bound_MB": one["peak_MB"]})
+        share = {"ring": one["peak_MB"] / cp, "allgather": one["peak_MB"] / cp}
+        if "ulysses" in methods and runs("ulysses", h, cp):
+            share["ulysses"] = one_attention(ctx, t, h // cp, d, "one process")["peak_MB"]
         for method in (m for m in methods if runs(m, h, cp)):
             r = one_attention(ctx, t, h, d, method)
             block = h * (t // cp) * d * 4
-            rows.append({**r, "peak_bound_MB": one["peak_MB"] / cp + in_flight_bytes(method, cp, block) / 1e6})
+            rows.append({**r, "peak_bound_MB": share[method] + in_flight_bytes(method, cp, block) / 1e6})
     return rows
 
 
@@ -1061,8 +1072,8 @@ def main(argv=None):
         settings = {**common.lm_settings(args), "cp": cp}
         t2 = common.save_results(args.out, "11_memory", memory, settings, headers=MEMORY_HEADERS,
                                  title="One attention's memory and bytes per rank, beside the formulas",
-                                 note=saved_bytes.__doc__.replace("\n    ", " ") + "\n\n" +
-                                 attention_bytes.__doc__.replace("\n    ", " "))
+                                 note="\n\n".join(f.__doc__.replace("\n    ", " ") for f in (
+                                     saved_bytes, attention_memory, in_flight_bytes, attention_bytes)))
         t = max(args.seq_lens)
         rows3 = [{"layout": layout, "seq_len": t, **{f"rank_{r}_ms": ms * 1e3 for r, ms in enumerate(times)},
                   "max_over_mean": max(times) / (sum(times) / len(times))} for layout, times in spread.items()]

@@ -38,6 +38,7 @@ at each capacity factor beside the share it dropped. Writes
 
 import contextlib
 import copy
+import statistics
 
 import common
 from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
@@ -653,48 +654,40 @@ def benchmark(ctx, args, ep):
         by = {r["method"]: r for r in rows}
         by[ep_name].update(state_predicted_MB=pred["state_MB"], experts_predicted_MB=pred["experts_state_MB"])
         by[ep_name].update(common.vs_paired(by[ep_name], by["MoE replicated (plain DP)"], "vs_replicated"))
-    timing = time_model(ctx, args, ep, models, rows, routing, groups) if ep_name in models and ep > 1 else None
+    timing = time_model(ctx, args, ep, models, groups) if ep_name in models and ep > 1 else None
     return rows, routing_rows(everyone, E, ep, W), accounting(ctx, args, ep, groups), timing
 
 
-def _timed(ctx, fn, reps=5, slowest=True) -> float:
+def _once(ctx, fn) -> float:
+    """Seconds of one ``fn()`` on this rank, the ranks starting it together."""
+    dist.barrier()
+    common.sync(ctx.device)
+    t0 = time.perf_counter()
+    fn()
+    common.sync(ctx.device)
+    return time.perf_counter() - t0
+
+
+def _timed(ctx, fn, reps=5) -> float:
     """Median seconds of ``fn()`` over ``reps`` calls after one (the ranks start each
-    together), the slowest rank's (``slowest`` False: this rank's)."""
-    times = []
-    for _ in range(reps + 1):
-        dist.barrier()
-        common.sync(ctx.device)
-        t0 = time.perf_counter()
-        fn()
-        common.sync(ctx.device)
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([sorted(times[1:])[reps // 2]], dtype=torch.float64)
-    if slowest:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    together), the slowest rank's."""
+    times = [_once(ctx, fn) for _ in range(reps + 1)][1:]
+    t = torch.tensor([sorted(times)[reps // 2]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def expert_seconds(ctx, runs: dict, reps=9) -> dict:
-    """Each model's experts' forward and backward in a step on this rank, replayed alone:
-    ``runs`` maps a name to (its MoE layers, a step's stats per layer); each layer's local
-    experts on as many rows from each rank as they got, sorted and put back as in the step.
-    The sum over layers of each layer's median of ``reps`` calls (the ranks start each
-    together), the models' calls alternating so that the machine's drift hits all alike."""
+def _replay(ctx, moes, layers):
+    """A function that runs ``moes``' local experts forward and backward on as many rows
+    from each rank as each got in a step (``layers``: the step's stats per MoE layer),
+    sorted and put back as there: the experts' compute of that step, alone."""
     calls = []
-    for name, (moes, layers) in runs.items():
-        for moe, stats in zip(moes, layers):
-            rows = stats["rows"]
-            x = torch.randn(sum(map(sum, rows)), moe.router.in_features, device=ctx.device, requires_grad=True)
-            flat = torch.tensor([n for r in rows for n in r], device=ctx.device)
-            calls.append((name, lambda moe=moe, x=x, rows=rows, flat=flat: moe._run_local(x, rows, flat).sum().backward()))
-    times = [[] for _ in calls]
-    for _ in range(reps):
-        for (_, fn), t in zip(calls, times):
-            t.append(_timed(ctx, fn, reps=1, slowest=False))
-    total = dict.fromkeys(runs, 0.0)
-    for (name, _), t in zip(calls, times):
-        total[name] += sorted(t)[reps // 2]
-    return total
+    for moe, stats in zip(moes, layers):
+        rows = stats["rows"]
+        x = torch.randn(sum(map(sum, rows)), moe.router.in_features, device=ctx.device, requires_grad=True)
+        flat = torch.tensor([n for r in rows for n in r], device=ctx.device)
+        calls.append(lambda moe=moe, x=x, rows=rows, flat=flat: moe._run_local(x, rows, flat).sum().backward())
+    return lambda: [call() for call in calls]
 
 
 def alltoall_model(ctx, group, nbytes=8 << 20) -> tuple:
@@ -722,105 +715,120 @@ def _plain_step(model, optimizer, batch, sync=True):
     optimizer.step()
 
 
-def exposed_allreduce(ctx, model, optimizer, batch, reps=6) -> float:
-    """Seconds a DDP step waits for its gradients' all-reduce beyond what backward hides:
-    the step (median, the slowest rank's) less the same step that reduces nothing (backward
-    under no_sync, no finish), the two alternating."""
-    times = {True: [], False: []}
-    for _ in range(reps):
-        for sync in (True, False):
-            times[sync].append(_timed(ctx, lambda: _plain_step(model, optimizer, batch, sync), reps=1))
-    return max(0.0, sorted(times[True])[reps // 2] - sorted(times[False])[reps // 2])
+def _exchange_hooks(ctx, moes, group, current) -> list:
+    """Hooks that make EP's all-to-alls in a replicated MoE's step: at each point where EP
+    exchanges (before a MoE, the counts and the tokens out; after it, the outputs back; the
+    same two reversed in backward), an all-to-all of the bytes EP sent there over ``group``,
+    read from ``current[0]`` (EP's routing stats of a step, per MoE layer; None: no
+    exchange). Returns the handles."""
+    n = dist.get_world_size(group)
 
-
-def exchanges_in_step(ctx, model, optimizer, batch, group, layers, reps=11) -> float:
-    """EP's all-to-alls timed where EP makes them: the replicated MoE's step with, at each
-    point where EP exchanges, an all-to-all of the bytes EP sent there (``layers``: EP's
-    routing stats of a step, per MoE layer) over ``group``, beside the same step without
-    (the two alternating; the median of the pairs' differences, each step the slowest
-    rank's), in seconds: the transfers and what the ranks wait for each other there (each
-    exchange holds every rank of the group until the slowest arrives)."""
-    moes = model.module.moes()
-    on = [False]
-
-    def hooks(moe, st):
-        d, per = moe.router.in_features, moe.n_experts // dist.get_world_size(group)
-        staged = moe.staged(ctx.device, group)
-        send, recv, n = st["send"], st["recv"], dist.get_world_size(group)
+    def hooks(i, moe):
+        d, per, staged = moe.router.in_features, moe.n_experts // n, moe.staged(ctx.device, group)
 
         def a2a(out, back):   # rows ``out`` to each rank, ``back`` from each (EP's _exchange)
-            if on[0]:
-                _exchange(torch.zeros(sum(out), d, device=ctx.device), out, back, group, staged)
+            if current[0] is not None:
+                st = current[0][i]
+                _exchange(torch.zeros(sum(st[out]), d, device=ctx.device), st[out], st[back], group, staged)
 
         def counts_and_tokens(*_):
-            if on[0]:
+            if current[0] is not None:
                 _exchange(torch.zeros(moe.n_experts, dtype=torch.long, device=ctx.device), [per] * n, [per] * n,
                           group, staged)
-            a2a(send, recv)
-        return [moe.register_forward_pre_hook(counts_and_tokens),                      # counts, tokens out
-                moe.register_forward_hook(lambda *_: a2a(recv, send)),                 # outputs back
-                moe.register_full_backward_pre_hook(lambda *_: a2a(send, recv)),       # their gradients out
-                moe.register_full_backward_hook(lambda *_: a2a(recv, send))]           # inputs' gradients back
-
-    def step(exchange):
-        on[0] = exchange
-        _plain_step(model, optimizer, batch)
-    handles = [h for moe, st in zip(moes, layers) for h in hooks(moe, st)]
-    try:
-        more = []   # each pair's difference: the machine's drift cancels within a pair
-        for i in range(reps):
-            pair = {exchange: _timed(ctx, lambda: step(exchange), reps=1) for exchange in ((True, False), (False, True))[i % 2]}
-            more.append(pair[True] - pair[False])
-    finally:
-        for h in handles:
-            h.remove()
-    return max(0.0, sorted(more)[reps // 2])
+            a2a("send", "recv")
+        return [moe.register_forward_pre_hook(counts_and_tokens),                          # counts, tokens out
+                moe.register_forward_hook(lambda *_: a2a("recv", "send")),                 # outputs back
+                moe.register_full_backward_pre_hook(lambda *_: a2a("send", "recv")),       # their gradients out
+                moe.register_full_backward_hook(lambda *_: a2a("recv", "send"))]           # inputs' gradients back
+    return [h for i, moe in enumerate(moes) for h in hooks(i, moe)]
 
 
-def time_model(ctx, args, ep, models, rows, routing, groups) -> dict:
-    """EP's step time by a model of its parts, each measured alone in this job: the
-    replicated MoE's step, less its experts' compute (forward and backward, the slowest
-    rank, replayed on the rows each expert got) and the part of the step that waited for
-    their gradients' all-reduce (the step less the same step reducing nothing, times the
-    experts' share of the gradients' bytes; at most the all-reduce's own time), plus EP's
-    slowest rank's expert compute (replayed the same way), its experts' gradient all-reduce
-    over their copies (none when ep is the world) and its all-to-alls: each exchange of the
-    step (the counts; the tokens out and back, forward and backward) with EP's bytes, made
-    at the same points of the replicated step (the step with them less the step without:
-    the transfers and the ranks' waits for each other there). Beside it, for reference, the
-    same exchanges at the alpha-beta model's time (timed back to back, the slowest rank's)."""
+TIME_TERMS = ("ep", "replicated", "replicated_no_reduce", "replicated_exchanging", "ep_experts", "replicated_experts")
+
+
+def time_model(ctx, args, ep, models, groups) -> tuple:
+    """EP's step time by a model of its parts: the replicated MoE's step, less its experts'
+    compute (forward and backward, the slowest rank, replayed on the rows each expert got)
+    and the part of the step that waited for their gradients' all-reduce (the step less the
+    same step reducing nothing, times the experts' share of the gradients' bytes; at most
+    the all-reduce's own time), plus EP's slowest rank's expert compute (replayed the same
+    way), its experts' gradient all-reduce over their copies (none when ep is the world,
+    timed alone) and its all-to-alls: each exchange of the step (the counts; the tokens out
+    and back, forward and backward) with EP's bytes, made at the same points of the
+    replicated step (the step with them less the step without: the transfers and the
+    ranks' waits for each other there). Every part is measured in each of 2 x --steps + 4
+    rounds, beside EP's step on the same batch, in an order reversed every other round:
+    step_over_model is the median of the rounds' ratios (the machine's drift cancels within
+    a round), the other columns each term's median. Beside it, for reference, the
+    exchanges at the alpha-beta model's time (timed back to back, the slowest rank's)."""
     ep_name, rep_name = f"EP {ep}, aux {args.aux_coef:g}", "MoE replicated (plain DP)"
-    by = {r["method"]: r for r in rows}
-    (ep_model, _), (rep_model, rep_opt) = models[ep_name], models[rep_name]
+    (ep_model, ep_opt), (rep_model, rep_opt) = models[ep_name], models[rep_name]
+    rounds = 2 * args.steps + 4
     ep_moes, rep_moes = (m.module.moes() for m in (ep_model, rep_model))
-    with ep_model.no_sync(), rep_model.no_sync():   # replays: no DDP reduction
-        x = expert_seconds(ctx, {"ep": (ep_moes, routing[ep_name][-1]), "rep": (rep_moes, routing[rep_name][-1])})
-    everyone = torch.tensor([x["ep"], x["rep"]], dtype=torch.float64)
-    dist.all_reduce(everyone, op=dist.ReduceOp.MAX)
-    x_ep, x_rep = everyone.tolist()
+
     def allreduce(model, group=None):   # the experts' gradients, all-reduced over ``group``
         grads = torch.zeros(sum(p.numel() for p in expert_parameters(model.module)), device=ctx.device)
         return _timed(ctx, lambda: dist.all_reduce(grads, group=group))
     ar, ar_ep = allreduce(rep_model), allreduce(ep_model, groups[1]) if groups[1] is not None else 0.0
-    batch = tuple(common.shard(x, ctx.rank, ctx.world_size)
-                  for x in common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device))
-    exposed = exposed_allreduce(ctx, rep_model, rep_opt, batch)
     share = sum(p.numel() for p in expert_parameters(rep_model.module)) / sum(p.numel() for p in rep_model.parameters())
-    ar_exposed = min(ar, exposed * share)   # the experts' part of what the step waited for
-    layers = routing[ep_name][-1]
-    a2a = exchanges_in_step(ctx, rep_model, rep_opt, batch, groups[0], layers)
+    batches = [tuple(common.shard(x, ctx.rank, ctx.world_size) for x in common.lm_batch(
+        args.batch_size, args.context_length, i, args.seed, ctx.device)) for i in range(4)]
+    current, local = [None], []
+    handles = _exchange_hooks(ctx, rep_moes, groups[0], current)
+    try:
+        for i in range(rounds + 1):   # the first round warms the hooks up; not counted
+            batch, got = batches[i % len(batches)], {}
+
+            def replicated(sync=True, exchanging=False):
+                current[0] = got["ep_layers"] if exchanging else None
+                _plain_step(rep_model, rep_opt, batch, sync)
+                current[0] = None
+            steps = {"ep": lambda: train_step(ep_model, ep_opt, batch, common.StepClock(ctx.device)),
+                     "replicated": replicated, "replicated_no_reduce": lambda: replicated(sync=False)}
+            order = list(steps) if i % 2 == 0 else list(steps)[::-1]
+            for name in order:
+                got[name] = _once(ctx, steps[name])
+                if name == "ep":
+                    got["ep_layers"] = [m.stats for m in ep_moes]
+                elif name == "replicated":
+                    got["rep_layers"] = [m.stats for m in rep_moes]
+            got["replicated_exchanging"] = _once(ctx, lambda: replicated(exchanging=True))
+            with ep_model.no_sync(), rep_model.no_sync():   # replays: no DDP reduction
+                replays = {"ep_experts": _replay(ctx, ep_moes, got["ep_layers"]),
+                           "replicated_experts": _replay(ctx, rep_moes, got["rep_layers"])}
+                for name in (list(replays) if i % 2 == 0 else list(replays)[::-1]):
+                    got[name] = _once(ctx, replays[name])
+            if i:
+                local.append([got[k] for k in TIME_TERMS])
+    finally:
+        for h in handles:
+            h.remove()
+    slowest = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)   # each step's and replay's slowest rank
+    per_round = []
+    for values in slowest.tolist():
+        r = dict(zip(TIME_TERMS, values))
+        exposed = min(ar, max(0.0, r["replicated"] - r["replicated_no_reduce"]) * share)
+        a2a = r["replicated_exchanging"] - r["replicated"]
+        model = r["replicated"] - r["replicated_experts"] - exposed + r["ep_experts"] + ar_ep + a2a
+        per_round.append({**r, "experts_allreduce_exposed": exposed, "alltoall": a2a, "model": model,
+                          "step_over_model": r["ep"] / model})
+    med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    layers = got["ep_layers"]   # the last round's
     d = ep_moes[0].router.in_features
     sizes = [4 * d * n for st in layers for n in (sum(st["send"]), sum(st["recv"]))]   # bytes put in, per exchange
     alpha, beta = alltoall_model(ctx, groups[0])
     ab = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64)
     dist.all_reduce(ab, op=dist.ReduceOp.MAX)       # forward and backward, and the counts; the slowest rank's
-    model = by[rep_name]["step_ms"] / 1e3 - x_rep - ar_exposed + x_ep + ar_ep + a2a
-    return {"method": ep_name, "ep": ep, "step_ms": by[ep_name]["step_ms"], "model_ms": model * 1e3,
-            "step_over_model": by[ep_name]["step_ms"] / 1e3 / model, "replicated_ms": by[rep_name]["step_ms"],
-            "replicated_experts_ms": x_rep * 1e3, "experts_allreduce_ms": ar * 1e3,
-            "experts_allreduce_exposed_ms": ar_exposed * 1e3, "ep_experts_ms": x_ep * 1e3,
-            "ep_allreduce_ms": ar_ep * 1e3, "alltoall_ms": a2a * 1e3, "alltoall_alpha_beta_ms": ab.item() * 1e3,
-            "a2a_latency_us": alpha * 1e6, "a2a_GBps": beta / 1e9}
+    ratios = sorted(r["step_over_model"] for r in per_round)
+    row = {"method": ep_name, "ep": ep, "rounds": rounds, "step_ms": med["ep"] * 1e3, "model_ms": med["model"] * 1e3,
+           "step_over_model": med["step_over_model"], "step_over_model_q1": ratios[len(ratios) // 4],
+           "step_over_model_q3": ratios[(3 * len(ratios)) // 4], "replicated_ms": med["replicated"] * 1e3,
+           "replicated_experts_ms": med["replicated_experts"] * 1e3, "experts_allreduce_ms": ar * 1e3,
+           "experts_allreduce_exposed_ms": med["experts_allreduce_exposed"] * 1e3,
+           "ep_experts_ms": med["ep_experts"] * 1e3, "ep_allreduce_ms": ar_ep * 1e3, "alltoall_ms": med["alltoall"] * 1e3,
+           "alltoall_alpha_beta_ms": ab.item() * 1e3, "a2a_latency_us": alpha * 1e6, "a2a_GBps": beta / 1e9}
+    return row, per_round
 
 
 CAPACITIES = (0.0, 2.0, 1.25, 1.0, 0.5)
@@ -1014,9 +1022,10 @@ def main(argv=None):
                                       "steps cycling the same 4 global batches of random tokens (the loss falls only as "
                                       "the model memorizes them, which capacity limits); last_loss: the mean of the last "
                                       "4 steps; dropped: the share of assignments dropped over the run.")
-        t6 = common.save_results(args.out, "12_time_model", [timing] if timing else [], settings,
+        t6 = common.save_results(args.out, "12_time_model", [timing[0]] if timing else [], settings,
                                  title="EP's step beside the model of its time",
-                                 note=time_model.__doc__.replace("\n    ", " "))
+                                 note=time_model.__doc__.replace("\n    ", " "),
+                                 extra={"per_round": timing[1] if timing else []})
         t5 = common.save_results(args.out, "12_grouped", grouped, settings,
                                  title="Experts one call each (a loop) or grouped: one MoE layer's forward and backward",
                                  note=expert_timing.__doc__.replace("\n    ", " "))
