@@ -33,7 +33,7 @@ per rank of each method beside one process across sequence lengths; one attentio
 and peak memory per rank beside the formula and the bound (the rank's share of one
 process's peak + the blocks in flight), and the bytes it sends (per layer and step) counted beside the closed
 form; each rank's ring attention time in the contiguous and zig-zag layouts. --sweep
-instead times one attention and measures its peak from 1k to 16k tokens, one process
+instead times one attention and measures its peak from 1k to 32k tokens, one process
 beside every method at cp 2 and 4 (11_sweep.{json,md,png}; make cp-sweep). Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
 11_balance.{json,md}, and <out>/11_timeline.png (one ring step: compute and waiting per
 rank).
@@ -1005,7 +1005,7 @@ def main(argv=None):
                    help="instead of the timing tables: one attention's forward and backward across --sweep-lens, "
                         "one process beside every method at each of --sweep-cps (time and peak memory, a table "
                         "and a plot: 11_sweep.*)")
-    p.add_argument("--sweep-lens", nargs="+", type=common.COUNT, default=[1024, 2048, 4096, 8192, 16384],
+    p.add_argument("--sweep-lens", nargs="+", type=common.COUNT, default=[1024, 2048, 4096, 8192, 16384, 32768],
                    help="sequence lengths of --sweep")
     p.add_argument("--sweep-cps", nargs="+", type=common.number(int, 2), default=[2, 4], help="cps of --sweep")
     p.set_defaults(batch_size=1, context_length=VERIFY_T)

@@ -8,8 +8,8 @@
 # make checkpoints sharded checkpoints (07's save_sharded, sync and async) beside
 #            torch.distributed.checkpoint's save and async_save on FSDP2 (results/07_checkpoint;
 #            about 30 seconds; not in `all`)
-# make cp-sweep one attention from 1k to 16k tokens, one process beside every context-parallel
-#            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 10 minutes)
+# make cp-sweep one attention from 1k to 32k tokens, one process beside every context-parallel
+#            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 6 minutes)
 # make test  runs the test suite
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
 # Each sets up .venv from requirements.txt first when it is missing or out of date.
@@ -110,8 +110,8 @@ levers: $(STAMP)
 11: $(STAMP)
 	$(PY) 11_context_parallel.py --warmup 3 --out results
 
-# One attention from 1k to 16k tokens: one process, then ring, allgather and ulysses at cp 2
-# and 4, time and peak memory per rank, into results/11_sweep/ (about 10 minutes; not in `all`)
+# One attention from 1k to 32k tokens: one process, then ring, allgather and ulysses at cp 2
+# and 4, time and peak memory per rank, into results/11_sweep/ (about 6 minutes; not in `all`)
 cp-sweep: $(STAMP)
 	@mkdir -p results/11_sweep
 	$(PY) 11_context_parallel.py --sweep --no-verify --steps 2 --warmup 1 --out results/11_sweep
