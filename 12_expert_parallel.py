@@ -329,19 +329,38 @@ def expert_parameters(model: nn.Module) -> list:
 
 
 @torch.no_grad()
-def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=None):
+def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=None, bucket_mb=25.0):
     """After backward: each local expert's gradient summed over ``replica_group`` (the
     ranks that hold a copy of the same experts: those at the same place of other ep groups;
     default: the ``copies`` each MoE was distributed with, None: no copies) and divided by
     ``data_ranks`` (the ranks whose losses the step averages; default: the world). The
-    non-expert weights are a DDP wrapper's, told to ignore expert_parameters(model)."""
+    gradients go flattened, one all-reduce per bucket of up to ``bucket_mb`` MB (of one
+    group and dtype), not one per tensor. Frozen experts' parameters (no gradient) are
+    left out. The non-expert weights are a DDP wrapper's, told to ignore
+    expert_parameters(model)."""
     data_ranks = data_ranks or dist.get_world_size()
+    buckets = {}   # (group, dtype) -> gradients, in the modules' order (the same on every rank)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         group = replica_group if replica_group is not None else moe.copies
         for p in moe.experts.parameters():
-            if group is not None:
-                dist.all_reduce(p.grad, group=group)
-            p.grad.div_(data_ranks)
+            if p.grad is not None:
+                buckets.setdefault((group, p.grad.dtype), []).append(p.grad)
+    for (group, _), grads in buckets.items():
+        if group is None:
+            for g in grads:
+                g.div_(data_ranks)
+            continue
+        limit, bucket, size = bucket_mb * 2 ** 20, [], 0
+        for i, g in enumerate(grads):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= limit or i == len(grads) - 1:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat, group=group)
+                flat.div_(data_ranks)
+                for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                    b.copy_(part.view_as(b))
+                bucket, size = [], 0
 
 
 # clip_grad_norm_, full_state_dict, load_full_state_dict, full_optim_state_dict and

@@ -45,6 +45,14 @@ def test_expert_gradients_averaged_over_the_wrong_group_fail_the_check():
     assert not any(r["ok"] for r in res.values())
 
 
+def test_expert_gradients_go_in_buckets_one_all_reduce_each():
+    """7 gradients (one bias frozen) in buckets of two weight matrices: w1 + w2, then b2 + w1 +
+    b1 + w2, then b2: 3 all-reduces, not 7, each gradient as if all-reduced alone."""
+    import workers
+    calls, same = common.launch(workers.expert_buckets, verify_args(4))
+    assert calls == 3 and same
+
+
 def test_torch_clip_on_a_rank_s_own_experts_fails_the_check():
     """Each rank's norm covers only its experts: the ranks clip by different factors."""
     r = common.launch(ep_mod.control_torch_clip, verify_args(2, verify_steps=3), 2)

@@ -742,3 +742,31 @@ def checkpoint_crash(ctx, args, folder, phase):
     common.save_sharded(model.module, opt, folder, 2, extra={"step": 2}, timeout=5.0)
     dist.barrier()   # rank 1 never gets here
     return None
+
+
+def expert_buckets(ctx, args):
+    """12's reduce_expert_gradients at ep 2 on 4 ranks (each expert, a user's MLP with
+    biases, on 2 ranks), buckets of two weight matrices, one expert bias frozen: (the collectives it issued, whether every
+    gradient equals the same gradient all-reduced alone over the copies and divided by the
+    world, the frozen one left without)."""
+    mod = common.load_script(os.path.join(common.ROOT, "12_expert_parallel.py"))
+    ep_group, copies = mod.ep_groups(ctx.world_size, 2)
+    torch.manual_seed(0)
+    expert = lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))  # noqa: E731
+    moe = mod.MoE(8, 16, 4, 2, expert=expert).distribute(ep_group, copies)
+    params = list(moe.experts.parameters())   # 2 experts: w1 (16 x 8), b1, w2 (8 x 16), b2 each
+    params[1].requires_grad_(False)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) if p.requires_grad else None
+    want = []
+    for p in params:
+        alone = None if p.grad is None else p.grad.clone()
+        if alone is not None:
+            dist.all_reduce(alone, group=copies)
+            alone /= ctx.world_size
+        want.append(alone)
+    with common.count_collectives() as c:
+        mod.reduce_expert_gradients(torch.nn.Sequential(moe), bucket_mb=2 * 128 * 4 / 2 ** 20)
+    same = all(w is None and p.grad is None or w is not None and torch.equal(p.grad, w) for p, w in zip(params, want))
+    return c.calls, same
