@@ -34,7 +34,8 @@ and peak memory per rank beside the formula and the bound (the rank's share of o
 process's peak + the blocks in flight), and the bytes it sends (per layer and step) counted beside the closed
 form; each rank's ring attention time in the contiguous and zig-zag layouts. --sweep
 instead times one attention and measures its peak from 1k to 32k tokens, one process
-beside every method at cp 2 and 4 (11_sweep.{json,md,png}; make cp-sweep). Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
+beside every method at cp 2 and 4, and on a GPU torch's context_parallel
+(11_sweep.{json,md,png}; make cp-sweep). Writes <out>/11_context_parallel.{json,md}, 11_memory.{json,md} and
 11_balance.{json,md}, and <out>/11_timeline.png (one ring step: compute and waiting per
 rank).
 """
@@ -873,20 +874,64 @@ def sweep_job(ctx, args, methods, lens):
     return rows
 
 
+def torch_sweep_job(ctx, args, lens):
+    """On a GPU, sweep_job's rows for torch's context_parallel at this job's cp: one causal
+    SDPA forward and backward inside its context manager, which shards q, k, v and the
+    output's gradient along the sequence (its load-balanced layout) and runs SDPA as its
+    ring attention (its SDPA has no CPU sharding rule). The peak is StepPeak's over one
+    call; saved bytes are not counted (None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    fsdp = common.load_script(common.ROOT / "07_fsdp.py")
+    d_model, _, _, h = common.MODEL_SIZES[args.model_size]
+    d, cp, rows = d_model // h, ctx.world_size, []
+    mesh = init_device_mesh(ctx.device.type, (cp,))
+    for t in lens:
+        g = torch.Generator().manual_seed(t)
+        q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
+        with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2] * 4,
+                              no_restore_buffers={q, k, v, dout}):   # each now this rank's shard
+
+            def once():
+                a, b, c = (x.detach().requires_grad_() for x in (q, k, v))
+                F.scaled_dot_product_attention(a, b, c, is_causal=True).backward(dout)
+            with fsdp.StepPeak(ctx.device) as mem:
+                with mem.step():
+                    once()
+            times = []
+            for _ in range(args.warmup + args.steps):
+                dist.barrier()
+                common.sync(ctx.device)
+                t0 = time.perf_counter()
+                once()
+                common.sync(ctx.device)
+                times.append(time.perf_counter() - t0)
+        worst = torch.tensor([statistics.median(times[args.warmup:]) * 1e3, mem.peak / 1e6])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        rows.append({"seq_len": t, "method": "torch context_parallel", "cp": cp, "attention_ms": worst[0].item(),
+                     "peak_MB": worst[1].item(), "saved_MB": None})
+    return rows
+
+
 def sweep(args, methods):
-    """--sweep: one process, then every method at each cp of --sweep-cps, across
-    --sweep-lens; the peak beside one process's / cp. Returns the rows (rank 0's)."""
+    """--sweep: one process, then every method at each cp of --sweep-cps (on a GPU torch's
+    context_parallel too), across --sweep-lens; the peak beside one process's / cp.
+    Returns the rows (rank 0's)."""
     rows = common.launch(sweep_job, args, methods, args.sweep_lens, world_size=1)
     one = {r["seq_len"]: r for r in rows}
     for cp in args.sweep_cps:
-        got = common.launch(sweep_job, args, methods, args.sweep_lens, world_size=cp)
-        for r in got:
-            base = one[r["seq_len"]]
-            r.update(vs_one_process=r["attention_ms"] / base["attention_ms"],
-                     peak_x_cp_vs_one=r["peak_MB"] * cp / base["peak_MB"])
-        rows += got
-        if common.is_reporter():   # rewritten after each cp: a run cut short keeps what it measured
-            save_sweep(args, rows)
+        jobs = [(sweep_job, (args, methods, args.sweep_lens))]
+        if args.device == "cuda":
+            jobs.append((torch_sweep_job, (args, args.sweep_lens)))
+        for job, job_args in jobs:
+            got = common.launch(job, *job_args, world_size=cp)
+            for r in got:
+                base = one[r["seq_len"]]
+                r.update(vs_one_process=r["attention_ms"] / base["attention_ms"],
+                         peak_x_cp_vs_one=r["peak_MB"] * cp / base["peak_MB"])
+            rows += got
+            if common.is_reporter():   # rewritten after each job: a run cut short keeps what it measured
+                save_sweep(args, rows)
     return rows
 
 
@@ -1003,8 +1048,8 @@ def main(argv=None):
                    help="sequence lengths of the memory table (one attention)")
     p.add_argument("--sweep", action="store_true",
                    help="instead of the timing tables: one attention's forward and backward across --sweep-lens, "
-                        "one process beside every method at each of --sweep-cps (time and peak memory, a table "
-                        "and a plot: 11_sweep.*)")
+                        "one process beside every method at each of --sweep-cps, on a GPU torch's context_parallel "
+                        "too (time and peak memory, a table and a plot: 11_sweep.*)")
     p.add_argument("--sweep-lens", nargs="+", type=common.COUNT, default=[1024, 2048, 4096, 8192, 16384, 32768],
                    help="sequence lengths of --sweep")
     p.add_argument("--sweep-cps", nargs="+", type=common.number(int, 2), default=[2, 4], help="cps of --sweep")

@@ -192,10 +192,13 @@ gpu-10: $(GPU_DEPS)
 	    --fsdp 2 --tp 2 --pp 2 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_8ranks
 
 # cp 2 over gloo on the one GPU (ring staged through host memory), beside torch's own
-# context_parallel (which runs on CUDA only)
+# context_parallel (which runs on CUDA only); then the sweep of one attention from 1k to 32k
+# tokens at cp 2 and 4, torch's context_parallel beside every method
 gpu-11: $(GPU_DEPS)
 	$(GPU_RUN) 11_context_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
 	    --cp 2 --seq-lens 1024 4096 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_2ranks
+	$(GPU_RUN) 11_context_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
+	    --sweep --no-verify --steps 2 --warmup 1 --out $(GPU_OUT)/sweep
 
 # ep 2 over gloo on the one GPU (all-to-alls staged through host memory), and NCCL at ep 1
 gpu-12: $(GPU_DEPS)

@@ -89,6 +89,22 @@ def test_script_times_measures_and_draws(tmp_path):
     assert (tmp_path / "11_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sweep_times_and_draws_every_method_beside_one_process(tmp_path):
+    p = run_inline("11_context_parallel.py", "--sweep", "--sweep-lens", "64", "128", "--sweep-cps", "2",
+                   "--model-size", "nano", "--steps", "1", "--warmup", "0", "--no-verify", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "11_sweep.json").read_text())["rows"]
+    assert [(r["seq_len"], r["method"], r["cp"]) for r in rows] == \
+        [(64, "one process", 1), (128, "one process", 1)] + \
+        [(t, m, 2) for t in (64, 128) for m in ("ring", "allgather", "ulysses")]   # torch's on a GPU only
+    for r in rows[2:]:
+        base = rows[0] if r["seq_len"] == 64 else rows[1]
+        assert r["vs_one_process"] == pytest.approx(r["attention_ms"] / base["attention_ms"])
+        assert r["peak_x_cp_vs_one"] == pytest.approx(r["peak_MB"] * 2 / base["peak_MB"])
+        assert r["saved_MB"] == pytest.approx(base["saved_MB"] / 2, rel=0.1)
+    assert (tmp_path / "11_sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--cp", "0"], "argument --cp: must be at least 1"),
     (["--cp", "3", "--seq-lens", "64"], "does not cut into the 2 x 3 chunks"),
