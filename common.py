@@ -1824,9 +1824,10 @@ def _snapshot(module, optimizer):
                     for n in names[id(p)]:
                         if torch.is_tensor(v) and v.dim() and v.shape == p.shape:
                             add(f"optim/{n}/{k}", v, placements(p))
-                        else:   # a scalar (AdamW's step): every rank's the same
-                            add(f"optim/{n}/{k}", v if torch.is_tensor(v) else torch.tensor(v), ())
-                            where[f"optim/{n}/{k}"]["python"] = not torch.is_tensor(v)
+                        elif all(dist.get_rank(r.group) == 0 for r in placements(p) if r.kind == "shard") \
+                                and _sends(placements(p), None):   # a scalar (AdamW's step): the same on
+                            add(f"optim/{n}/{k}", v if torch.is_tensor(v) else torch.tensor(v), ())   # every
+                            where[f"optim/{n}/{k}"]["python"] = not torch.is_tensor(v)   # holder: written once
     return tensors, where, groups
 
 

@@ -2,6 +2,7 @@
 one process and never changed) put on the kit's axes with documented calls only, each
 against one process trained on the same batches with the same clipped AdamW steps."""
 import copy
+import json
 import os
 import sys
 
@@ -424,6 +425,9 @@ def composed(ctx, args):
                 common.save_sharded(stage, opt, folder, half, extra={"mesh": first}, async_save=first == tuple(meshes)[0])
                 common.wait_for_saves()
                 dist.barrier()
+                with open(os.path.join(common.latest_checkpoint(folder), "metadata.json")) as f:
+                    saved = json.load(f)["tensors"]
+                r["scalars once"] = sorted({len(v) for k, v in saved.items() if k.endswith("/step")})
                 r["inf and 1-norm"] = all(abs(a - b) <= 1e-5 * b for a, b in zip(norms[0], other))
                 try:   # a norm over tp alone: a stage's part is refused; data ranks' copies clip alike
                     common.clip_grad_norm_(stage, 1e9, process_group=mesh.group("tp"))

@@ -109,6 +109,7 @@ def test_llama_composed_by_calls_trains_clips_and_resumes_on_another_mesh(compos
         assert r["ok"], f"rank {rank}: max diff {r['max_diff']}"
         assert r["inf and 1-norm"], rank
         assert r["one process"], rank   # the sharded checkpoint loads into the model of one process too
+        assert r["scalars once"] == [1], rank   # AdamW's step of each parameter written by one rank, not 8
         if case.startswith("pp"):   # the norm over tp alone: a stage's part, refused (not silently partial)
             assert "outside the process group" in r["refused"], r["refused"]
         else:                       # the tp group holds the whole model: each data rank's copy clips alike
