@@ -1835,10 +1835,14 @@ _SAVING = {}   # this process's save in flight: the thread writing it
 
 
 def wait_for_saves():
-    """Wait until this process's checkpoint in flight (async_save=True) is written."""
+    """Wait until this process's checkpoint in flight (async_save=True) is written; if
+    writing it failed, raise that here (a RuntimeError from the thread's error)."""
     thread = _SAVING.pop("thread", None)
     if thread is not None:
         thread.join()
+    error = _SAVING.pop("error", None)
+    if error is not None:
+        raise RuntimeError("the checkpoint written in the background failed: " + str(error)) from error
 
 
 def _fsync_dir(path):
@@ -1851,10 +1855,15 @@ def _fsync_dir(path):
 
 
 def _write(path, write):
-    with open(path, "wb") as f:
+    """A checkpoint file written whole or not at all: into a temporary name beside it,
+    flushed to disk, then renamed, so that the first rank, polling for every rank's piece,
+    never reads one half written."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def save_sharded(module, optimizer, directory, step: int, extra=None, async_save=False, timeout=600.0):
@@ -1867,7 +1876,7 @@ def save_sharded(module, optimizer, directory, step: int, extra=None, async_save
     partial one ignored. ``extra``: a JSON-able dict kept with it (the loop's own state);
     each rank's RNG states go with its file. ``async_save``: the tensors are copied to host
     memory now and written by a background thread while training goes on (the next save,
-    or wait_for_saves, waits for it). Every rank calls it (one collective: the folder's
+    or wait_for_saves, waits for it, and raises its error if writing failed). Every rank calls it (one collective: the folder's
     name). Returns the published folder's path."""
     wait_for_saves()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1908,7 +1917,12 @@ def save_sharded(module, optimizer, directory, step: int, extra=None, async_save
         os.rename(partial, final)   # atomic: the checkpoint exists complete, or not at all
         _fsync_dir(directory)
     if async_save:
-        _SAVING["thread"] = threading.Thread(target=write, name=f"checkpoint step {step}")
+        def in_background():
+            try:
+                write()
+            except BaseException as e:   # raised by the next wait_for_saves, not lost in the thread
+                _SAVING["error"] = e
+        _SAVING["thread"] = threading.Thread(target=in_background, name=f"checkpoint step {step}")
         _SAVING["thread"].start()
     else:
         write()

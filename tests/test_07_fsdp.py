@@ -231,12 +231,16 @@ def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
     assert again["collectives"] == ours["collectives"] and again["comm_MB"] == ours["comm_MB"]   # no more gathers
     assert again["comm_MB"] == pytest.approx(again_torch["comm_MB"], rel=0.01)
     mem = {(r["method"], r["rank"]): r for r in json.loads((tmp_path / "07_fsdp_memory.json").read_text())["rows"]}
+    unit = sum(p.numel() for p in common.build_lm("nano", 16, "cpu", 0).blocks[0].parameters()) * 4 / 2 ** 20
     for rank in (0, 1):
         ddp, full, torch_fsdp, rec, rec_torch = (mem[(rows[i]["method"], rank)] for i in (0, 2, 3, 4, 5))
         assert full["params_MB"] < 0.55 * ddp["params_MB"] and full["opt_state_MB"] < 0.55 * ddp["opt_state_MB"]
         assert full["state_MB"] <= torch_fsdp["state_MB"] * 1.01   # parameters + gradients + optimizer state
-        assert rec["step_peak_MB"] <= full["step_peak_MB"]         # recomputation holds nothing more (at nano
-        #                                          the activations are too small to lower the peak)
+        # recomputation holds nothing more (at nano the activations are too small to lower the peak),
+        # but for, now and then, one unit's float32 gradients and a few bytes beside, which gloo's worker
+        # thread may still hold after a collective returned (seen once in a full suite: +0.188034 MiB,
+        # one block's 0.187988 and 48 bytes)
+        assert rec["step_peak_MB"] <= full["step_peak_MB"] + unit + 2 ** -10
         assert rec["vs_fsdp2"] == pytest.approx(rec["step_peak_MB"] / rec_torch["step_peak_MB"])
 
 
@@ -272,6 +276,16 @@ def test_a_rank_dying_mid_save_leaves_the_last_checkpoint_and_ignores_the_partia
     saved = torch.load(os.path.join(folder, "saved-at-1.pt"))
     assert got["latest"] == "step-000000001" and got["extra"] == {"step": 1}
     assert set(got["weights"]) == set(saved) and all(torch.equal(got["weights"][k], saved[k]) for k in saved)
+
+
+def test_a_background_save_that_fails_raises_at_the_next_wait(tmp_path):
+    """An async save whose files cannot be written: the error comes out of wait_for_saves
+    (once), not lost in its thread, and nothing is published."""
+    import workers
+    error, names = common.launch(workers.background_save_fails, verify_args(1, out=str(tmp_path)), world_size=1)
+    assert error == ("the checkpoint written in the background failed: [Errno 28] No space left on device",
+                     "OSError"), error
+    assert not any(n.startswith("step-") for n in names), names
 
 
 def test_a_training_run_resumes_from_its_newest_checkpoint_to_the_same_weights(tmp_path):

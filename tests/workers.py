@@ -770,3 +770,25 @@ def expert_buckets(ctx, args):
         mod.reduce_expert_gradients(torch.nn.Sequential(moe), bucket_mb=2 * 128 * 4 / 2 ** 20)
     same = all(w is None and p.grad is None or w is not None and torch.equal(p.grad, w) for p, w in zip(params, want))
     return c.calls, same
+
+
+def background_save_fails(ctx, args):
+    """common.save_sharded with async_save, its file writes failing (a full disk, say): the
+    error the next wait_for_saves raises (None: none raised), and what the folder holds."""
+    folder = args.out
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+    def full(path, write):
+        raise OSError(28, "No space left on device")
+    common._write = full
+    common.save_sharded(model, opt, folder, 1, async_save=True)
+    try:
+        common.wait_for_saves()
+        error = None
+    except RuntimeError as e:
+        error = (str(e), type(e.__cause__).__name__)
+    common.wait_for_saves()   # the error is raised once
+    return error, sorted(os.listdir(folder))
