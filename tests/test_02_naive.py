@@ -102,8 +102,11 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
     import signal
     import subprocess
     import sys
+    scratch = tmp_path / "tmp"   # the job's result file, which a killed launcher cannot remove, lands here
+    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers.py"), str(tmp_path), "sleep_forever"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(scratch)})
     deadline = time.time() + 60
     while len(list(tmp_path.glob("*.pid"))) < 2 and time.time() < deadline:
         time.sleep(0.2)
