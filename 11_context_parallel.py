@@ -859,19 +859,22 @@ def sweep_job(ctx, args, methods, lens):
         for method in ("one process",) if cp == 1 else [m for m in methods if runs(m, h, cp)]:
             row = one_attention(ctx, t, h, d, method)
             q, k, v, dout = _attention_inputs(ctx, t, h, d, method)
-            times = []
-            for _ in range(args.warmup + args.steps):
-                dist.barrier()
-                t0 = time.perf_counter()
+
+            def once():
                 _attention(q, k, v, method).backward(dout)
-                common.sync(ctx.device)
-                times.append(time.perf_counter() - t0)
                 q.grad = k.grad = v.grad = None
-            ms = torch.tensor([statistics.median(times[args.warmup:]) * 1e3])
-            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            rows.append({"seq_len": t, "method": method, "cp": cp, "attention_ms": ms.item(),
+            rows.append({"seq_len": t, "method": method, "cp": cp, "attention_ms": _slowest_median_ms(ctx, args, once),
                          "peak_MB": row["peak_MB"], "saved_MB": row["saved_MB"]})
     return rows
+
+
+def _slowest_median_ms(ctx, args, fn) -> float:
+    """The median of --steps calls of ``fn`` after --warmup (the ranks starting each
+    together), in ms, the slowest rank's."""
+    times = [common.time_call(ctx.device, fn) for _ in range(args.warmup + args.steps)]
+    ms = torch.tensor([statistics.median(times[args.warmup:]) * 1e3])
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.item()
 
 
 def torch_sweep_job(ctx, args, lens):
@@ -898,18 +901,11 @@ def torch_sweep_job(ctx, args, lens):
             with fsdp.StepPeak(ctx.device) as mem:
                 with mem.step():
                     once()
-            times = []
-            for _ in range(args.warmup + args.steps):
-                dist.barrier()
-                common.sync(ctx.device)
-                t0 = time.perf_counter()
-                once()
-                common.sync(ctx.device)
-                times.append(time.perf_counter() - t0)
-        worst = torch.tensor([statistics.median(times[args.warmup:]) * 1e3, mem.peak / 1e6])
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        rows.append({"seq_len": t, "method": "torch context_parallel", "cp": cp, "attention_ms": worst[0].item(),
-                     "peak_MB": worst[1].item(), "saved_MB": None})
+            ms = _slowest_median_ms(ctx, args, once)
+        peak = torch.tensor([mem.peak / 1e6])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        rows.append({"seq_len": t, "method": "torch context_parallel", "cp": cp, "attention_ms": ms,
+                     "peak_MB": peak.item(), "saved_MB": None})
     return rows
 
 

@@ -677,20 +677,10 @@ def benchmark(ctx, args, ep):
     return rows, routing_rows(everyone, E, ep, W), accounting(ctx, args, ep, groups), timing
 
 
-def _once(ctx, fn) -> float:
-    """Seconds of one ``fn()`` on this rank, the ranks starting it together."""
-    dist.barrier()
-    common.sync(ctx.device)
-    t0 = time.perf_counter()
-    fn()
-    common.sync(ctx.device)
-    return time.perf_counter() - t0
-
-
 def _timed(ctx, fn, reps=5) -> float:
     """Median seconds of ``fn()`` over ``reps`` calls after one (the ranks start each
     together), the slowest rank's."""
-    times = [_once(ctx, fn) for _ in range(reps + 1)][1:]
+    times = [common.time_call(ctx.device, fn) for _ in range(reps + 1)][1:]
     t = torch.tensor([sorted(times)[reps // 2]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
@@ -806,17 +796,17 @@ def time_model(ctx, args, ep, models, groups) -> tuple:
                      "replicated": replicated, "replicated_no_reduce": lambda: replicated(sync=False)}
             order = list(steps) if i % 2 == 0 else list(steps)[::-1]
             for name in order:
-                got[name] = _once(ctx, steps[name])
+                got[name] = common.time_call(ctx.device, steps[name])
                 if name == "ep":
                     got["ep_layers"] = [m.stats for m in ep_moes]
                 elif name == "replicated":
                     got["rep_layers"] = [m.stats for m in rep_moes]
-            got["replicated_exchanging"] = _once(ctx, lambda: replicated(exchanging=True))
+            got["replicated_exchanging"] = common.time_call(ctx.device, lambda: replicated(exchanging=True))
             with ep_model.no_sync(), rep_model.no_sync():   # replays: no DDP reduction
                 replays = {"ep_experts": _replay(ctx, ep_moes, got["ep_layers"]),
                            "replicated_experts": _replay(ctx, rep_moes, got["rep_layers"])}
                 for name in (list(replays) if i % 2 == 0 else list(replays)[::-1]):
-                    got[name] = _once(ctx, replays[name])
+                    got[name] = common.time_call(ctx.device, replays[name])
             if i:
                 local.append([got[k] for k in TIME_TERMS])
     finally:

@@ -582,6 +582,17 @@ class StepClock:
                 "step": time.perf_counter() - self.t0}
 
 
+def time_call(device, fn) -> float:
+    """Seconds of one ``fn()`` on this rank, the ranks starting it together (a barrier
+    first) and ``device`` synchronized at both ends."""
+    dist.barrier()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def _nbytes(x) -> int:
     if torch.is_tensor(x):
         return x.numel() * x.element_size()
@@ -1818,16 +1829,18 @@ def _snapshot(module, optimizer):
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": [n for p in g["params"] for n in names[id(p)]]})
             for p in g["params"]:
+                record = placements(p)   # a scalar state (AdamW's step), the same on every rank that
+                scalars = _sends(record, None) and all(   # holds p: written by the one with its first shard
+                    dist.get_rank(r.group) == 0 for r in record if r.kind == "shard")
                 for k, v in optimizer.state.get(p, {}).items():
                     if not torch.is_tensor(v) and not isinstance(v, (int, float, bool)):
                         continue   # (None: a state the optimizer makes again)
                     for n in names[id(p)]:
                         if torch.is_tensor(v) and v.dim() and v.shape == p.shape:
-                            add(f"optim/{n}/{k}", v, placements(p))
-                        elif all(dist.get_rank(r.group) == 0 for r in placements(p) if r.kind == "shard") \
-                                and _sends(placements(p), None):   # a scalar (AdamW's step): the same on
-                            add(f"optim/{n}/{k}", v if torch.is_tensor(v) else torch.tensor(v), ())   # every
-                            where[f"optim/{n}/{k}"]["python"] = not torch.is_tensor(v)   # holder: written once
+                            add(f"optim/{n}/{k}", v, record)
+                        elif scalars:
+                            add(f"optim/{n}/{k}", v if torch.is_tensor(v) else torch.tensor(v), ())
+                            where[f"optim/{n}/{k}"]["python"] = not torch.is_tensor(v)
     return tensors, where, groups
 
 
@@ -1876,8 +1889,8 @@ def save_sharded(module, optimizer, directory, step: int, extra=None, async_save
     partial one ignored. ``extra``: a JSON-able dict kept with it (the loop's own state);
     each rank's RNG states go with its file. ``async_save``: the tensors are copied to host
     memory now and written by a background thread while training goes on (the next save,
-    or wait_for_saves, waits for it, and raises its error if writing failed). Every rank calls it (one collective: the folder's
-    name). Returns the published folder's path."""
+    or wait_for_saves, waits for it, and raises its error if writing failed). Every rank
+    calls it (one collective: the folder's name). Returns the published folder's path."""
     wait_for_saves()
     rank, world = dist.get_rank(), dist.get_world_size()
     nonce = [uuid.uuid4().hex[:12] if rank == 0 else None]
