@@ -678,12 +678,13 @@ def verify_model(ctx, args, build, convert, batches, tp_group, dp_group):
         opts[0].step()
         train_step(wrapped, opts[1], (common.shard(x, dp_rank, dp_size), common.shard(y, dp_rank, dp_size)),
                    common.StepClock(ctx.device))
-    full = full_state_dict(model, all_ranks=True)   # over every rank: tp's slices, dp's copies once
+    full = full_state_dict(model, all_ranks=True)   # over every rank: tp's slices, dp's copies once, on the host
     ok, diff = True, 0.0
     for name, p in ref.named_parameters():
-        diff = max(diff, (full[name].double() - p.detach().double()).abs().max().item())
+        mine = p.detach().cpu()   # compared where the gathered weights are (a GPU job's reference is on the GPU)
+        diff = max(diff, (full[name].double() - mine.double()).abs().max().item())
         try:
-            torch.testing.assert_close(full[name], p.detach())
+            torch.testing.assert_close(full[name], mine)
         except AssertionError:
             ok = False
     everyone = [None] * ctx.world_size

@@ -698,6 +698,19 @@ def bench_lm(ctx, args, t, method=None, layout="zigzag"):
     return step
 
 
+def torch_cp_skip(backend, device) -> str | None:
+    """Why torch's context_parallel cannot run on this setting (None: it can): its SDPA has
+    a sharding rule on CUDA only, and over gloo with CUDA tensors its ring crashes the
+    process (a segmentation fault inside torch, seen on an H200 with torch 2.11) instead of
+    raising, so it runs under NCCL only, one GPU per rank."""
+    if device != "cuda":
+        return "its SDPA has no CPU sharding rule (CUDA only)"
+    if backend != "nccl":
+        return ("over gloo with CUDA tensors its ring crashes the process (segmentation fault, seen with torch "
+                "2.11); it needs NCCL, one GPU per rank")
+    return None
+
+
 def torch_context_parallel(ctx, args, t):
     """torch's own context parallelism on the same LM, as its docs run it: a device mesh over
     the ranks, torch DDP averaging the gradients over it, and each step inside
@@ -738,7 +751,7 @@ def benchmark(ctx, args, methods, seq_lens):
         timing = argparse.Namespace(**{**vars(args), "context_length": t})
         cases = {"one process (whole sequence)": lambda t=t: bench_lm(ctx, args, t)}
         cases.update({f"{m} (cp {cp})": lambda t=t, m=m: bench_lm(ctx, args, t, m) for m in methods if runs(m, heads, cp)})
-        if ctx.device.type == "cuda":
+        if torch_cp_skip(ctx.backend, ctx.device.type) is None:
             cases[f"torch context_parallel (cp {cp})"] = lambda t=t: torch_context_parallel(ctx, args, t)
         got = common.time_methods(ctx, timing, cases, global_batch=True)
         for r in got:
@@ -872,7 +885,7 @@ def _slowest_median_ms(ctx, args, fn) -> float:
     """The median of --steps calls of ``fn`` after --warmup (the ranks starting each
     together), in ms, the slowest rank's."""
     times = [common.time_call(ctx.device, fn) for _ in range(args.warmup + args.steps)]
-    ms = torch.tensor([statistics.median(times[args.warmup:]) * 1e3])
+    ms = torch.tensor([statistics.median(times[args.warmup:]) * 1e3], device=ctx.device)   # NCCL: on the device
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return ms.item()
 
@@ -902,7 +915,7 @@ def torch_sweep_job(ctx, args, lens):
                 with mem.step():
                     once()
             ms = _slowest_median_ms(ctx, args, once)
-        peak = torch.tensor([mem.peak / 1e6])
+        peak = torch.tensor([mem.peak / 1e6], device=ctx.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         rows.append({"seq_len": t, "method": "torch context_parallel", "cp": cp, "attention_ms": ms,
                      "peak_MB": peak.item(), "saved_MB": None})
@@ -913,11 +926,14 @@ def sweep(args, methods):
     """--sweep: one process, then every method at each cp of --sweep-cps (on a GPU torch's
     context_parallel too), across --sweep-lens; the peak beside one process's / cp.
     Returns the rows (rank 0's)."""
+    skip = torch_cp_skip(args.backend, args.device)
+    if skip and common.is_reporter():
+        print(f"sweep: SKIP torch context_parallel: {skip}")
     rows = common.launch(sweep_job, args, methods, args.sweep_lens, world_size=1)
     one = {r["seq_len"]: r for r in rows}
     for cp in args.sweep_cps:
         jobs = [(sweep_job, (args, methods, args.sweep_lens))]
-        if args.device == "cuda":
+        if skip is None:
             jobs.append((torch_sweep_job, (args, args.sweep_lens)))
         for job, job_args in jobs:
             got = common.launch(job, *job_args, world_size=cp)
@@ -935,12 +951,15 @@ SWEEP_HEADERS = ["seq_len", "method", "cp", "attention_ms", "vs_one_process", "p
 
 
 def save_sweep(args, rows):
-    settings = {**common.lm_settings(args), "sweep_cps": args.sweep_cps}
+    skip = torch_cp_skip(args.backend, args.device)
+    settings = {**common.lm_settings(args), "sweep_cps": args.sweep_cps,
+                "skipped": {"torch context_parallel": skip} if skip else {}}
     table = common.save_results(args.out, "11_sweep", rows, settings, headers=SWEEP_HEADERS,
                                 title="One attention forward and backward across sequence lengths",
                                 note="attention_ms: the slowest rank's, median of the steps; peak_MB: live tensor "
                                      "bytes per rank; peak_x_cp_vs_one: the peak times cp over one process's (1: "
-                                     "memory falls as 1/cp)")
+                                     "memory falls as 1/cp)" + (f"\n\nSKIP torch context_parallel: {skip}" if skip
+                                                                else ""))
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for key in dict.fromkeys((r["method"], r["cp"]) for r in rows):
@@ -1093,6 +1112,9 @@ def main(argv=None):
         return
     if common.is_reporter() and not all(runs(m, heads, cp) for m in methods):
         print(f"benchmark: SKIP ulysses (cp {cp} does not divide {args.model_size}'s {heads} heads)")
+    cp_skip = torch_cp_skip(args.backend, args.device)   # the baseline left out where it cannot run
+    if common.is_reporter() and cp_skip:
+        print(f"benchmark: SKIP torch context_parallel: {cp_skip}")
     if args.sweep:
         rows = sweep(args, methods)
         if common.is_reporter():
@@ -1102,12 +1124,13 @@ def main(argv=None):
         return
     rows = common.launch(benchmark, args, methods, args.seq_lens)
     if common.is_reporter():
-        settings = {**common.lm_settings(args), "seq_lens": args.seq_lens, "cp": cp}
-        table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE)
+        settings = {**common.lm_settings(args), "seq_lens": args.seq_lens, "cp": cp,
+                    "skipped": {"torch context_parallel": cp_skip} if cp_skip else {}}
+        table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE,
+                                    note=f"SKIP torch context_parallel: {cp_skip}" if cp_skip else "")
         print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, {args.batch_size} sequence(s) a step, "
               f"zig-zag layout; times in ms, median [min, max] of {args.steps} steps; torch's context_parallel: "
-              f"{'not run on the CPU (its SDPA has no CPU sharding rule)' if args.device == 'cpu' else 'see make gpu'})\n"
-              f"{table}")
+              f"{'SKIP, ' + cp_skip if cp_skip else 'beside ours'})\n{table}")
     memory, spread, lanes = common.launch(measure, args, methods, args.seq_lens)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "cp": cp}

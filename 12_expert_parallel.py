@@ -681,7 +681,7 @@ def _timed(ctx, fn, reps=5) -> float:
     """Median seconds of ``fn()`` over ``reps`` calls after one (the ranks start each
     together), the slowest rank's."""
     times = [common.time_call(ctx.device, fn) for _ in range(reps + 1)][1:]
-    t = torch.tensor([sorted(times)[reps // 2]], dtype=torch.float64)
+    t = torch.tensor([sorted(times)[reps // 2]], dtype=torch.float64, device=ctx.device)   # NCCL: on the device
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -812,7 +812,7 @@ def time_model(ctx, args, ep, models, groups) -> tuple:
     finally:
         for h in handles:
             h.remove()
-    slowest = torch.tensor(local, dtype=torch.float64)
+    slowest = torch.tensor(local, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)   # each step's and replay's slowest rank
     per_round = []
     for values in slowest.tolist():
@@ -827,7 +827,8 @@ def time_model(ctx, args, ep, models, groups) -> tuple:
     d = ep_moes[0].router.in_features
     sizes = [4 * d * n for st in layers for n in (sum(st["send"]), sum(st["recv"]))]   # bytes put in, per exchange
     alpha, beta = alltoall_model(ctx, groups[0])
-    ab = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64)
+    ab = torch.tensor([sum(2 * (alpha + b / beta) for b in sizes) + len(layers) * alpha], dtype=torch.float64,
+                      device=ctx.device)
     dist.all_reduce(ab, op=dist.ReduceOp.MAX)       # forward and backward, and the counts; the slowest rank's
     ratios = sorted(r["step_over_model"] for r in per_round)
     row = {"method": ep_name, "ep": ep, "rounds": rounds, "step_ms": med["ep"] * 1e3, "model_ms": med["model"] * 1e3,
@@ -870,7 +871,7 @@ def capacity_and_loss(ctx, args, ep, steps=40, batches=4):
             dist.all_reduce(task)
             losses.append(task.item() / W)
             dropped += [m.stats["dropped"] for m in model.module.moes()]
-        share = torch.tensor(sum(dropped) / len(dropped), dtype=torch.float64)
+        share = torch.tensor(sum(dropped) / len(dropped), dtype=torch.float64, device=ctx.device)   # NCCL: on the device
         dist.all_reduce(share)
         rows.append({"capacity_factor": c, "steps": steps, "first_loss": losses[0],
                      "last_loss": sum(losses[-4:]) / 4, "dropped": share.item() / W})

@@ -374,7 +374,16 @@ def _watch_parent(parent_pid: int):
     threading.Thread(target=loop, daemon=True).start()
 
 
-def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, device, timeout, result_path, parent_pid):
+def _run_worker(worker, ctx, args, job, audit: bool):
+    """``worker(ctx, args, *job)``, under the device audit where asked (a CPU job)."""
+    if audit and ctx.device.type == "cpu":
+        with device_audit():
+            return worker(ctx, args, *job)
+    return worker(ctx, args, *job)
+
+
+def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, device, timeout, result_path, parent_pid,
+                 audit=False):
     _watch_parent(parent_pid)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     ctx = Ctx(rank, world_size, rank, backend, _device_for(device, rank))
@@ -383,7 +392,7 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
-        result = getattr(load_script(script), fn_name)(ctx, args, *job)
+        result = _run_worker(getattr(load_script(script), fn_name), ctx, args, job, audit)
     except BaseException:  # leave the time and traceback for launch() to find the first failure
         with open(f"{result_path}.rank{rank}.err", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
@@ -429,7 +438,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
             store = _attempt_store(timeout)
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout), store=store,
                                     **({"rank": ctx.rank, "world_size": world_size} if store is not None else {}))
-        return worker(ctx, args, *job)
+        return _run_worker(worker, ctx, args, job, os.environ.get(AUDIT_ENV) == "1")
     script = Path(sys.modules[worker.__module__].__file__).resolve()
     # The parent holds the rendezvous store on a port the OS picked: no race for a free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -441,7 +450,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         procs = mp.start_processes(
             _spawn_entry, nprocs=world_size, join=False, start_method="forkserver",
             args=(str(script), worker.__name__, args, job, world_size, store.port, backend, device,
-                  timeout, result_path, os.getpid()))
+                  timeout, result_path, os.getpid(), os.environ.get(AUDIT_ENV) == "1"))
         try:
             while not procs.join(timeout=1.0, grace_period=2):
                 alive.tick()
@@ -546,6 +555,254 @@ def _failure_report(result_path, world_size, died=None) -> str:
 def is_reporter() -> bool:
     """True in the process that prints and writes results (always, unless torchrun rank > 0)."""
     return not under_torchrun() or os.environ.get("RANK") == "0"
+
+
+# ----------------------------------------------------------------------------------------
+# What a rank calls: torch.distributed's collectives seen by the launcher, and the device audit
+# ----------------------------------------------------------------------------------------
+# torch.distributed's functions a rank may wait in: wrapped in each worker by the launch
+# (never by the methods), so that every installed hook sees each call, whoever makes it (a
+# script, a copied class, torch's own classes that call them by these names)
+TRACED_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+                "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "gather_object",
+                "broadcast_object_list", "scatter_object_list")
+
+
+def call_tensors(op, args, kwargs) -> list:
+    """The tensors a torch.distributed call was given (a P2POp's included)."""
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if torch.is_tensor(a):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for x in a for t in ([x] if torch.is_tensor(x) else [getattr(x, "tensor", None)])
+                    if torch.is_tensor(t)]
+    return out
+
+
+class _P2POp(dist.P2POp):
+    """dist.P2POp taking a wrapped isend/irecv (torch checks the op by identity)."""
+
+    def __new__(cls, op, *args, **kwargs):
+        return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+    def __init__(self, op, *args, **kwargs):
+        super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def traced_calls(hook):
+    """Inside the block, every call of TRACED_CALLS first runs ``hook(op, args, kwargs)``."""
+    real = {name: getattr(dist, name) for name in TRACED_CALLS if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def traced(*args, **kwargs):
+            hook(name, args, kwargs)
+            return fn(*args, **kwargs)
+        traced.__wrapped__, traced.__name__, traced.__doc__ = fn, fn.__name__, fn.__doc__
+        return traced
+    real_p2p = dist.P2POp
+    for name, fn in real.items():
+        setattr(dist, name, wrap(name, fn))
+    dist.P2POp = _P2POp
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+        dist.P2POp = real_p2p
+
+
+AUDIT_ENV = "KIT_DEVICE_AUDIT"   # =1: a CPU job runs under DeviceAudit (the tests' way to see GPU-only bugs)
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+# where a GPU would put a tensor: HOST (made without a device, or by .cpu()), DEVICE (made on
+# the job's device, or moved there); a tensor made by neither rule (autograd's gradients, a
+# tensor unpickled from the parent) is not known and never blamed
+HOST, DEVICE = "host", "device"
+_FACTORIES = {"tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "arange", "linspace", "logspace",
+              "rand", "randn", "randint", "randperm", "eye", "scalar_tensor", "empty_strided", "normal",
+              "tril_indices", "triu_indices"}
+# calls that may take tensors of both kinds on a GPU (a copy across, host indices, moving)
+_MAY_MIX = {"copy_", "__setitem__", "__getitem__", "index_put_", "index_put", "to", "cpu", "cuda", "set_", "__set__",
+            "__get__", "_has_compatible_shallow_copy_type", "is_floating_point", "is_complex", "size", "dim", "numel",
+            "stride", "element_size", "data_ptr", "untyped_storage", "backward", "grad", "__repr__", "__format__"}
+
+
+def _birthplace() -> str:
+    """file:line of the first frame outside torch and this module (where a tensor was made)."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    return f"{Path(f.f_code.co_filename).name}:{f.f_lineno}" if f is not None else "?"
+
+
+class DeviceAudit(torch.overrides.TorchFunctionMode):
+    """A GPU's device rules on a CPU run. Each tensor gets the place a GPU run would give
+    it: HOST when made without a device (``torch.tensor(x)``, a factory with no ``device=``
+    or with ``device="cpu"``) or by ``.cpu()``; DEVICE when made with ``device=`` the job's
+    device, moved there (``.to(device)``) or computed from a DEVICE tensor. Then, as on a
+    GPU: an op that mixes a HOST tensor of one or more dimensions with a DEVICE tensor
+    raises ("Expected all tensors to be on the same device"), and so does a collective
+    given a HOST tensor (NCCL refuses it), each naming where the host tensor was made. A
+    move between the two copies, as on a GPU. Tests run jobs under it (``KIT_DEVICE_AUDIT=1``):
+    the two classes of bug that only a GPU run showed, on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.place = WeakIdKeyDictionary()   # tensor -> (HOST or DEVICE, where a HOST tensor was made)
+
+    def of(self, t):
+        return self.place.get(t, (None, ""))
+
+    def _check_mix(self, name, tensors):
+        host = [t for t in tensors if self.of(t)[0] == HOST and t.dim() > 0]
+        if host and any(self.of(t)[0] == DEVICE for t in tensors):
+            raise RuntimeError(f"device audit: {name} mixes a host tensor (made at {self.of(host[0])[1]}) with a "
+                               f"tensor on the job's device: on a GPU this raises 'Expected all tensors to be on "
+                               f"the same device'")
+
+    def check_call(self, op, args, kwargs):
+        """A collective's tensors: a HOST one is what NCCL refuses (an object collective
+        pickles its objects to the device itself)."""
+        if op in _OBJECT_CALLS or op == "scatter_object_list":
+            return
+        for t in call_tensors(op, args, kwargs):
+            place, made = self.of(t)
+            if place == HOST:
+                raise RuntimeError(f"device audit: dist.{op} was given a host tensor (made at {made}): on a GPU, "
+                                   f"NCCL refuses it ('No backend type associated with device type cpu'); make it "
+                                   f"on the job's device")
+
+    def _target(self, name, method, args, kwargs, has_inputs):
+        """HOST or DEVICE where the call says where its result goes, else None (inherited)."""
+        if method and name == "cpu":
+            return HOST
+        if method and name == "cuda":
+            return DEVICE
+        where = kwargs.get("device")
+        if method and name == "to" and where is None:
+            where = next((a for a in args[1:] if isinstance(a, (str, torch.device, int)) and not isinstance(a, bool)),
+                         None)
+            other = next((a for a in args[1:] if torch.is_tensor(a)), None)
+            if where is None and other is not None:
+                return self.of(other)[0]
+        if where is None:   # a factory with no device (or device=None) makes a host tensor, as on a GPU
+            return HOST if (not method and name in _FACTORIES and not has_inputs) else None
+        return HOST if isinstance(where, str) and where.startswith("cpu") else DEVICE
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        method = getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+        if name == "__set__":   # tensor.data = x (the tensor now lives where x does); tensor.grad = x
+            attr, (obj, value) = getattr(getattr(func, "__self__", None), "__name__", ""), args[:2]
+            if attr == "grad" and torch.is_tensor(value):
+                self._check_mix("assigning .grad", [obj, value])
+            out = func(*args, **kwargs)
+            if attr == "data" and torch.is_tensor(value) and value in self.place:
+                self.place[obj] = self.place[value]
+            return out
+        if name not in _MAY_MIX:
+            self._check_mix(name, inputs)
+        target = self._target(name, method, args, kwargs, bool(inputs))
+        out = func(*args, **kwargs)
+        if target is not None and method and name in ("to", "cpu", "cuda") and out is args[0] \
+                and self.of(out)[0] != target:
+            out = out.clone()   # a move between host and device copies, as on a GPU
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t)]
+        if target is None:   # inherited: from the inputs of one or more dimensions first, then the scalars
+            wide = [t for t in inputs if t.dim() > 0] or inputs
+            kinds = [self.of(t)[0] for t in wide]
+            target = DEVICE if DEVICE in kinds else (HOST if kinds and all(k == HOST for k in kinds) else None)
+            made = next((self.of(t)[1] for t in wide if self.of(t)[0] == HOST), "")
+        else:
+            made = _birthplace() if target == HOST else ""
+        if target is not None:
+            for t in outs:
+                if not any(t is i for i in inputs):
+                    self.place[t] = (target, made)
+        return out
+
+
+class _Shipped:
+    """A tensor sent through an object collective with its place: it arrives with it (a
+    pickled tensor arrives on a GPU where it was, host or device)."""
+
+    def __init__(self, tensor, place):
+        self.tensor, self.place = tensor, place
+
+    def __reduce__(self):
+        return _arrive, (self.tensor, self.place)
+
+
+def _arrive(tensor, place):
+    if _AUDITS:
+        _AUDITS[-1].place[tensor] = place
+    return tensor
+
+
+_AUDITS = []   # the audit this process runs under (device_audit)
+_OBJECT_CALLS = {"all_gather_object": 1, "gather_object": 0, "broadcast_object_list": 0}   # which argument is sent
+
+
+@contextlib.contextmanager
+def device_audit():
+    """Run the block under DeviceAudit, its collectives checked (see DeviceAudit)."""
+    audit = DeviceAudit()
+
+    def ship(obj):
+        if torch.is_tensor(obj):
+            return _Shipped(obj, audit.place[obj]) if obj in audit.place else obj
+        if isinstance(obj, dict):
+            return {k: ship(v) for k, v in obj.items()}
+        return type(obj)(ship(v) for v in obj) if type(obj) in (list, tuple) else obj
+
+    def unship(obj):
+        if isinstance(obj, _Shipped):
+            return obj.tensor
+        if isinstance(obj, dict):
+            return {k: unship(v) for k, v in obj.items()}
+        return type(obj)(unship(v) for v in obj) if type(obj) in (list, tuple) else obj
+
+    def shipping(name, real):   # an object collective whose tensors keep their place on arrival
+        which = _OBJECT_CALLS[name]
+
+        def call(*args, **kwargs):
+            args = list(args)
+            if name == "broadcast_object_list":   # the list is sent from one rank, filled on the others
+                listed = args[0]
+                sent = [ship(o) for o in listed]
+                out = real(sent, *args[1:], **kwargs)
+                listed[:] = [unship(o) for o in sent]
+                return out
+            args[which] = ship(args[which])
+            return real(*args, **kwargs)
+        call.__wrapped__ = real
+        return call
+    saved = {name: getattr(dist, name) for name in _OBJECT_CALLS}
+    new = nn.Parameter.__new__
+
+    def parameter(cls, data=None, requires_grad=True):   # a Parameter lives where its data does
+        p = new(cls, data, requires_grad)
+        if data is not None and data in audit.place:
+            audit.place[p] = audit.place[data]
+        return p
+    nn.Parameter.__new__ = staticmethod(parameter)
+    _AUDITS.append(audit)
+    try:
+        with traced_calls(audit.check_call):
+            for name, real in saved.items():
+                setattr(dist, name, shipping(name, getattr(dist, name)))
+            with audit:
+                yield audit
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+        _AUDITS.remove(audit)
+        nn.Parameter.__new__ = staticmethod(new)
 
 
 # ----------------------------------------------------------------------------------------

@@ -792,3 +792,32 @@ def background_save_fails(ctx, args):
         error = (str(e), type(e.__cause__).__name__)
     common.wait_for_saves()   # the error is raised once
     return error, sorted(os.listdir(folder))
+
+
+def _raised(fn):
+    """The message fn() raised (RuntimeError), or None."""
+    try:
+        fn()
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def device_audit_regressions(ctx, args):
+    """Under the device audit (the test sets KIT_DEVICE_AUDIT=1), the three code paths a GPU
+    run failed in at 8b1762b, each on its own: 08's verification comparing the host's
+    gathered weights with the reference on the job's device, 12's capacity table and time
+    model reducing host tensors, and 11's sweep timing one. {name: error or None}."""
+    tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
+    ep = common.load_script(os.path.join(common.ROOT, "12_expert_parallel.py"))
+    cp = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
+    g = torch.Generator().manual_seed(1)
+    toy = [(torch.randn(8, 16, generator=g).to(ctx.device), torch.randint(0, 10, (8,), generator=g).to(ctx.device))
+           for _ in range(2)]
+    tp_group, dp_group = tp.tp_dp_groups(ctx.world_size, ctx.world_size)
+    out = {"08 verify_model": _raised(lambda: tp.verify_model(ctx, args, tp.ToyMLP, tp.toy_tp, toy, tp_group,
+                                                              dp_group))}
+    out["12 capacity_and_loss"] = _raised(lambda: ep.capacity_and_loss(ctx, args, ctx.world_size, steps=1, batches=1))
+    out["12 _timed"] = _raised(lambda: ep._timed(ctx, lambda: None, reps=1))
+    out["11 _slowest_median_ms"] = _raised(lambda: cp._slowest_median_ms(ctx, args, lambda: None))
+    return out

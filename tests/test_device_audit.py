@@ -1,0 +1,72 @@
+"""The device audit: a GPU's device rules on a CPU run (common.DeviceAudit). A GPU run
+found two classes of bug no CPU run could: a collective given a host tensor (NCCL refuses
+it) and the one-process reference compared with the method's weights across devices. The
+audit labels each tensor host or device as a GPU run would place it, so the tests catch both
+here; `make gpu-check`'s CPU dry run runs every smoke job under it."""
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+import workers
+
+
+def test_audit_refuses_a_host_tensor_in_a_collective_and_names_where_it_was_made(one_rank):
+    with common.device_audit():
+        fine = torch.zeros(3, device=torch.device("cpu"))      # made on the job's device
+        dist.all_reduce(fine)
+        moved = torch.ones(2).to(torch.device("cpu"))          # moved there: a copy, as on a GPU
+        dist.all_reduce(moved)
+        host = torch.tensor(0.5, dtype=torch.float64)          # no device: the host, on a GPU too
+        with pytest.raises(RuntimeError, match=r"dist.all_reduce was given a host tensor \(made at "
+                                               r"test_device_audit.py:\d+\).*NCCL refuses"):
+            dist.all_reduce(host)
+        with pytest.raises(RuntimeError, match="host tensor"):
+            dist.all_gather_into_tensor(torch.zeros(2, device=torch.device("cpu")), torch.ones(2))
+    dist.all_reduce(torch.tensor(0.5))   # outside the block: no audit
+
+
+def test_audit_refuses_mixing_host_and_device_as_cuda_does_and_allows_what_cuda_allows(one_rank):
+    with common.device_audit() as audit:
+        model = torch.nn.Linear(4, 4).to(torch.device("cpu"))
+        assert audit.of(model.weight)[0] == common.DEVICE
+        assert audit.of(torch.nn.Linear(2, 2).weight)[0] == common.HOST   # built, never moved
+        gathered = model.weight.detach().cpu()                            # a copy on the host
+        assert gathered is not model.weight and audit.of(gathered)[0] == common.HOST
+        with pytest.raises(RuntimeError, match="sub mixes a host tensor"):
+            gathered - model.weight.detach()
+        with pytest.raises(RuntimeError) as e:   # (assert_close wraps what its comparison raised)
+            torch.testing.assert_close(gathered, model.weight.detach())
+        assert "mixes a host tensor" in f"{e.value} {e.value.__cause__}"
+        torch.testing.assert_close(gathered, model.weight.detach().cpu())   # both on the host
+        scale = torch.tensor(0.5)                                            # a host scalar: CUDA takes it
+        assert audit.of(model.weight * scale)[0] == common.DEVICE
+        model(torch.randn(3, 4).to(torch.device("cpu"))).sum().backward()
+        torch.optim.AdamW(model.parameters()).step()                         # its step counter stays on the host
+        with pytest.raises(RuntimeError, match="assigning .grad"):
+            model.bias.grad = torch.zeros(4)
+
+
+def test_audit_keeps_where_a_tensor_was_through_an_object_collective(one_rank):
+    with common.device_audit() as audit:
+        device = torch.ones(3, device=torch.device("cpu"))
+        got = [None]
+        dist.all_gather_object(got, {"host": torch.ones(3), "device": device, "n": 1})
+        assert audit.of(got[0]["host"])[0] == common.HOST and audit.of(got[0]["device"])[0] == common.DEVICE
+        box = [torch.zeros(2)]
+        dist.broadcast_object_list(box, src=0)
+        assert torch.is_tensor(box[0]) and audit.of(box[0])[0] == common.HOST
+
+
+def test_the_gpu_runs_failures_fail_under_the_audit_on_the_cpu(monkeypatch):
+    """08's comparison across devices, 12's and 11's host tensors on NCCL groups: each of
+    them failed on the H200 at 8b1762b; under the audit each fails here on the old code,
+    and none does now."""
+    monkeypatch.setenv(common.AUDIT_ENV, "1")
+    args = argparse.Namespace(world_size=2, backend="gloo", device="cpu", timeout=60.0, seed=0, model_size="nano",
+                              context_length=16, batch_size=4, experts=4, top_k=2, aux_coef=0.01, moe_every=1,
+                              warmup=0, steps=1)
+    got = common.launch(workers.device_audit_regressions, args)
+    assert got == {k: None for k in got} and len(got) == 4, got
