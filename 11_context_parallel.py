@@ -567,14 +567,15 @@ METHODS = ("ring", "allgather", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def train_step(model, optimizer, batch, clock):
+def train_step(model, optimizer, batch, clock, dtype="float32"):
     """One step on this rank's part of every sequence of the batch, timed by phase: the
     attention's exchanges run inside forward and backward; the replicated weights'
-    gradients are averaged over the group after."""
+    gradients are averaged over the group after. ``dtype`` bf16: the forward in bf16
+    autocast (the attention then takes bf16 q, k, v: on a GPU the flash kernel)."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    with clock.phase("forward"):      # per block: K/V around the ring, gathered, or all-to-all'd
-        loss = model(x, y)
+    with clock.phase("forward"), common.autocast(x.device, dtype):   # per block: K/V around the ring,
+        loss = model(x, y)                                             # gathered, or all-to-all'd
     with clock.phase("backward"):     # the same exchanges for the gradients
         loss.backward()
     with clock.phase("comm"):         # the weights' gradients averaged over the group
@@ -676,8 +677,78 @@ def verify_lm(ctx, args, methods, group=None):
     return gather_results(out, group)
 
 
+def verify_bf16(ctx, args, methods, group=None, steps=6):
+    """--dtype bf16. The attention in bf16 (what autocast hands it): each method and layout,
+    its output and q, k, v gradients against one process in float64, within twice the error
+    of one process's own SDPA in bf16 (+1e-3), at 2cp, 6cp and 64cp tokens. Then the LM
+    under bf16 autocast with each method (zig-zag) against one process under the same
+    autocast (common.BF16_TOL; SGD with momentum, as 05: AdamW's division by sqrt(v) turns
+    bf16's rounding of near-zero gradients into steps of lr either way), and each step's loss
+    (the group's mean) within common.BF16_LOSS_BOUND of one float32 process's."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    out, bf16 = {}, torch.bfloat16
+    for t in (2 * cp, 6 * cp, 64 * cp):
+        g = torch.Generator().manual_seed(args.seed + t)
+        q, k, v, dout = (torch.randn(2, 4, t, 8, generator=g).to(ctx.device) for _ in range(4))
+
+        def run(inputs, grad, dtype, attend):
+            xs = [x.to(dtype).clone().requires_grad_() for x in inputs]
+            o = attend(*xs)
+            o.backward(grad.to(dtype))
+            return [o.detach().double()] + [x.grad.double() for x in xs]
+        sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+        exact, one = (run((q, k, v), dout, dt, sdpa) for dt in (torch.float64, bf16))
+        for layout in LAYOUTS:
+            part = lambda x: shard_sequence(x, rank, cp, layout, dim=2)  # noqa: E731
+            own = max((part(a) - part(b)).abs().max().item() for a, b in zip(one, exact))
+            for method in [m for m in methods if runs(m, 4, cp)]:
+                got = run([part(x) for x in (q, k, v)], part(dout), bf16,
+                          lambda a, b, c: context_parallel_attention(a, b, c, group, method, layout))
+                err = max((a - part(b)).abs().max().item() for a, b in zip(got, exact))
+                out[f"bf16 attention, {method}, {layout}, {t} tokens (error within 2 x one process's bf16 "
+                    f"error + 1e-3)"] = {"ok": err <= 2 * own + 1e-3, "max_diff": err}
+    bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+    batches = [common.lm_batch(2, args.context_length, i, args.seed, ctx.device) for i in range(steps)]
+    for method in [m for m in methods if runs(m, VERIFY_LM[3], cp)]:
+        torch.manual_seed(args.seed)
+        ref = common.TransformerLM(*VERIFY_LM, context_length=args.context_length).to(ctx.device)
+        models = {"bf16": copy.deepcopy(ref), "fp32": copy.deepcopy(ref),
+                  "cp": bucketed.DDPBucketed(context_parallel_lm(copy.deepcopy(ref), group, method), 1,
+                                             process_group=group)}
+        opts = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in models.items()}
+        gap = 0.0
+        for x, y in batches:
+            for key in ("bf16", "fp32"):
+                opts[key].zero_grad()
+                with common.autocast(ctx.device, "bf16" if key == "bf16" else "float32"):
+                    loss = models[key](x, y)
+                loss.backward()
+                opts[key].step()
+                fp32_loss = loss.item() if key == "fp32" else None
+            opts["cp"].zero_grad()
+            with common.autocast(ctx.device, "bf16"):
+                mine = models["cp"](*(shard_sequence(v, rank, cp) for v in (x, y)))
+            mine.backward()
+            models["cp"].finish_gradient_synchronization()
+            opts["cp"].step()
+            mine = mine.detach().clone()
+            dist.all_reduce(mine, group=group)
+            gap = max(gap, abs(mine.item() / cp - fp32_loss))
+        ok = all(torch.allclose(a, b, **common.BF16_TOL) for a, b in
+                 zip(models["cp"].module.parameters(), models["bf16"].parameters()))
+        out[f"LM, {method}, bf16 autocast, against one process under it (rtol {common.BF16_TOL['rtol']}, "
+            f"atol {common.BF16_TOL['atol']})"] = {"ok": ok, "max_diff": common.max_param_diff(models["cp"].module,
+                                                                                             models["bf16"])}
+        out[f"LM, {method}, bf16 autocast, each of {steps} losses within {common.BF16_LOSS_BOUND} of float32's"] = \
+            {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}
+    return gather_results(out, group)
+
+
 def verify(ctx, args, methods):
-    return {**verify_attention(ctx, args, methods), **verify_lm(ctx, args, methods)}
+    results = {**verify_attention(ctx, args, methods), **verify_lm(ctx, args, methods)}
+    if getattr(args, "dtype", "float32") == "bf16":
+        results.update(verify_bf16(ctx, args, methods))
+    return results
 
 
 # ----------------------------------------------------------------------------------------
@@ -694,7 +765,7 @@ def bench_lm(ctx, args, t, method=None, layout="zigzag"):
 
     def step(batch, clock):
         part = batch if method is None else tuple(shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in batch)
-        train_step(model, opt, part, clock)
+        train_step(model, opt, part, clock, getattr(args, "dtype", "float32"))
     return step
 
 
@@ -731,7 +802,7 @@ def torch_context_parallel(ctx, args, t):
         opt.zero_grad(set_to_none=True)
         with context_parallel(mesh, buffers=[x, y, holder["positions"]], buffer_seq_dims=[1, 1, 1],
                               no_restore_buffers={x, y, holder["positions"]}):
-            with clock.phase("forward"):
+            with clock.phase("forward"), common.autocast(x.device, getattr(args, "dtype", "float32")):
                 loss = model(x, y)
             with clock.phase("backward"):
                 loss.backward()
@@ -824,11 +895,13 @@ def attention_memory(ctx, args, methods, seq_lens):
     return rows
 
 
-def _attention_inputs(ctx, t, h, d, method):
-    """q, k, v (needing gradients) and the output's gradient for one sequence of t tokens:
-    whole for "one process", else this rank's zig-zag part."""
+def _attention_inputs(ctx, t, h, d, method, dtype="float32"):
+    """q, k, v (needing gradients) and the output's gradient for one sequence of t tokens, in
+    ``dtype`` (bf16: what autocast hands the attention): whole for "one process", else this
+    rank's zig-zag part."""
     g = torch.Generator().manual_seed(t)
-    q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
+    dt = common.DTYPES[dtype] or torch.float32
+    q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device, dt) for _ in range(4))
     if method != "one process":
         q, k, v, dout = (shard_sequence(x, ctx.rank, ctx.world_size, "zigzag", dim=2) for x in (q, k, v, dout))
     return [x.requires_grad_() for x in (q, k, v)] + [dout]
@@ -839,13 +912,14 @@ def _attention(q, k, v, method):
         else context_parallel_attention(q, k, v, None, method, "zigzag")
 
 
-def one_attention(ctx, t, h, d, method):
-    """attention_memory's row for one method and length (every rank's maximum); the
-    tensors live in this function only, so none is freed inside the next one's count."""
+def one_attention(ctx, t, h, d, method, dtype="float32"):
+    """attention_memory's row for one method and length (every rank's maximum), and the
+    kernel that ran; the tensors live in this function only, so none is freed inside the
+    next one's count."""
     fsdp = common.load_script(common.ROOT / "07_fsdp.py")
     cp = ctx.world_size
     with fsdp.StepPeak(ctx.device) as mem, common.count_collectives() as c:   # first: every free counted
-        q, k, v, dout = _attention_inputs(ctx, t, h, d, method)
+        q, k, v, dout = _attention_inputs(ctx, t, h, d, method, dtype)
         with mem.step():
             with common.saved_for_backward() as saved:
                 o = _attention(q, k, v, method)
@@ -856,7 +930,8 @@ def one_attention(ctx, t, h, d, method):
            "saved_MB": saved.bytes / 1e6, "saved_formula_MB": saved_bytes(
                1 if method == "one process" else cp, 1, h, t, d) / 1e6,
            "peak_MB": mem.peak / 1e6, "sent_MB": sent / 1e6,
-           "sent_formula_MB": 0.0 if method == "one process" else attention_bytes(method, cp, block) / 1e6}
+           "sent_formula_MB": 0.0 if method == "one process" else attention_bytes(method, cp, block) / 1e6,
+           "kernel": ", ".join(sorted(c.kernels)) or "math (tiles)"}
     everyone = [None] * cp
     dist.all_gather_object(everyone, row)
     return {**row, **{k: max(e[k] for e in everyone) for k in ("saved_MB", "peak_MB", "sent_MB")}}
@@ -870,14 +945,14 @@ def sweep_job(ctx, args, methods, lens):
     d, cp, rows = d_model // h, ctx.world_size, []
     for t in lens:
         for method in ("one process",) if cp == 1 else [m for m in methods if runs(m, h, cp)]:
-            row = one_attention(ctx, t, h, d, method)
-            q, k, v, dout = _attention_inputs(ctx, t, h, d, method)
+            row = one_attention(ctx, t, h, d, method, getattr(args, "dtype", "float32"))
+            q, k, v, dout = _attention_inputs(ctx, t, h, d, method, getattr(args, "dtype", "float32"))
 
             def once():
                 _attention(q, k, v, method).backward(dout)
                 q.grad = k.grad = v.grad = None
             rows.append({"seq_len": t, "method": method, "cp": cp, "attention_ms": _slowest_median_ms(ctx, args, once),
-                         "peak_MB": row["peak_MB"], "saved_MB": row["saved_MB"]})
+                         "peak_MB": row["peak_MB"], "saved_MB": row["saved_MB"], "kernel": row["kernel"]})
     return rows
 
 
@@ -904,21 +979,22 @@ def torch_sweep_job(ctx, args, lens):
     mesh = init_device_mesh(ctx.device.type, (cp,))
     for t in lens:
         g = torch.Generator().manual_seed(t)
-        q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device) for _ in range(4))
+        dt = common.DTYPES[getattr(args, "dtype", "float32")] or torch.float32
+        q, k, v, dout = (torch.randn(1, h, t, d, generator=g).to(ctx.device, dt) for _ in range(4))
         with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2] * 4,
                               no_restore_buffers={q, k, v, dout}):   # each now this rank's shard
 
             def once():
                 a, b, c = (x.detach().requires_grad_() for x in (q, k, v))
                 F.scaled_dot_product_attention(a, b, c, is_causal=True).backward(dout)
-            with fsdp.StepPeak(ctx.device) as mem:
+            with fsdp.StepPeak(ctx.device) as mem, common.count_collectives() as seen:
                 with mem.step():
                     once()
             ms = _slowest_median_ms(ctx, args, once)
         peak = torch.tensor([mem.peak / 1e6], device=ctx.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         rows.append({"seq_len": t, "method": "torch context_parallel", "cp": cp, "attention_ms": ms,
-                     "peak_MB": peak.item(), "saved_MB": None})
+                     "peak_MB": peak.item(), "saved_MB": None, "kernel": ", ".join(sorted(seen.kernels))})
     return rows
 
 
@@ -947,7 +1023,8 @@ def sweep(args, methods):
     return rows
 
 
-SWEEP_HEADERS = ["seq_len", "method", "cp", "attention_ms", "vs_one_process", "peak_MB", "peak_x_cp_vs_one", "saved_MB"]
+SWEEP_HEADERS = ["seq_len", "method", "cp", "attention_ms", "vs_one_process", "peak_MB", "peak_x_cp_vs_one", "saved_MB",
+                 "kernel"]
 
 
 def save_sweep(args, rows):
@@ -1045,7 +1122,7 @@ def measure(ctx, args, methods, seq_lens):
 
 
 HEADERS = ["method", "seq_len", "cp", "step_ms", "step_min_ms", "step_max_ms", "vs_one_process",
-           "tokens_per_s_per_rank", "comm_ms", "collectives", "comm_MB"]
+           "tokens_per_s_per_rank", "comm_ms", "collectives", "comm_MB", "kernels"]
 MEMORY_HEADERS = ["seq_len", "method", "cp", "saved_MB", "saved_formula_MB", "peak_MB", "peak_bound_MB", "sent_MB",
                   "sent_formula_MB"]
 NAME, TITLE = "11_context_parallel", "Context parallelism: step time beside one process"
@@ -1068,6 +1145,7 @@ def main(argv=None):
     p.add_argument("--sweep-lens", nargs="+", type=common.COUNT, default=[1024, 2048, 4096, 8192, 16384, 32768],
                    help="sequence lengths of --sweep")
     p.add_argument("--sweep-cps", nargs="+", type=common.number(int, 2), default=[2, 4], help="cps of --sweep")
+    common.add_dtype_flag(p)   # bf16: the LM in autocast, the attention on bf16 q, k, v (a GPU's flash kernel)
     p.set_defaults(batch_size=1, context_length=VERIFY_T)
     common.set_help(p, "context_length", "tokens a sequence of the verification LM (the benchmark's: --seq-lens)")
     first = p.parse_args(argv)
@@ -1118,8 +1196,8 @@ def main(argv=None):
     if args.sweep:
         rows = sweep(args, methods)
         if common.is_reporter():
-            print(f"\nOne causal attention, forward and backward ({args.model_size}'s heads; ms, the slowest rank's "
-                  f"median of {args.steps}; peak live MB per rank)\n{save_sweep(args, rows)}\n"
+            print(f"\nOne causal attention, forward and backward ({args.model_size}'s heads, {args.dtype}; ms, the "
+                  f"slowest rank's median of {args.steps}; peak live MB per rank)\n{save_sweep(args, rows)}\n"
                   f"wrote {args.out}/11_sweep.{{json,md,png}}")
         return
     rows = common.launch(benchmark, args, methods, args.seq_lens)
@@ -1128,8 +1206,8 @@ def main(argv=None):
                     "skipped": {"torch context_parallel": cp_skip} if cp_skip else {}}
         table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE,
                                     note=f"SKIP torch context_parallel: {cp_skip}" if cp_skip else "")
-        print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, {args.batch_size} sequence(s) a step, "
-              f"zig-zag layout; times in ms, median [min, max] of {args.steps} steps; torch's context_parallel: "
+        print(f"\n{TITLE}\n({args.model_size} LM, {args.dtype}, {args.backend}/{args.device}, {args.batch_size} "
+              f"sequence(s) a step, zig-zag layout; times in ms, median [min, max] of {args.steps} steps; torch's context_parallel: "
               f"{'SKIP, ' + cp_skip if cp_skip else 'beside ours'})\n{table}")
     memory, spread, lanes = common.launch(measure, args, methods, args.seq_lens)
     if common.is_reporter():

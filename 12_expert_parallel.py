@@ -95,20 +95,30 @@ class Expert(nn.Module):
 _NO_GROUPED = set()   # (device type, dtype) where torch._grouped_mm raised: the padded batched matmul instead
 
 
-def _grouped_ok(a, b=None) -> bool:
+def _matmul_dtype(x) -> torch.dtype:
+    """The dtype a matmul of x runs in: autocast's where it is on for x's device (bf16
+    autocast makes an nn.Linear's rows and weight bf16), else x's own."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def _grouped_ok(a, b=None, dtype=None) -> bool:
     """Whether torch._grouped_mm takes these operands (``b`` None: rows ``a`` and weights
-    alike): float32/bf16/fp16 on the CPU, bf16 on a CUDA device of compute capability 8.0
-    or more; strides and addresses 16-byte aligned."""
+    alike; ``dtype``: the dtype both are cast to first, fresh and aligned): float32/bf16/fp16
+    on the CPU, bf16 on a CUDA device of compute capability 8.0 or more; strides and
+    addresses 16-byte aligned."""
     b = a if b is None else b
-    if not hasattr(torch, "_grouped_mm") or (a.device.type, a.dtype) in _NO_GROUPED or a.dtype != b.dtype:
+    cast = dtype is not None and (dtype != a.dtype or dtype != b.dtype)
+    dtype = dtype or a.dtype
+    if not hasattr(torch, "_grouped_mm") or (a.device.type, dtype) in _NO_GROUPED or (not cast and a.dtype != b.dtype):
         return False
     if a.device.type == "cpu":
-        fits = a.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        fits = dtype in (torch.float32, torch.bfloat16, torch.float16)
     else:
-        fits = a.device.type == "cuda" and a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+        fits = a.device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+    size = torch.empty((), dtype=dtype).element_size()
     strides = [s for t in (a, b) for s in t.stride() if s != 1]
-    return fits and all(s * a.element_size() % 16 == 0 for s in strides) and \
-        all(t.data_ptr() % 16 == 0 for t in (a, b))
+    return fits and all(s * size % 16 == 0 for s in strides) and (cast or all(t.data_ptr() % 16 == 0 for t in (a, b)))
 
 
 def _grouped_linear(x, weights, counts, offsets):
@@ -116,6 +126,9 @@ def _grouped_linear(x, weights, counts, offsets):
     ``offsets`` their int32 running ends on x's device) times each expert's Linear weight
     (``weights``: (G, out, in), stacked): one torch._grouped_mm where it takes the operands,
     else one batched matmul over the groups zero-padded to the largest."""
+    dtype = _matmul_dtype(x)                                         # under autocast: its dtype, as a Linear
+    if dtype != x.dtype or dtype != weights.dtype:
+        x, weights = x.to(dtype), weights.to(dtype)
     w = weights.transpose(1, 2)                                      # (G, in, out), as x @ weight.T
     if _grouped_ok(x, w):
         try:
@@ -311,7 +324,7 @@ class MoE(nn.Module):
             x = x[perm]
         experts, grouped = list(self.experts.values()), self.grouped          # an expert with no rows still
         if grouped == "auto":                                                # runs: a zero gradient
-            grouped = grouped_mlp if x.device.type == "cuda" and _grouped_ok(x) else False
+            grouped = grouped_mlp if x.device.type == "cuda" and _grouped_ok(x, dtype=_matmul_dtype(x)) else False
         if grouped:
             offsets = flat.view(ranks, per).sum(0).cumsum(0).to(torch.int32)
             out = grouped(experts, x, counts, offsets)
@@ -438,7 +451,7 @@ def experts_split(model) -> bool:
 
 def train_step(model, optimizer, batch, clock, max_norm=None):
     """One step on this rank's part of the global batch, timed by phase (``max_norm``:
-    gradients clipped by the global norm first)."""
+    gradients clipped by the global norm first); returns the loss."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
     with clock.phase("forward"):      # per MoE: the counts, the tokens out, the outputs back
@@ -453,6 +466,7 @@ def train_step(model, optimizer, batch, clock, max_norm=None):
         clip_grad_norm_(model, max_norm)
     with clock.phase("optim"):
         optimizer.step()
+    return loss.detach()
 
 
 # ----------------------------------------------------------------------------------------
@@ -523,6 +537,56 @@ def verify(ctx, args, ep, cases):
 
 
 VERIFY_CASES = [(per, k, c) for per in (1, 2) for k in (1, 2) for c in (0.0, 1.0)]
+
+
+def verify_bf16(ctx, args, ep, steps=6):
+    """--dtype bf16: the MoE LM under bf16 autocast, EP with grouped experts
+    (torch._grouped_mm in bf16 where it takes the rows: the CPU, or a GPU of sm80 or later)
+    against one process holding every expert, one call each (routing each rank's shard as
+    that rank does), under the same autocast: the weights within common.BF16_TOL after
+    SGD with momentum (AdamW's division by sqrt(v) turns bf16's rounding of near-zero
+    gradients into steps of lr either way), and each step's loss (the group's mean) within
+    common.BF16_LOSS_BOUND of one float32 process's. Top-2 of 2 experts a rank, no
+    dropping and capacity 1; and the kernel the experts ran."""
+    groups, world, rank = ep_groups(ctx.world_size, ep), ctx.world_size, ctx.rank
+    out = {}
+    for c in (0.0, 1.0):
+        ref = build(VERIFY_LM, VERIFY_T, 2 * ep, 2, c, args.seed, ctx.device)
+        fp32 = copy.deepcopy(ref)
+        model = expert_parallel(copy.deepcopy(ref), *groups)
+        for m in model.module.moes():
+            m.grouped = grouped_mlp
+        for m in ref.moes() + fp32.moes():
+            m.grouped = False
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fp32, model)]
+        gap, kernels = 0.0, set()
+        for step in range(steps):
+            x, y = common.lm_batch(2 * world, VERIFY_T, step, args.seed, ctx.device)
+            for m, opt, dtype in ((ref, opts[0], "bf16"), (fp32, opts[1], "float32")):
+                opt.zero_grad()
+                with common.autocast(ctx.device, dtype):
+                    loss = sum(m(*(common.shard(t, r, world) for t in (x, y))) for r in range(world)) / world
+                loss.backward()
+                opt.step()
+            with common.count_collectives() as seen, common.autocast(ctx.device, "bf16"):
+                mine = train_step(model, opts[2], tuple(common.shard(t, rank, world) for t in (x, y)),
+                                  common.StepClock(ctx.device)).double()
+            kernels |= seen.kernels
+            dist.all_reduce(mine)
+            gap = max(gap, abs(mine.item() / world - loss.item()))
+        theirs = dict(ref.named_parameters())
+        diff = max((p.detach().double() - theirs[n].detach().double()).abs().max().item()
+                   for n, p in model.module.named_parameters())
+        ok = all(torch.allclose(p, theirs[n], **common.BF16_TOL) for n, p in model.module.named_parameters())
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"ok": ok, "diff": diff, "kernels": sorted(kernels)})
+        how = "torch._grouped_mm" if any("grouped_mm" in e["kernels"] for e in everyone) else "padded bmm"
+        name = f"ep {ep}, bf16 autocast, grouped experts ({how}), top-2, " + (f"capacity {c:g}" if c else "no dropping")
+        out[f"{name}, against one process under it (rtol {common.BF16_TOL['rtol']}, atol {common.BF16_TOL['atol']})"] = \
+            {"ok": all(e["ok"] for e in everyone), "max_diff": max(e["diff"] for e in everyone)}
+        out[f"{name}, each of {steps} losses within {common.BF16_LOSS_BOUND} of float32's"] = \
+            {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}
+    return out
 
 
 def control_wrong_group(ctx, args, ep):
@@ -626,7 +690,13 @@ def dense_lm(dims, context, seed, device):
 def benchmark(ctx, args, ep):
     """EP (with and without the load-balancing loss) beside the same MoE replicated on every
     rank and a dense model with the same active parameters per token, steps alternating;
-    the routing, the exchanges' bytes and the memory of each."""
+    the routing, the exchanges' bytes and the memory of each; in --dtype (bf16: every
+    forward in autocast)."""
+    with common.autocast(ctx.device, getattr(args, "dtype", "float32")):
+        return _benchmark(ctx, args, ep)
+
+
+def _benchmark(ctx, args, ep):
     dims, W = common.MODEL_SIZES[args.model_size], ctx.world_size
     E, k, c, t = args.experts, args.top_k, args.capacity_factor, args.context_length
     groups = ep_groups(W, ep)
@@ -661,7 +731,9 @@ def benchmark(ctx, args, ep):
     ep_name = f"EP {ep}, aux {args.aux_coef:g}"
     for r in rows:
         r.update(extra[r["method"]], ep=ep if r["method"].startswith("EP") else 1,
-                 tokens_per_s_per_rank=args.batch_size * t / (r["step_ms"] / 1e3) / W)
+                 tokens_per_s_per_rank=args.batch_size * t / (r["step_ms"] / 1e3) / W,
+                 experts_kernel="-" if r["method"].startswith("dense") else
+                 ("torch._grouped_mm" if "grouped_mm" in r["kernels"] else "one call each"))
         r["state_MB_max"] = max(e["extra"][r["method"]]["state_MB"] for e in everyone)
         steps = [e["routing"][r["method"]] for e in everyone]
         if steps[0] and steps[0][0]:
@@ -844,13 +916,20 @@ def time_model(ctx, args, ep, models, groups) -> tuple:
 CAPACITIES = (0.0, 2.0, 1.25, 1.0, 0.5)
 
 
-def capacity_and_loss(ctx, args, ep, steps=40, batches=4):
+def capacity_steps(args) -> int:
+    """The capacity table's AdamW steps at each capacity factor: 4 x --steps (40 by default),
+    so a short run (a GPU's smoke job, gloo over CUDA staging every exchange) stays short."""
+    return max(8, 4 * args.steps)
+
+
+def capacity_and_loss(ctx, args, ep, steps=None, batches=4):
     """What dropping does to the loss: EP trained at each capacity factor of CAPACITIES
     (0: no dropping) from the same weights on the same ``batches`` global batches, cycled
     for ``steps`` AdamW steps (random tokens: the loss falls only as the model memorizes
     them, which is what capacity limits); the last 4 steps' mean loss (the group's) and
     the share of assignments dropped over the run."""
     dims, W, t = common.MODEL_SIZES[args.model_size], ctx.world_size, args.context_length
+    steps = steps or capacity_steps(args)
     groups, rows = ep_groups(W, ep), []
     data = [common.lm_batch(args.batch_size, t, b, args.seed, ctx.device) for b in range(batches)]
     for c in CAPACITIES:
@@ -860,14 +939,9 @@ def capacity_and_loss(ctx, args, ep, steps=40, batches=4):
         losses, dropped = [], []
         for step in range(steps):
             x, y = (common.shard(v, ctx.rank, W) for v in data[step % batches])
-            opt.zero_grad(set_to_none=True)
-            loss = model(x, y)
-            loss.backward()
-            model.finish_gradient_synchronization()
-            if experts_split(model):
-                reduce_expert_gradients(model.module)
-            opt.step()
-            task = loss.detach() - args.aux_coef * sum(m.aux.detach() for m in model.module.moes())
+            with common.autocast(ctx.device, getattr(args, "dtype", "float32")):
+                loss = train_step(model, opt, (x, y), common.StepClock(ctx.device))
+            task = loss.float() - args.aux_coef * sum(m.aux.detach() for m in model.module.moes())
             dist.all_reduce(task)
             losses.append(task.item() / W)
             dropped += [m.stats["dropped"] for m in model.module.moes()]
@@ -884,10 +958,16 @@ GROUPED_CASES = [(E, k) for E in (8, 32) for k in (1, 2)]
 def expert_timing(ctx, args, tokens=4096):
     """One MoE layer's forward and backward on one rank (rank 0; the others wait), its
     experts run one call each (a loop over slices) and grouped (grouped_mlp), at 8 and 32
-    experts, top-1 and top-2, on ``tokens`` tokens of the LM's width (no dropping): the
-    median of --steps calls each after 2 unmeasured, the two alternating; which kernel the
-    grouped path took (torch._grouped_mm or the padded batched matmul), and which of the two
-    MoE's default ("auto") takes here."""
+    experts, top-1 and top-2, on ``tokens`` tokens of the LM's width (no dropping), in
+    --dtype (bf16: under autocast): the median of --steps calls each after 2 unmeasured,
+    the two alternating; the kernel the grouped path ran (torch._grouped_mm, seen
+    dispatched, or the padded batched matmul), and which of the two MoE's default ("auto")
+    takes here."""
+    with common.autocast(ctx.device, getattr(args, "dtype", "float32")):
+        return _expert_timing(ctx, args, tokens)
+
+
+def _expert_timing(ctx, args, tokens):
     rows = []
     if ctx.rank == 0:
         d, d_ff = common.MODEL_SIZES[args.model_size][:2]
@@ -899,6 +979,8 @@ def expert_timing(ctx, args, tokens=4096):
                         "grouped": MoE(d, d_ff, E, top_k=k, grouped=grouped_mlp)}
             moes["grouped"].load_state_dict(moes["loop"].state_dict())
             times = {name: [] for name in moes}
+            with common.count_collectives() as seen:   # the kernels the grouped path runs
+                moes["grouped"](x).sum().backward()
             for i in range(2 + args.steps):
                 for name in (list(moes) if i % 2 == 0 else list(moes)[::-1]):
                     common.sync(ctx.device)
@@ -907,13 +989,12 @@ def expert_timing(ctx, args, tokens=4096):
                     common.sync(ctx.device)
                     if i >= 2:
                         times[name].append(time.perf_counter() - t0)
-            probe = torch.empty(E, d_ff, d, device=ctx.device).transpose(1, 2)   # as grouped_mlp's first
-            kernel = "torch._grouped_mm" if _grouped_ok(x, probe) else "padded bmm"
-            default = "grouped" if ctx.device.type == "cuda" and _grouped_ok(x) else "loop"
+            kernel = "torch._grouped_mm" if "grouped_mm" in seen.kernels else "padded bmm"
+            default = "grouped" if ctx.device.type == "cuda" and _grouped_ok(x, dtype=_matmul_dtype(x)) else "loop"
             med = {name: common.summarize(t)["median"] * 1e3 for name, t in times.items()}
             rows.append({"experts": E, "top_k": k, "rows": tokens * k, "loop_ms": med["loop"],
                          "grouped_ms": med["grouped"], "loop_over_grouped": med["loop"] / med["grouped"],
-                         "grouped_kernel": kernel, "default": default})
+                         "grouped_kernel": kernel, "default": default, "dtype": getattr(args, "dtype", "float32")})
     dist.barrier()
     return rows
 
@@ -967,7 +1048,7 @@ def accounting(ctx, args, ep, groups):
 
 HEADERS = ["method", "ep", "step_ms", "step_min_ms", "step_max_ms", "vs_replicated", "vs_replicated_min",
            "vs_replicated_max", "tokens_per_s_per_rank", "comm_MB", "state_MB", "state_predicted_MB",
-           "experts_state_MB", "experts_predicted_MB", "slowest_expert_ms", "mean_expert_ms"]
+           "experts_state_MB", "experts_predicted_MB", "slowest_expert_ms", "mean_expert_ms", "experts_kernel"]
 NAME, TITLE = "12_expert_parallel", "Expert parallelism beside the replicated MoE and a dense model"
 
 
@@ -981,6 +1062,7 @@ def main(argv=None):
                    help="a rank-batch's slots per expert, over the even share (0: no dropping)")
     p.add_argument("--aux-coef", type=common.NONNEG, default=0.01, help="the load-balancing loss's weight")
     p.add_argument("--moe-every", type=int, choices=[1, 2], default=1, help="a MoE in every block, or every other")
+    common.add_dtype_flag(p)   # bf16: the MoE LM in autocast, grouped experts in bf16 (torch._grouped_mm on sm80+)
     p.set_defaults(context_length=64)
     first = p.parse_args(argv)
     ep = first.ep if first.ep is not None else 2
@@ -999,54 +1081,69 @@ def main(argv=None):
 
     if not args.no_verify:
         common.check_verification(common.launch(verify, args, ep, VERIFY_CASES), f"{NAME} at ep {ep}")
+        if args.dtype == "bf16":
+            common.check_verification(common.launch(verify_bf16, args, ep), f"{NAME}, bf16, at ep {ep}")
     if args.no_bench:
         return
+    # each part's tables are written as soon as it has run: a run cut short (a time box) keeps them
+    settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
+                "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
+    report = common.is_reporter()
     rows, routing, acc, timing = common.launch(benchmark, args, ep)
+    if report:
+        printed = [save_benchmark(args, settings, rows, routing, acc, timing)]
     capacity = common.launch(capacity_and_loss, args, ep)
+    if report:
+        printed.append("Capacity and the loss\n" + common.save_results(
+            args.out, "12_capacity", capacity, settings,
+            title="What dropping does to the loss: the task loss (without the balance term) over the run, and the "
+                  "share of assignments dropped, by capacity factor",
+            note=f"EP from the same weights at each capacity factor (0: no dropping), {capacity_steps(args)} AdamW "
+                 f"steps (4 x --steps) cycling the same 4 global batches of random tokens (the loss falls only as "
+                 f"the model memorizes them, which capacity limits); last_loss: the mean of the last 4 steps; "
+                 f"dropped: the share of assignments dropped over the run."))
     grouped = common.launch(expert_timing, args)
-    if common.is_reporter():
-        settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
-                    "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
-        table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE)
-        summary = {}
-        for r in routing:
-            s = summary.setdefault(r["method"], {"method": r["method"], "steps": 0, "max_over_mean": 0.0,
-                                                  "dropped": 0.0, "tokens_per_expert_last": None})
-            s["steps"] = max(s["steps"], r["step"] + 1)
-            s["max_over_mean"] = max(s["max_over_mean"], r["max_over_mean"])
-            s["dropped"] += r["dropped"]
-            s["tokens_per_expert_last"] = r["tokens_per_expert"]
-        for s in summary.values():
-            s["dropped"] /= max(1, sum(1 for r in routing if r["method"] == s["method"]))
-        t2 = common.save_results(args.out, "12_routing", list(summary.values()), settings,
-                                 title="Routing: tokens per expert (every rank, the last layer of the last step), the "
-                                       "largest load over the mean, the share of assignments dropped",
-                                 extra={"per_step": routing})
-        t3 = common.save_results(args.out, "12_accounting", acc, settings,
-                                 title="All-to-all bytes per step and rank, counted beside the formula",
-                                 note=accounting.__doc__.replace("\n    ", " "))
-        t4 = common.save_results(args.out, "12_capacity", capacity, settings,
-                                 title="What dropping does to the loss: the task loss (without the balance term) "
-                                       "over the run, and the share of assignments dropped, by capacity factor",
-                                 note="EP from the same weights at each capacity factor (0: no dropping), 40 AdamW "
-                                      "steps cycling the same 4 global batches of random tokens (the loss falls only as "
-                                      "the model memorizes them, which capacity limits); last_loss: the mean of the last "
-                                      "4 steps; dropped: the share of assignments dropped over the run.")
-        t6 = common.save_results(args.out, "12_time_model", [timing[0]] if timing else [], settings,
-                                 title="EP's step beside the model of its time",
-                                 note=time_model.__doc__.replace("\n    ", " "),
-                                 extra={"per_round": timing[1] if timing else []})
-        t5 = common.save_results(args.out, "12_grouped", grouped, settings,
-                                 title="Experts one call each (a loop) or grouped: one MoE layer's forward and backward",
-                                 note=expert_timing.__doc__.replace("\n    ", " "))
-        print(f"\n{TITLE}\n({args.model_size} LM with {args.experts} experts a MoE, top-{args.top_k}, capacity "
-              f"{args.capacity_factor:g}, {args.world_size} x {args.backend}/{args.device}, global batch "
-              f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps; "
-              f"vs_replicated: paired ratio; state: parameters, gradients, AdamW per rank)\n{table}\n\n"
-              f"EP's step beside the model of its time (ms)\n{t6}\n\nRouting\n{t2}\n\nAll-to-all bytes per rank (MB)\n{t3}\n\nCapacity and the loss\n{t4}\n\n"
-              f"Experts one call each or grouped (one MoE layer, forward and backward, 4096 tokens; ms)\n{t5}\n"
-              f"wrote {args.out}/{NAME}.*, 12_time_model.*, 12_routing.*, 12_accounting.*, 12_capacity.*, "
-              f"12_grouped.*")
+    if report:
+        printed.append(f"Experts one call each or grouped (one MoE layer, forward and backward, 4096 tokens, "
+                       f"{args.dtype}; ms)\n" + common.save_results(
+                           args.out, "12_grouped", grouped, settings,
+                           title="Experts one call each (a loop) or grouped: one MoE layer's forward and backward",
+                           note=expert_timing.__doc__.replace("\n    ", " ")))
+        print("\n\n".join(printed) + f"\nwrote {args.out}/{NAME}.*, 12_time_model.*, 12_routing.*, "
+              f"12_accounting.*, 12_capacity.*, 12_grouped.*")
+
+
+def save_benchmark(args, settings, rows, routing, acc, timing) -> str:
+    """The benchmark's tables (the step table, the time model, routing, all-to-all bytes):
+    written, and returned as the text to print."""
+    table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE)
+    summary = {}
+    for r in routing:
+        s = summary.setdefault(r["method"], {"method": r["method"], "steps": 0, "max_over_mean": 0.0,
+                                              "dropped": 0.0, "tokens_per_expert_last": None})
+        s["steps"] = max(s["steps"], r["step"] + 1)
+        s["max_over_mean"] = max(s["max_over_mean"], r["max_over_mean"])
+        s["dropped"] += r["dropped"]
+        s["tokens_per_expert_last"] = r["tokens_per_expert"]
+    for s in summary.values():
+        s["dropped"] /= max(1, sum(1 for r in routing if r["method"] == s["method"]))
+    t2 = common.save_results(args.out, "12_routing", list(summary.values()), settings,
+                             title="Routing: tokens per expert (every rank, the last layer of the last step), the "
+                                   "largest load over the mean, the share of assignments dropped",
+                             extra={"per_step": routing})
+    t3 = common.save_results(args.out, "12_accounting", acc, settings,
+                             title="All-to-all bytes per step and rank, counted beside the formula",
+                             note=accounting.__doc__.replace("\n    ", " "))
+    t6 = common.save_results(args.out, "12_time_model", [timing[0]] if timing else [], settings,
+                             title="EP's step beside the model of its time",
+                             note=time_model.__doc__.replace("\n    ", " "),
+                             extra={"per_round": timing[1] if timing else []})
+    return (f"\n{TITLE}\n({args.model_size} LM with {args.experts} experts a MoE, top-{args.top_k}, capacity "
+            f"{args.capacity_factor:g}, {args.dtype}, {args.world_size} x {args.backend}/{args.device}, global batch "
+            f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps; "
+            f"vs_replicated: paired ratio; state: parameters, gradients, AdamW per rank)\n{table}\n\n"
+            f"EP's step beside the model of its time (ms)\n{t6}\n\nRouting\n{t2}\n\n"
+            f"All-to-all bytes per rank (MB)\n{t3}")
 
 
 if __name__ == "__main__":

@@ -874,18 +874,29 @@ def _group_name(args) -> str | None:
     return next((a for a in reversed(args) if isinstance(a, str)), None)   # (its reduce op comes first)
 
 
+# The kernels a table names where one ran (the op torch dispatched, so what really ran): the
+# attention's fused kernels (SDPA picks one; 11's ring calls them itself) and grouped GEMM
+KERNEL_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+              "_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_efficient_attention": "efficient",
+              "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_attention_math": "math",
+              "_grouped_mm": "grouped_mm"}
+
+
 class count_collectives(torch.utils._python_dispatch.TorchDispatchMode):
     """``with count_collectives() as c:`` counts the collectives this rank issues inside
     the block (``c.calls``) and their bytes (``c.bytes``): torch.distributed's calls, the
     functional collectives of DTensor, and those issued in backward or by torch DDP.
-    ``c.log`` lists each call: (op name, its group's name, bytes)."""
+    ``c.log`` lists each call: (op name, its group's name, bytes); ``c.kernels`` the
+    KERNEL_OPS that ran, by their short names."""
 
     def __init__(self):
         super().__init__()
-        self.calls, self.bytes, self.log = 0, 0, []
+        self.calls, self.bytes, self.log, self.kernels = 0, 0, [], set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name in KERNEL_OPS:
+            self.kernels.add(KERNEL_OPS[name])
         if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "_wrap_tensor_autograd"):
             nbytes = _COLLECTIVE_SIZE.get(name, lambda a: _nbytes(a[0]))(args)
             self.calls += 1
@@ -1005,7 +1016,7 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
         run(name, 0)
         with count_collectives() as c:
             run(name, 1)
-        calls[name] = (c.calls, c.bytes)
+        calls[name] = (c.calls, c.bytes, ", ".join(sorted(c.kernels)))
     for i in range(2, args.warmup):
         for name in steps:
             run(name, i)
@@ -1022,7 +1033,7 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
         rows.append({"method": name, "step_ms": st["step"]["median"] * 1e3, "step_min_ms": st["step"]["min"] * 1e3,
                      "step_max_ms": st["step"]["max"] * 1e3, "comm_ms": st["comm"]["median"] * 1e3,
                      "comm_share": st["comm"]["median"] / st["step"]["median"], "collectives": calls[name][0],
-                     "comm_MB": calls[name][1] / 1e6, "stats": st})
+                     "comm_MB": calls[name][1] / 1e6, "kernels": calls[name][2], "stats": st})
     return rows
 
 

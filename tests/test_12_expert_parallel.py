@@ -226,6 +226,44 @@ def test_script_times_routes_and_counts(tmp_path):
     assert all(r["last_loss"] < r["first_loss"] for r in capacity.values())    # it trains at every capacity
 
 
+def test_bf16_trains_like_one_process_under_autocast_with_grouped_experts_in_bf16():
+    """--dtype bf16: EP with grouped experts under autocast against one process (a loop of
+    experts) under it, and its losses against float32's; on the CPU torch._grouped_mm takes
+    bf16 rows, so the grouped GEMM ran in bf16 (named in the case)."""
+    got = common.launch(ep_mod.verify_bf16, verify_args(2), 2)
+    assert len(got) == 4 and all(r["ok"] for r in got.values()), got
+    assert all("grouped experts (torch._grouped_mm)" in name for name in got)
+
+
+def test_bf16_script_names_the_kernels_and_a_cut_run_keeps_the_finished_tables(tmp_path):
+    """In bf16 the tables say which kernel ran (the experts' grouped GEMM); and each part's
+    tables are written when it ends: a run whose next job fails keeps the benchmark's."""
+    p = run_inline("12_expert_parallel.py", "--ep", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
+                   "--no-verify", "--context-length", "16", "--dtype", "bf16", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    grouped = json.loads((tmp_path / "12_grouped.json").read_text())["rows"]
+    assert {(r["grouped_kernel"], r["dtype"]) for r in grouped} == {("torch._grouped_mm", "bf16")}
+    rows = {r["method"]: r for r in json.loads((tmp_path / "12_expert_parallel.json").read_text())["rows"]}
+    assert rows["dense, d_ff 2 x 256"]["experts_kernel"] == "-"
+    assert rows["EP 2, aux 0.01"]["experts_kernel"] == "one call each"   # "auto": a loop on the CPU
+    assert json.loads((tmp_path / "12_expert_parallel.json").read_text())["settings"]["dtype"] == "bf16"
+
+    calls, real = [], common.launch
+
+    def second_fails(worker, *args, **kwargs):
+        calls.append(worker.__name__)
+        if len(calls) == 2:
+            raise common.LaunchError("rank 1 failed first: the test's failure")
+        return real(worker, *args, **kwargs)
+    cut = tmp_path / "cut"
+    p = run_inline("12_expert_parallel.py", "--ep", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
+                   "--no-verify", "--context-length", "16", "--out", str(cut), launch=second_fails)
+    assert p.returncode == 1 and calls == ["benchmark", "capacity_and_loss"]
+    assert {f.name for f in cut.iterdir()} >= {"12_expert_parallel.json", "12_time_model.json", "12_routing.json",
+                                               "12_accounting.json"}
+    assert not (cut / "12_capacity.json").exists()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--ep", "2", "--experts", "3"], "--ep 2 does not divide --experts 3"),
     (["--experts", "4", "--top-k", "5"], "--top-k 5 must be at most --experts 4"),
