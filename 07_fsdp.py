@@ -846,26 +846,34 @@ def recomputed(model):
     return model
 
 
+# --methods: the groups of the tables, each of ours with the torch FSDP2 it is compared with
+METHOD_GROUPS = ("ddp", "sharded", "fsdp", "recomputed", "bf16")
+
+
 def methods(args, ctx):
-    """{name: (wrap the model, optimizer or None: AdamW)}; each of our FSDP methods is
-    followed by the torch FSDP2 method it is compared with."""
+    """{name: (wrap the model, optimizer or None: AdamW)} of --methods' groups; each of our
+    FSDP methods is followed by the torch FSDP2 method it is compared with."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
     dt = DTYPES[args.compute_dtype]
-    out = {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None),
-           "DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25), sharded.make_optimizer("sharded")),
-           f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None),
-           "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None),
-           f"FSDP ({args.compute_dtype}), blocks recomputed + AdamW": (lambda m: FSDP(recomputed(m), dt), None),
-           "torch FSDP2, blocks recomputed + AdamW": (lambda m: torch_fsdp2(recomputed(m), ctx), None)}
+    groups = {
+        "ddp": {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None)},
+        "sharded": {"DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25),
+                                                      sharded.make_optimizer("sharded"))},
+        "fsdp": {f"FSDP ({args.compute_dtype}) + AdamW": (lambda m: FSDP(m, dt), None),
+                 "torch FSDP2 (fully_shard per block) + AdamW": (lambda m: torch_fsdp2(m, ctx), None)},
+        "recomputed": {f"FSDP ({args.compute_dtype}), blocks recomputed + AdamW": (lambda m: FSDP(recomputed(m), dt),
+                                                                                   None),
+                       "torch FSDP2, blocks recomputed + AdamW": (lambda m: torch_fsdp2(recomputed(m), ctx), None)}}
     if getattr(args, "dtype", "float32") == "bf16":   # the course's mixed precision, ours and FSDP2's policy
         from torch.distributed.fsdp import MixedPrecisionPolicy
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        out.update({"FSDP (bf16, gradients reduced in float32) + AdamW": (
-                        lambda m: FSDP(m, torch.bfloat16, reduce_dtype=torch.float32), None),
-                    "torch FSDP2, MixedPrecisionPolicy(bf16, float32) + AdamW": (
-                        lambda m: torch_fsdp2(m, ctx, mp_policy=policy), None)})
-    return out
+        groups["bf16"] = {"FSDP (bf16, gradients reduced in float32) + AdamW": (
+                              lambda m: FSDP(m, torch.bfloat16, reduce_dtype=torch.float32), None),
+                          "torch FSDP2, MixedPrecisionPolicy(bf16, float32) + AdamW": (
+                              lambda m: torch_fsdp2(m, ctx, mp_policy=policy), None)}
+    chosen = getattr(args, "methods", None) or METHOD_GROUPS
+    return {name: m for g in METHOD_GROUPS if g in chosen and g in groups for name, m in groups[g].items()}
 
 
 def train(ctx, args):
@@ -1135,7 +1143,8 @@ def benchmark(ctx, args):
             model, opt = build(ctx, args, wrap, optimizer)
             return lambda batch, clock: train_step(model, opt, batch, clock)
         return make
-    rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args, ctx).items()})
+    rows = common.time_methods(ctx, args, {name: method(*m) for name, m in methods(args, ctx).items()},
+                               time_box=getattr(args, "time_box", None))
     for r in rows:
         r["optim_ms"] = r["stats"]["optim"]["median"] * 1e3
     for ours, theirs in zip(rows, rows[1:]):   # each FSDP over the FSDP2 after it, their steps alternating
@@ -1161,11 +1170,20 @@ def main(argv=None):
                    help="dtype of gathered weights, communication and compute (master stays float32)")
     common.add_dtype_flag(p)   # bf16: also FSDP's bf16 weights with float32 gradient reduction, beside FSDP2's
     common.add_train_flags(p)
+    p.add_argument("--methods", nargs="+", choices=METHOD_GROUPS, default=None,
+                   help="the tables' methods, each of ours with its torch FSDP2: ddp (DDPBucketed), sharded (DDP + "
+                        "ShardedOptimizer), fsdp, recomputed (blocks recomputed), bf16 (with --dtype bf16) "
+                        "(default: all)")
+    p.add_argument("--time-box", type=common.SECONDS, default=None,
+                   help="seconds after which no further method starts, in the memory table (a job each) and on a "
+                        "GPU in the timing table (one after another there); what ran is saved")
     p.add_argument("--checkpoint-bench", action="store_true",
                    help="time sharded checkpoints instead of the step and memory tables: save_sharded (sync, async) "
                         "beside torch.distributed.checkpoint's save and async_save on FSDP2 (results/07_checkpoint)")
     common.check_train_flags(p.parse_args(argv))
     args = common.parse(p, argv)
+    if not args.no_bench and args.methods and "bf16" in args.methods and args.dtype != "bf16":
+        raise common.UsageError("--methods bf16 is FSDP's bf16 beside FSDP2's policy: it needs --dtype bf16")
     if args.train:
         common.launch(train, args)
         return
@@ -1177,12 +1195,31 @@ def main(argv=None):
         return
     if args.checkpoint_bench:
         return report_checkpoints(args)
+    started = time.perf_counter()
     rows = common.launch(benchmark, args)
-    common.report_table(args, NAME, TITLE, rows, HEADERS)
+    names = list(methods(args, None))
+    left = [n for n in names if n not in {r["method"] for r in rows}]
+    common.report_table(args, NAME, TITLE, rows, HEADERS, note=time_box_note(args, left))
     # one job per method: fresh processes, so each peak belongs to that method alone
-    mem = [row for i in range(len(methods(args, None))) for row in common.launch(memory_worker, args, i)]
+    mem = []
+    for i, name in enumerate(names):
+        if args.time_box is not None and mem and time.perf_counter() - started > args.time_box:
+            left = names[i:]
+            break
+        mem += common.launch(memory_worker, args, i)
+        left = []
     if common.is_reporter():
-        report_memory(args, mem)
+        report_memory(args, mem, time_box_note(args, left))
+
+
+def time_box_note(args, left) -> str:
+    """The line a table gets for the methods the time box left out."""
+    if not left:
+        return ""
+    note = f"Time box ({args.time_box:g} s) reached: not run: {', '.join(left)}."
+    if common.is_reporter():
+        print(note)
+    return note
 
 
 def report_checkpoints(args):
@@ -1195,23 +1232,25 @@ def report_checkpoints(args):
     common.report_table(args, "07_checkpoint", CKPT_TITLE, rows, CKPT_HEADERS)
 
 
-def report_memory(args, mem):
+def report_memory(args, mem, also=""):
     """The memory table, each method's peaks beside torch FSDP2's on the same rank (ours
     beside the FSDP2 that follows it; DDP's beside plain FSDP2's)."""
     names = list(dict.fromkeys(r["method"] for r in mem))
-    theirs = {a: b for a, b in zip(names, names[1:]) if a.startswith("FSDP")}
-    theirs.update({n: next(m for m in names if m.startswith("torch FSDP2")) for n in names if n.startswith("DDP")})
+    theirs = {a: b for a, b in zip(names, names[1:]) if a.startswith("FSDP") and b.startswith("torch FSDP2")}
+    plain = "torch FSDP2 (fully_shard per block) + AdamW"
+    theirs.update({n: plain for n in names if n.startswith("DDP") and plain in names})
+    theirs.update({n: n for n in names if n.startswith("torch FSDP2")})
     by = {(r["method"], r["rank"]): r for r in mem}
-    for r in mem:
-        ref = by[theirs.get(r["method"], r["method"]), r["rank"]]
-        r["vs_fsdp2"] = r["step_peak_MB"] / ref["step_peak_MB"]
-        r["rss_vs_fsdp2"] = r["peak_rss_MB"] / ref["peak_rss_MB"]
+    for r in mem:   # (none where --methods or the time box left the FSDP2 to compare with out)
+        ref = by.get((theirs.get(r["method"]), r["rank"]))
+        r["vs_fsdp2"] = r["step_peak_MB"] / ref["step_peak_MB"] if ref else None
+        r["rss_vs_fsdp2"] = r["peak_rss_MB"] / ref["peak_rss_MB"] if ref else None
     how = ("max_memory_allocated during a step" if args.device == "cuda" else
            "peak of live tensor bytes during a step, from every allocation and free torch.profiler recorded")
     note = (f"state = parameters + gradients + optimizer state after a step; step_peak = {how}; peak_rss = "
             f"the process's peak resident memory (allocator cache and runtime included); vs_fsdp2: over torch "
             f"FSDP2's on the same rank (a bf16 method: over FSDP2 with the same MixedPrecisionPolicy; blocks "
-            f"recomputed: over FSDP2 with the same checkpoint_wrapper). One job per method.")
+            f"recomputed: over FSDP2 with the same checkpoint_wrapper). One job per method." + (f" {also}" if also else ""))
     table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
                                 title="FSDP against DDP and torch's FSDP2: memory per rank (MiB)", note=note)
     print(f"\nMemory per rank (MiB; {note})\n{table}\nwrote {args.out}/07_fsdp_memory.json and .md")

@@ -1193,8 +1193,8 @@ def main(argv=None):
     if args.no_bench:
         return
     if not torch_pipelining_runs(args.backend, args.device) and common.is_reporter():
-        print("torch.distributed.pipelining: not run (its stages send CUDA tensors point to point, which gloo "
-              "cannot carry; ours stage them through host memory)")
+        print("benchmark: SKIP torch.distributed.pipelining: its stages send CUDA tensors point to point, which gloo "
+              "cannot carry (ours stage them through host memory)")
     rows = []
     for s in stages:   # one job per depth; the table is rewritten after each
         if worlds[s] != s:

@@ -906,6 +906,20 @@ def flops_per_token(dims, context) -> float:
     return 6 * (n * (4 * d * d + 2 * d * f) + d * common.VOCAB_SIZE) + 12 * n * context * d
 
 
+def torch_skip(shape, levers, ep, backend, device) -> str | None:
+    """Why torch's composition is left out beside ours on this mesh (None: it runs)."""
+    if shape["pp"] > 1 and not pp_mod.torch_pipelining_runs(backend, device):
+        return "torch.distributed.pipelining's stages send CUDA tensors point to point, which gloo cannot carry"
+    if shape["cp"] > 1:
+        return "its context_parallel is not composed here (it runs only under NCCL with a GPU per rank: see 11)"
+    if ep > 1:
+        return "torch has no expert parallelism"
+    if levers.sp:
+        return ("its pipeline stages would pass sequence-parallel parts whose shapes torch.distributed.pipelining "
+                "infers whole (its SequenceParallel is timed beside ours in 08)")
+    return None
+
+
 def benchmark(ctx, args, shapes, dims, trace=None):
     """For each mesh of ``shapes``: ours and torch's composition on the LM of ``dims``,
     steps alternating; then one counted step of ours (account). ``trace``: the mesh whose
@@ -933,11 +947,7 @@ def benchmark(ctx, args, shapes, dims, trace=None):
                                      levers)
         timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
         methods = {f"{name} (ours)": ours}
-        # 09 says why torch's pipelining may not run; torch's context_parallel runs on CUDA only
-        # torch has no expert parallelism; its SequenceParallel is timed beside ours in 08 (here its
-        # pipeline stages would pass parts whose shapes torch.distributed.pipelining infers whole)
-        if (shape["pp"] == 1 or pp_mod.torch_pipelining_runs(ctx.backend, ctx.device.type)) and shape["cp"] == 1 \
-                and args.ep == 1 and not levers.sp:
+        if torch_skip(shape, levers, args.ep, ctx.backend, ctx.device.type) is None:   # main says why not
             methods[f"{name} (torch)"] = theirs
         got = common.time_methods(ctx, timing, methods, global_batch=True)
         tokens = batch * args.context_length
@@ -1501,6 +1511,10 @@ def main(argv=None):
     rows, accounting = [], []
     for world, group in bench:   # one job per world size; the tables are rewritten after each
         got, acc, lanes = common.launch(benchmark, args, group, dims, trace, world_size=world)
+        for s in group:
+            reason = torch_skip(s, dataclasses.replace(levers_of(args), tie=False), args.ep, args.backend, args.device)
+            if reason and common.is_reporter():
+                print(f"benchmark: SKIP torch's composition on {label(s)}: {reason}")
         rows, accounting = rows + got, accounting + acc
         if common.is_reporter():
             report(args, rows, accounting, dims)

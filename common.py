@@ -982,7 +982,7 @@ def fit_line(xs, ys, weights=None) -> tuple[float, float]:
     return my - c * mx, c
 
 
-def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=False) -> list:
+def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=False, time_box=None) -> list:
     """Time training steps on the LM: one table row per method (plus its raw stats).
 
     ``methods`` maps a name to ``make()``, which builds that method's model and optimizer and
@@ -991,12 +991,16 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
     CPU they are all built at once and their steps alternate (a b, b a, ...), so the drift
     of a shared machine hits all alike; on a GPU (where several XL models do not fit) one
     after another. Two warm-up steps, the second counting the collectives, then
-    ``args.warmup - 2`` more; a measured step's time is the slowest rank's.
+    ``args.warmup - 2`` more; a measured step's time is the slowest rank's. ``time_box``:
+    seconds after which, one after another, no further method starts (the ranks agree; the
+    first always runs): the rows are those that ran.
     """
     interleave = ctx.device.type == "cpu" if interleave is None else interleave
     if not interleave:
-        rows = []
-        for name, make in methods.items():
+        rows, started = [], time.perf_counter()
+        for i, (name, make) in enumerate(methods.items()):
+            if i and time_box is not None and agreed_past(ctx, time.perf_counter() - started > time_box):
+                break
             rows += time_methods(ctx, args, {name: make}, True, global_batch)
             gc.collect()   # a wrapper's hooks make reference cycles: free it before the next
             if ctx.device.type == "cuda":
@@ -1035,6 +1039,14 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
                      "comm_share": st["comm"]["median"] / st["step"]["median"], "collectives": calls[name][0],
                      "comm_MB": calls[name][1] / 1e6, "kernels": calls[name][2], "stats": st})
     return rows
+
+
+def agreed_past(ctx: Ctx, past: bool, group=None) -> bool:
+    """Whether any rank of ``group`` says a time box has passed (a collective: the ranks
+    decide together whether to start the next part)."""
+    flag = torch.tensor([float(past)], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 BENCH_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "comm_share", "collectives"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import common
-from conftest import load, run_inline, verification, verify_args
+from conftest import load, refused, run_inline, verification, verify_args
 
 fsdp = load("07_fsdp")
 CASES = list(fsdp.CASES)
@@ -242,6 +242,23 @@ def test_script_times_and_measures_against_torch_fsdp2(tmp_path):
         # one block's 0.187988 and 48 bytes)
         assert rec["step_peak_MB"] <= full["step_peak_MB"] + unit + 2 ** -10
         assert rec["vs_fsdp2"] == pytest.approx(rec["step_peak_MB"] / rec_torch["step_peak_MB"])
+
+
+def test_methods_pick_the_tables_rows_and_the_time_box_stops_the_memory_jobs(tmp_path):
+    """--methods fsdp: ours beside FSDP2 only; --time-box: no memory job starts after it
+    (the first always runs), and the tables say which methods it left out."""
+    p = run_inline("07_fsdp.py", "--world-size", "2", "--model-size", "nano", "--steps", "1", "--warmup", "0",
+                   "--no-verify", "--methods", "fsdp", "--time-box", "0.001", "--context-length", "16",
+                   "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "07_fsdp.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["FSDP (float32) + AdamW", "torch FSDP2 (fully_shard per block) + AdamW"]
+    mem = json.loads((tmp_path / "07_fsdp_memory.json").read_text())["rows"]
+    assert {r["method"] for r in mem} == {"FSDP (float32) + AdamW"} and all(r["vs_fsdp2"] is None for r in mem)
+    assert "Time box (0.001 s) reached: not run: torch FSDP2 (fully_shard per block) + AdamW." in \
+        (tmp_path / "07_fsdp_memory.md").read_text()
+    assert "--methods bf16 is FSDP's bf16 beside FSDP2's policy: it needs --dtype bf16" in \
+        refused("07_fsdp.py", "--methods", "bf16")
 
 
 def test_the_step_peak_prints_nothing_when_a_block_from_before_it_is_freed_inside():

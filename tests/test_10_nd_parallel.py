@@ -288,3 +288,13 @@ def test_a_run_killed_after_its_second_checkpoint_resumes_to_the_same_weights(tm
 ])
 def test_training_flags_are_refused_where_they_do_not_apply(argv, words):
     assert words in refused("10_nd_parallel.py", *argv)
+
+
+def test_torch_s_composition_is_left_out_with_its_reason_where_it_cannot_run():
+    plain, sp = nd.Levers(), nd.Levers(sp=True)
+    assert nd.torch_skip(nd.mesh_of(pp=2, dp=2), plain, 1, "gloo", "cpu") is None
+    assert nd.torch_skip(nd.mesh_of(dp=2, tp=2), plain, 1, "gloo", "cuda") is None
+    assert "gloo cannot carry" in nd.torch_skip(nd.mesh_of(pp=2, dp=2), plain, 1, "gloo", "cuda")
+    assert "context_parallel" in nd.torch_skip(nd.mesh_of(dp=2, cp=2), plain, 1, "nccl", "cuda")
+    assert "no expert parallelism" in nd.torch_skip(nd.mesh_of(dp=2), plain, 2, "gloo", "cpu")
+    assert "SequenceParallel" in nd.torch_skip(nd.mesh_of(pp=2, tp=2), sp, 1, "gloo", "cpu")
