@@ -1050,6 +1050,7 @@ HEADERS = ["method", "ep", "step_ms", "step_min_ms", "step_max_ms", "vs_replicat
            "vs_replicated_max", "tokens_per_s_per_rank", "comm_MB", "state_MB", "state_predicted_MB",
            "experts_state_MB", "experts_predicted_MB", "slowest_expert_ms", "mean_expert_ms", "experts_kernel"]
 NAME, TITLE = "12_expert_parallel", "Expert parallelism beside the replicated MoE and a dense model"
+TABLES = ("benchmark", "capacity", "grouped")
 
 
 def main(argv=None):
@@ -1063,6 +1064,10 @@ def main(argv=None):
     p.add_argument("--aux-coef", type=common.NONNEG, default=0.01, help="the load-balancing loss's weight")
     p.add_argument("--moe-every", type=int, choices=[1, 2], default=1, help="a MoE in every block, or every other")
     common.add_dtype_flag(p)   # bf16: the MoE LM in autocast, grouped experts in bf16 (torch._grouped_mm on sm80+)
+    p.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
+                   help="the benchmark's parts: benchmark (EP beside the replicated MoE and a dense model, its time "
+                        "model, routing, bytes), capacity (the loss by capacity factor), grouped (experts one call "
+                        "each or grouped) (default: all)")
     p.set_defaults(context_length=64)
     first = p.parse_args(argv)
     ep = first.ep if first.ep is not None else 2
@@ -1088,12 +1093,13 @@ def main(argv=None):
     # each part's tables are written as soon as it has run: a run cut short (a time box) keeps them
     settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
                 "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
-    report = common.is_reporter()
-    rows, routing, acc, timing = common.launch(benchmark, args, ep)
-    if report:
-        printed = [save_benchmark(args, settings, rows, routing, acc, timing)]
-    capacity = common.launch(capacity_and_loss, args, ep)
-    if report:
+    report, printed = common.is_reporter(), []
+    if "benchmark" in args.tables:
+        rows, routing, acc, timing = common.launch(benchmark, args, ep)
+        if report:
+            printed.append(save_benchmark(args, settings, rows, routing, acc, timing))
+    capacity = common.launch(capacity_and_loss, args, ep) if "capacity" in args.tables else None
+    if report and capacity is not None:
         printed.append("Capacity and the loss\n" + common.save_results(
             args.out, "12_capacity", capacity, settings,
             title="What dropping does to the loss: the task loss (without the balance term) over the run, and the "
@@ -1102,15 +1108,17 @@ def main(argv=None):
                  f"steps (4 x --steps) cycling the same 4 global batches of random tokens (the loss falls only as "
                  f"the model memorizes them, which capacity limits); last_loss: the mean of the last 4 steps; "
                  f"dropped: the share of assignments dropped over the run."))
-    grouped = common.launch(expert_timing, args)
-    if report:
+    grouped = common.launch(expert_timing, args) if "grouped" in args.tables else None
+    if report and grouped is not None:
         printed.append(f"Experts one call each or grouped (one MoE layer, forward and backward, 4096 tokens, "
                        f"{args.dtype}; ms)\n" + common.save_results(
                            args.out, "12_grouped", grouped, settings,
                            title="Experts one call each (a loop) or grouped: one MoE layer's forward and backward",
                            note=expert_timing.__doc__.replace("\n    ", " ")))
-        print("\n\n".join(printed) + f"\nwrote {args.out}/{NAME}.*, 12_time_model.*, 12_routing.*, "
-              f"12_accounting.*, 12_capacity.*, 12_grouped.*")
+    if report:
+        files = {"benchmark": f"{NAME}.*, 12_time_model.*, 12_routing.*, 12_accounting.*", "capacity": "12_capacity.*",
+                 "grouped": "12_grouped.*"}
+        print("\n\n".join(printed) + f"\nwrote {args.out}/" + ", ".join(files[t] for t in TABLES if t in args.tables))
 
 
 def save_benchmark(args, settings, rows, routing, acc, timing) -> str:

@@ -121,14 +121,14 @@ cp-sweep: $(STAMP)
 	$(PY) 12_expert_parallel.py --warmup 3 --experts 8 --out results
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
-#   make gpu-smoke PY=python3              # first: every script at a small size, a few minutes
+#   make gpu-check PY=python3              # first: kernels, a measured table, every smoke job (8 min)
 #   make gpu PY=python3                    # or gpu-01 ... gpu-09, one at a time
 # NCCL refuses two ranks on one GPU, so each DDP script runs twice: NCCL at 1 rank and gloo
 # over CUDA tensors at 2 ranks; 08 and 09 need 2 ranks, so gloo only. Every run is
 # time-boxed (GPU_BOX seconds) and a failed or killed run does not stop the next one. Dry
 # runs on a CPU machine:
 #   make gpu GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
-#   make gpu-smoke GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
+#   make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
 GPU_OUT  ?= results/gpu
 GPU_BOX  ?= 540
 GPU_DEV  ?= cuda
@@ -158,9 +158,12 @@ gpu-04 gpu-06: gpu-0%: $(GPU_DEPS)
 	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_ONE)
 	$(GPU_RUN) $(wildcard 0$*_*.py) $(GPU_TWO)
 
+# 07 over gloo at 2 ranks: every collective staged through host memory (a large LM did not
+# finish 5 steps in 2 minutes on an H200), so FSDP beside FSDP2 at medium, boxed at 90 s
 gpu-07: $(GPU_DEPS)
 	$(GPU_RUN) 07_fsdp.py $(GPU_ONE) --dtype bf16
-	$(GPU_RUN) 07_fsdp.py $(GPU_TWO) --dtype bf16
+	$(GPU_RUN) 07_fsdp.py --backend gloo --world-size 2 --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),medium) \
+	    --methods fsdp recomputed --warmup 2 --steps 3 --time-box 90 --out $(GPU_OUT)/gloo_cuda_2ranks
 
 # 04's table times naive (02) and flat (03) DDP beside the overlapped one, on the same
 # ranks, so on the GPU 02 and 03 only verify themselves there
@@ -196,60 +199,37 @@ gpu-10: $(GPU_DEPS)
 # tokens at cp 2 and 4, torch's context_parallel beside every method
 gpu-11: $(GPU_DEPS)
 	$(GPU_RUN) 11_context_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
-	    --cp 2 --seq-lens 1024 4096 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_2ranks
+	    --cp 2 --seq-lens 1024 4096 --warmup 5 --steps 10 --dtype bf16 --out $(GPU_OUT)/gloo_cuda_2ranks
 	$(GPU_RUN) 11_context_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
 	    --sweep --no-verify --steps 2 --warmup 1 --out $(GPU_OUT)/sweep
 
-# ep 2 over gloo on the one GPU (all-to-alls staged through host memory), and NCCL at ep 1
+# ep 2 over gloo on the one GPU (all-to-alls staged through host memory: 5 steps, so the time
+# model's 14 rounds and the capacity table's 20 steps a factor fit the box), and NCCL at ep 1
+# in bf16 (torch._grouped_mm)
 gpu-12: $(GPU_DEPS)
 	$(GPU_RUN) 12_expert_parallel.py --backend gloo --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
-	    --ep 2 --experts 8 --warmup 5 --steps 10 --out $(GPU_OUT)/gloo_cuda_2ranks
+	    --ep 2 --experts 8 --warmup 3 --steps 5 --out $(GPU_OUT)/gloo_cuda_2ranks
 	$(GPU_RUN) 12_expert_parallel.py --backend $(GPU_NCCL) --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) \
-	    --ep 1 --experts 8 --warmup 5 --steps 10 --out $(GPU_OUT)/nccl_1rank
+	    --ep 1 --experts 8 --warmup 5 --steps 10 --dtype bf16 --out $(GPU_OUT)/nccl_1rank
 
-# ---- make gpu-smoke: every numbered script at a small size (verification and a few steps
-# of its benchmark), SMOKE_JOBS jobs at once, each time-boxed; one log per job under
-# SMOKE_OUT and SUMMARY.md (script, setting, exit status, seconds). Fails if any job did.
+# ---- make gpu-check: everything a lent GPU should run, one command of at most 8 minutes
+# (tools/gpu_check.py): the CUDA kernel tests, a short measured table at 1 NCCL rank (05 vs
+# torch DDP, 07 vs FSDP2, 12 grouped vs loop in bf16) and every script's smoke job, writing
+# GPU_OUT/check/SUMMARY.md as it goes. make gpu-smoke: the smoke jobs alone (verification
+# and a few steps of each script at a small size, SMOKE_JOBS at once, each time-boxed; one
+# log per job and SUMMARY.md under SMOKE_OUT). Each fails if a job did. Dry runs on a CPU
+# machine (gloo in NCCL's place; the smoke jobs then run under the device audit):
+#   make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
 SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 SMOKE_JOBS ?= 6
-SMOKE_BOX  ?= 300
-SMOKE_LM    = --device $(GPU_DEV) --model-size $(or $(GPU_SIZE),small) --warmup 1 --steps 2
-# 2 stages x 2 chunks need 4 blocks: nano's and micro's 2 (a dry run's sizes) give way to mini's 4
-SMOKE_4_BLOCKS = $(if $(filter nano micro,$(GPU_SIZE)),--model-size mini)
+SMOKE_BOX  ?= 200
+GPU_CHECK   = $(PY) tools/gpu_check.py --device $(GPU_DEV) --nccl $(GPU_NCCL) $(if $(GPU_SIZE),--size $(GPU_SIZE)) \
+              --python $(PY) --scripts $(SMOKE) --jobs $(SMOKE_JOBS) --box $(SMOKE_BOX)
+.PHONY: gpu-check
+gpu-check: $(GPU_DEPS)
+	@$(GPU_CHECK) --out $(GPU_OUT)/check
+
 gpu-smoke: $(GPU_DEPS)
-	@rm -rf $(SMOKE_OUT) && mkdir -p $(SMOKE_OUT)
-	@for n in $(SMOKE); do s=$$(ls $$n*_*.py); case $$n in \
-	  01) echo "$$s all_ops --ops all --configs $(GPU_NCCL)-$(GPU_DEV) gloo-$(GPU_DEV) --world-sizes 1 2 \
-	        --sizes-mb 0.001 1 --iters 3 --warmup 1 --time-box 20";; \
-	  05|07) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
-	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)"; \
-	      echo "$$s bf16 --backend gloo --world-size 2 $(SMOKE_LM) --dtype bf16$$(test $$n = 05 && \
-	        echo ' --bucket-mb 25 --models lm --no-baselines')";; \
-	  08) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --world-sizes 2"; \
-	      echo "$$s sp --backend gloo $(SMOKE_LM) --world-sizes 2 --sp";; \
-	  09) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --stages 2 --microbatches 1 2 --schedule gpipe 1f1b"; \
-	      echo "$$s interleaved --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule interleaved \
-	        $(SMOKE_4_BLOCKS)"; \
-	      echo "$$s zb1 --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule zb1"; \
-	      echo "$$s recompute --backend gloo $(SMOKE_LM) --stages 2 --microbatches 2 --schedule 1f1b \
-	        --recompute none selective full";; \
-	  11) echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --cp 2 --seq-lens 256 --memory-lens 256";; \
-	  12) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --ep 1 --experts 4"; \
-	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --ep 2";; \
-	  10) echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) $(SMOKE_LM) --dp 1"; \
-	      echo "$$s gloo_2ranks --backend gloo $(SMOKE_LM) --pp 2"; \
-	      echo "$$s levers --backend gloo $(SMOKE_LM) --pp 2 --tp 2 --sp --recompute selective --dtype bf16";; \
-	  *)  echo "$$s $(GPU_NCCL)_1rank --backend $(GPU_NCCL) --world-size 1 $(SMOKE_LM)"; \
-	      echo "$$s gloo_2ranks --backend gloo --world-size 2 $(SMOKE_LM)";; \
-	  esac; done | xargs -P $(SMOKE_JOBS) -L 1 sh -c 'job=$${1%.py}.$$2; script=$$1; shift 2; \
-	    start=$$(date +%s); timeout -k 10 $(SMOKE_BOX) $(PY) $$script "$$@" --out $(SMOKE_OUT)/$$job \
-	    > $(SMOKE_OUT)/$$job.log 2>&1; rc=$$?; echo "$$job $$rc $$(( $$(date +%s) - start ))" \
-	    > $(SMOKE_OUT)/$$job.status; echo "$$job: exit $$rc"' sh || true
-	@{ echo "# make gpu-smoke at $$(git rev-parse --short HEAD 2>/dev/null || echo '?'), $$(date -u '+%F %T') UTC"; \
-	   echo; $(PY) -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0) \
-	     if torch.cuda.is_available() else 'no GPU')"; echo; \
-	   echo "| script | setting | exit status | seconds |"; echo "|---|---|---|---|"; \
-	   cat $(SMOKE_OUT)/*.status | sort | awk '{split($$1, a, "."); print "| " a[1] " | " a[2] " | " $$2 " | " $$3 " |"}'; \
-	 } > $(SMOKE_OUT)/SUMMARY.md; cat $(SMOKE_OUT)/SUMMARY.md
-	@! cat $(SMOKE_OUT)/*.status | awk '$$2 != 0' | grep -q .
+	@rm -rf $(SMOKE_OUT)
+	@$(GPU_CHECK) --parts smoke --out $(SMOKE_OUT)

@@ -1,13 +1,14 @@
 """What a one-GPU machine gets, checked on the CPU: no job starts more NCCL ranks than there
 are GPUs, and the GPU plan's Makefile targets, run dry (GPU_DEV=cpu, gloo in place of NCCL)."""
 import argparse
+import json
 import subprocess
 import sys
 
 import pytest
 
 import common
-from conftest import ROOT, load
+from conftest import ROOT, load, workers_left
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def test_gpu_smoke_dry_run_keeps_each_log_and_a_summary_of_exit_statuses(tmp_pat
     assert p.returncode == 0, p.stdout + p.stderr
     smoke = tmp_path / "smoke"
     summary = (smoke / "SUMMARY.md").read_text()
-    assert "| 03_flat_ddp | gloo_1rank | 0 |" in summary and "| 03_flat_ddp | gloo_2ranks | 0 |" in summary
+    assert "| smoke | 03_flat_ddp.gloo_1rank | PASS |" in summary and "| smoke | 03_flat_ddp.gloo_2ranks | PASS |" in summary
     for setting, ranks in (("gloo_1rank", 1), ("gloo_2ranks", 2)):
         log = (smoke / f"03_flat_ddp.{setting}.log").read_text()
         assert f"verify 03_flat_ddp at {ranks} rank(s): PASS" in log   # verification, then a few timed steps
@@ -70,22 +71,49 @@ def test_gpu_smoke_fails_when_a_job_fails_and_says_which(tmp_path):
     p = make("gpu-smoke", "SMOKE=03", "SMOKE_BOX=1", f"GPU_OUT={tmp_path}")   # killed by its time box
     assert p.returncode != 0
     summary = (tmp_path / "smoke" / "SUMMARY.md").read_text()
-    assert "| 03_flat_ddp | gloo_1rank | 124 |" in summary and "| 03_flat_ddp | gloo_2ranks | 124 |" in summary
+    for setting in ("gloo_1rank", "gloo_2ranks"):
+        assert f"| smoke | 03_flat_ddp.{setting} | TIMEOUT |" in summary
+        assert "killed by its 1 s time box (exit 124)" in summary
+    assert not workers_left()   # the job's whole process group ended with it
+
+
+def test_gpu_check_dry_run_passes_on_one_script_with_every_part(tmp_path):
+    """make gpu-check's CPU dry run on 12: the kernel tests (the CUDA cases skipped with the
+    reason), the measured table (12's grouped experts in bf16), 12's smoke jobs under the
+    device audit; SUMMARY.md holds every row and the table, SUMMARY.json the same."""
+    p = make("gpu-check", "SMOKE=12", f"GPU_OUT={tmp_path}", timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    check = tmp_path / "check"
+    summary = json.loads((check / "SUMMARY.json").read_text())
+    rows = {(r["part"], r["job"]): r for r in summary["rows"]}
+    kernels = [r for (part, _), r in rows.items() if part == "kernels"]
+    assert len(kernels) == 104 and {r["verdict"] for r in kernels} == {"PASS", "SKIP"}
+    assert all(r["verdict"] == "SKIP" and "needs a CUDA GPU" in r["detail"] for r in kernels if "-cuda]" in r["job"])
+    assert all("max_error" in r["detail"] for r in kernels if "-cpu]" in r["job"])
+    assert rows[("measure", "12 grouped vs loop, bf16")]["verdict"] == "MEASURED"
+    assert [m["detail"] for m in summary["measured"]] == ["kernel torch._grouped_mm"] * 4
+    smoke = {job: r["verdict"] for (part, job), r in rows.items() if part == "smoke"}
+    assert smoke == {f"12_expert_parallel.{s}": "PASS" for s in ("gloo_1rank", "gloo_2ranks", "bf16")}
+    assert "under the device audit" in summary["header"]
+    text = (check / "SUMMARY.md").read_text()
+    assert "| smoke | 12_expert_parallel.bf16 | PASS |" in text and "## Measured at 1 rank" in text
 
 
 def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
     """The interleaved job (2 stages x 2 chunks) on a dry run's nano, whose 2 blocks cannot
-    make 4 chunks: the Makefile gives that job mini's 4, and 09 takes the line."""
+    make 4 chunks: the check gives that job mini's 4, and 09 takes the line."""
+    import importlib.util
     from conftest import run_inline
-    p = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "show-%: ; @echo $($*)", "show-SMOKE_4_BLOCKS",
-                        "GPU_SIZE=nano"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    extra = p.stdout.split()
-    assert extra == ["--model-size", "mini"], p.stdout + p.stderr
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    jobs = dict(check.smoke_jobs(["09"], "cpu", "gloo", "nano"))
+    argv = jobs["09_pipeline_parallel.interleaved"][1:]
+    assert argv[argv.index("--model-size", argv.index("--model-size") + 1) + 1] == "mini"   # the later flag wins
+
     def first_job(*a, **kw):   # the checks passed: the verification job is about to start
         raise KeyboardInterrupt
-    p = run_inline("09_pipeline_parallel.py", "--backend", "gloo", "--device", "cpu", "--model-size", "nano",
-                   "--warmup", "1", "--steps", "2", "--stages", "2", "--microbatches", "2", "--schedule",
-                   "interleaved", *extra, "--out", str(tmp_path), launch=first_job)
+    p = run_inline("09_pipeline_parallel.py", *argv, "--out", str(tmp_path), launch=first_job)
     assert p.returncode == 130, p.stderr
     assert run_inline("09_pipeline_parallel.py", "--model-size", "nano", "--stages", "2", "--schedule", "interleaved",
                       "--out", str(tmp_path), launch=first_job).returncode == 2   # without it: refused

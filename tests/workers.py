@@ -821,3 +821,50 @@ def device_audit_regressions(ctx, args):
     out["12 _timed"] = _raised(lambda: ep._timed(ctx, lambda: None, reps=1))
     out["11 _slowest_median_ms"] = _raised(lambda: cp._slowest_median_ms(ctx, args, lambda: None))
     return out
+
+
+KERNEL_DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
+
+
+def cp_kernel_errors(ctx, args):
+    """11's context_parallel context manager around one F.scaled_dot_product_attention call of
+    ``args.tokens`` tokens, head dim ``args.head_dim``: every method x layout x causal/full x
+    (8 query heads with 8 or 2 key/value heads, enable_gqa) x bf16/float32. For each case:
+    (the largest error of the output and the q, k, v gradients of this rank's part against
+    one process in float64, one process's own error in the same dtype, the kernels that ran),
+    the worst over the ranks."""
+    cpm = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
+    F = torch.nn.functional
+    t, d, out = args.tokens, args.head_dim, {}
+    for dtype in ("bf16", "float32"):
+        for hk in (8, 2):
+            g = torch.Generator().manual_seed(hk)
+            q = torch.randn(1, 8, t, d, generator=g).to(ctx.device)
+            k, v = (torch.randn(1, hk, t, d, generator=g).to(ctx.device) for _ in range(2))
+            dout = torch.randn(1, 8, t, d, generator=g).to(ctx.device)
+            for causal in (True, False):
+                def whole(dt):
+                    xs = [x.to(dt).clone().requires_grad_() for x in (q, k, v)]
+                    o = F.scaled_dot_product_attention(*xs, is_causal=causal, enable_gqa=hk != 8)
+                    o.backward(dout.to(dt))
+                    return [o.detach().double()] + [x.grad.double() for x in xs]
+                exact, one = whole(torch.float64), whole(KERNEL_DTYPES[dtype])
+                for method in ("ring", "allgather", "ulysses"):
+                    for layout in ("zigzag", "contiguous"):
+                        part = lambda x: cpm.shard_sequence(x, ctx.rank, ctx.world_size, layout, 2)  # noqa: E731
+                        qs, ks, vs, ds = (x.to(KERNEL_DTYPES[dtype]).clone() for x in (q, k, v, dout))
+                        with common.count_collectives() as seen:
+                            with cpm.context_parallel(None, buffers=[qs, ks, vs, ds], seq_dims=[2] * 4, method=method,
+                                                      layout=layout):
+                                a, b, c = (x.detach().requires_grad_() for x in (qs, ks, vs))
+                                o = F.scaled_dot_product_attention(a, b, c, is_causal=causal, enable_gqa=hk != 8)
+                                o.backward(ds)
+                                got = [o.detach().double()] + [x.grad.double() for x in (a, b, c)]
+                        err = max((x - part(y)).abs().max().item() for x, y in zip(got, exact))
+                        own = max((part(x) - part(y)).abs().max().item() for x, y in zip(one, exact))
+                        name = f"{dtype}, {method}, {layout}, {'causal' if causal else 'full'}, 8/{hk} heads"
+                        out[name] = (err, own, sorted(seen.kernels))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, out)
+    return {n: (max(e[n][0] for e in everyone), max(e[n][1] for e in everyone),
+                sorted({k for e in everyone for k in e[n][2]})) for n in out}

@@ -1,0 +1,355 @@
+"""make gpu-check: everything a lent GPU should run, as one command of at most 8 minutes on
+a 16-core machine with one H100 or H200, its summary written as it goes.
+
+    make gpu-check PY=python3                                 # on the GPU machine (its own python3)
+    make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano    # the CPU dry run
+    python tools/gpu_check.py --parts smoke --scripts 03      # one part, one script
+
+Three parts, in this order (the most wanted first: a cut run keeps what finished):
+1. kernels: tests/test_gpu_kernels.py, the CUDA kernels no CPU reaches (context-parallel
+   attention through context_parallel in bf16 and float32 against SDPA; grouped experts in
+   bf16 against the loop), each case with its error; skipped with the reason where no GPU is.
+2. measure: a short table at 1 NCCL rank, one job each, alone on the machine: 05's
+   DDPBucketed beside torch DDP (25 MB buckets), 07's FSDP beside FSDP2 (step and peak
+   memory), 12's experts grouped beside one call each, in bf16.
+3. smoke: every numbered script's smoke jobs (verification and two timed steps at a small
+   size; NCCL at 1 rank, gloo over CUDA tensors at 2), --jobs at once, each time-boxed.
+
+<out>/SUMMARY.md (and SUMMARY.json) is rewritten after every row: the part, the job, its
+verdict, its seconds and what it measured; each job's log lies beside it. No job starts
+once --budget seconds have passed (it is listed as not started), and no job outlives its
+box or the budget. On a CPU (--device cpu, the dry run) the smoke jobs run under the device
+audit (common.DeviceAudit): a GPU's device rules, so what would fail on the GPU for a
+tensor on the wrong device fails here. Exit status 1 if a row failed or did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = [f"{n:02d}" for n in range(1, 13)]
+PARTS = ("kernels", "measure", "smoke")
+AUDIT_ENV = "KIT_DEVICE_AUDIT"   # common.AUDIT_ENV (this file imports no torch: it only starts jobs)
+
+
+def script(n: str) -> str:
+    return next(p.name for p in ROOT.glob(f"{n}_*.py"))
+
+
+# ----------------------------------------------------------------------------------------
+# The jobs
+# ----------------------------------------------------------------------------------------
+def smoke_jobs(scripts, dev, nccl, size) -> list:
+    """(name, command line) of every smoke job: each script at a small size, verification
+    and two timed steps; NCCL at 1 rank and gloo at 2 (08, 09 and pipelines need 2 ranks,
+    so gloo only). A GPU's slow ones (gloo over CUDA at 2 ranks) first."""
+    lm = ["--device", dev, "--model-size", size or "small", "--warmup", "1", "--steps", "2"]
+    four = ["--model-size", "mini"] if size in ("nano", "micro") else []   # 2 stages x 2 chunks need 4 blocks
+    one, two = ["--backend", nccl, "--world-size", "1", *lm], ["--backend", "gloo", "--world-size", "2", *lm]
+    gloo = ["--backend", "gloo", *lm]
+    per = {
+        "01": [("all_ops", ["--ops", "all", "--configs", f"{nccl}-{dev}", f"gloo-{dev}", "--world-sizes", "1", "2",
+                            "--sizes-mb", "0.001", "1", "--iters", "3", "--warmup", "1", "--time-box", "20"])],
+        "05": [(f"{nccl}_1rank", one), ("gloo_2ranks", two),
+               ("bf16", [*two, "--dtype", "bf16", "--bucket-mb", "25", "--models", "lm", "--no-baselines"])],
+        "07": [(f"{nccl}_1rank", one), ("gloo_2ranks", two), ("bf16", [*two, "--dtype", "bf16"])],
+        "08": [("gloo_2ranks", [*gloo, "--world-sizes", "2"]), ("sp", [*gloo, "--world-sizes", "2", "--sp"])],
+        "09": [("gloo_2ranks", [*gloo, "--stages", "2", "--microbatches", "1", "2", "--schedule", "gpipe", "1f1b"]),
+               ("interleaved", [*gloo, "--stages", "2", "--microbatches", "2", "--schedule", "interleaved", *four]),
+               ("zb1", [*gloo, "--stages", "2", "--microbatches", "2", "--schedule", "zb1"]),
+               ("recompute", [*gloo, "--stages", "2", "--microbatches", "2", "--schedule", "1f1b", "--recompute",
+                              "none", "selective", "full"])],
+        "10": [(f"{nccl}_1rank", ["--backend", nccl, *lm, "--dp", "1"]), ("gloo_2ranks", [*gloo, "--pp", "2"]),
+               ("levers", [*gloo, "--pp", "2", "--tp", "2", "--sp", "--recompute", "selective", "--dtype", "bf16"])],
+        "11": [("gloo_2ranks", [*gloo, "--cp", "2", "--seq-lens", "256", "--memory-lens", "256"]),
+               ("bf16", [*gloo, "--cp", "2", "--seq-lens", "256", "--memory-lens", "256", "--dtype", "bf16"])],
+        "12": [(f"{nccl}_1rank", ["--backend", nccl, *lm, "--ep", "1", "--experts", "4"]),
+               ("gloo_2ranks", [*gloo, "--ep", "2"]), ("bf16", [*gloo, "--ep", "2", "--dtype", "bf16"])],
+    }
+    jobs = [(f"{script(n)[:-3]}.{setting}", [script(n), *argv]) for n in scripts
+            for setting, argv in per.get(n, [(f"{nccl}_1rank", one), ("gloo_2ranks", two)])]
+    slow = ("07_fsdp.gloo", "07_fsdp.bf16", "12_expert_parallel.gloo", "12_expert_parallel.bf16", "06_", "05_")
+    return sorted(jobs, key=lambda j: next((i for i, s in enumerate(slow) if j[0].startswith(s)), len(slow)))
+
+
+def measure_jobs(scripts, dev, nccl, size) -> list:
+    """(name, command line, reader) of the measured table's jobs at 1 NCCL rank."""
+    one = ["--backend", nccl, "--world-size", "1", "--device", dev, "--no-verify"]
+    jobs = [("05", "05 DDPBucketed vs torch DDP", [*one, "--model-size", size or "xl", "--bucket-mb", "25",
+                                                   "--models", "lm", "--no-baselines", "--warmup", "5", "--steps", "10"],
+             read_05),
+            ("07", "07 FSDP vs FSDP2", [*one, "--model-size", size or "xl", "--methods", "fsdp", "--warmup", "3",
+                                        "--steps", "5"], read_07),
+            ("12", "12 grouped vs loop, bf16", ["--backend", nccl, "--ep", "1", "--device", dev, "--no-verify",
+                                                "--model-size", size or "small", "--dtype", "bf16", "--tables",
+                                                "grouped", "--warmup", "2", "--steps", "5"], read_12)]
+    return [(name, [script(n), *argv], read) for n, name, argv, read in jobs if n in scripts]
+
+
+def _rows(folder: Path, name: str) -> list:
+    return json.loads((folder / f"{name}.json").read_text())["rows"]
+
+
+def read_05(folder: Path) -> list:
+    rows = {r["method"]: r for r in _rows(folder, "05_bucketed_ddp")}
+    ours, theirs = rows["DDPBucketed 25 MB"], rows["torch DDP 25 MB"]
+    return [{"measurement": "05 step, 25 MB buckets", "ours": f"{ours['step_ms']:.1f} ms",
+             "torch": f"{theirs['step_ms']:.1f} ms (torch DDP)",
+             "ratio": f"{ours['vs_torch_ddp']:.3f} [{ours['vs_torch_ddp_min']:.3f}-{ours['vs_torch_ddp_max']:.3f}]",
+             "detail": f"plain training {rows['plain (no wrapper)']['step_ms']:.1f} ms"}]
+
+
+def read_07(folder: Path) -> list:
+    rows = _rows(folder, "07_fsdp")
+    ours, theirs = rows[0], rows[1]
+    out = [{"measurement": "07 step", "ours": f"{ours['step_ms']:.1f} ms", "torch": f"{theirs['step_ms']:.1f} ms (FSDP2)",
+            "ratio": f"{ours['vs_torch']:.3f} [{ours['vs_torch_min']:.3f}-{ours['vs_torch_max']:.3f}]", "detail": ""}]
+    mem = {r["method"]: r for r in _rows(folder, "07_fsdp_memory") if r["rank"] == 0}
+    if ours["method"] in mem and theirs["method"] in mem:
+        a, b = mem[ours["method"]], mem[theirs["method"]]
+        out.append({"measurement": "07 peak during a step", "ours": f"{a['step_peak_MB']:.0f} MiB",
+                    "torch": f"{b['step_peak_MB']:.0f} MiB (FSDP2)", "ratio": f"{a['vs_fsdp2']:.3f}",
+                    "detail": f"state {a['state_MB']:.0f} against {b['state_MB']:.0f} MiB"})
+    return out
+
+
+def read_12(folder: Path) -> list:
+    return [{"measurement": f"12 one MoE layer, {r['experts']} experts, top-{r['top_k']}, bf16",
+             "ours": f"{r['grouped_ms']:.2f} ms (grouped)", "torch": f"{r['loop_ms']:.2f} ms (one call each)",
+             "ratio": f"{r['loop_over_grouped']:.2f} (loop / grouped)", "detail": f"kernel {r['grouped_kernel']}"}
+            for r in _rows(folder, "12_grouped")]
+
+
+# ----------------------------------------------------------------------------------------
+# Running them, time-boxed, and the summary
+# ----------------------------------------------------------------------------------------
+class Check:
+    """The run: its jobs' processes (ended with it), its rows and the summary file."""
+
+    def __init__(self, args):
+        self.args, self.out, self.start = args, Path(args.out), time.time()
+        self.rows, self.measured, self.lock, self.procs, self.stopping = [], [], threading.Lock(), set(), False
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.header = self._header()
+
+    def left(self) -> float:
+        return self.args.budget - (time.time() - self.start)
+
+    def _header(self) -> str:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or "?"
+        probe = subprocess.run([self.args.python, "-c", "import torch; print(torch.__version__, 'on', "
+                                "torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"],
+                               capture_output=True, text=True).stdout.strip()
+        return (f"# make gpu-check at {commit}, {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.start))} UTC\n\n"
+                f"torch {probe}; {os.cpu_count()} CPU cores; device {self.args.device}, NCCL's part played by "
+                f"{self.args.nccl}; parts: {', '.join(self.args.parts)}; budget {self.args.budget:g} s"
+                + ("; the smoke jobs under the device audit (a GPU's device rules on the CPU)"
+                   if self.args.device == "cpu" else "") + "\n")
+
+    def add(self, part, job, verdict, seconds, detail=""):
+        with self.lock:
+            self.rows.append({"part": part, "job": job, "verdict": verdict, "seconds": round(seconds, 1),
+                              "detail": detail})
+            self.write()
+
+    def write(self):
+        order = {p: i for i, p in enumerate(PARTS)}
+        rows = sorted(self.rows, key=lambda r: order[r["part"]])   # stable: within a part, as they ended
+        lines = [self.header, "| part | job | verdict | seconds | detail |", "|---|---|---|---|---|"]
+        lines += [f"| {r['part']} | {r['job']} | {r['verdict']} | {r['seconds']:g} | {r['detail']} |" for r in rows]
+        failed = [r for r in rows if r["verdict"] in ("FAIL", "TIMEOUT")]
+        lines += ["", f"{len(rows)} rows, {len(failed)} failed, {sum(r['verdict'] == 'SKIP' for r in rows)} skipped; "
+                      f"{time.time() - self.start:.0f} s so far."]
+        if self.measured:
+            lines += ["", "## Measured at 1 rank (NCCL on a GPU)", "",
+                      "| measurement | ours | torch / baseline | ratio | detail |", "|---|---|---|---|---|"]
+            lines += [f"| {m['measurement']} | {m['ours']} | {m['torch']} | {m['ratio']} | {m['detail']} |"
+                      for m in self.measured]
+        for name, text in (("SUMMARY.md", "\n".join(lines) + "\n"),
+                           ("SUMMARY.json", json.dumps({"header": self.header, "rows": rows,
+                                                        "measured": self.measured}, indent=1))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(self.out / name)   # a reader never sees half a file
+
+    def run(self, cmd, log: Path, box: float, env=None) -> tuple:
+        """Run ``cmd`` in its own process group, its output into ``log``, for at most ``box``
+        seconds (then the group is ended: exit status 124, as timeout(1) says). Returns
+        (exit status, seconds)."""
+        t0 = time.time()
+        with open(log, "w") as f:
+            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, **(env or {})})
+            with self.lock:
+                self.procs.add(p)
+            try:
+                code = p.wait(timeout=max(1.0, box))
+            except subprocess.TimeoutExpired:
+                end(p)
+                code = 124
+                f.write(f"\n[gpu_check] killed by its time box of {box:.0f} s\n")
+            finally:
+                with self.lock:
+                    self.procs.discard(p)
+        return (130 if self.stopping and code != 0 else code), time.time() - t0
+
+    def end_all(self):
+        """End every running job (the check was interrupted)."""
+        self.stopping = True
+        with self.lock:
+            procs = list(self.procs)
+        for p in procs:
+            end(p)
+
+
+def end(p):
+    """End a job's whole process group: SIGTERM (the scripts end their ranks), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def verdict(code: int, box: float) -> tuple:
+    if code == 0:
+        return "PASS", ""
+    if code == 124:
+        return "TIMEOUT", f"killed by its {box:.0f} s time box (exit 124)"
+    if code == 130:
+        return "FAIL", "interrupted with the check"
+    return "FAIL", f"exit {code}"
+
+
+KERNEL_TESTS = {"test_context_parallel_attention_equals_sdpa_on_the_whole_sequence": "11 context_parallel vs SDPA",
+                "test_grouped_experts_in_bf16_equal_one_call_per_expert": "12 grouped experts vs loop, bf16"}
+
+
+def part_kernels(check: Check):
+    box = min(check.args.kernel_box, check.left())
+    if check.left() < 10:
+        return check.add("kernels", "tests/test_gpu_kernels.py", "NOT STARTED", 0, "budget spent")
+    xml = check.out / "kernels.xml"
+    code, seconds = check.run([check.args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/test_gpu_kernels.py", f"--junitxml={xml}"], check.out / "kernels.log", box)
+    if not xml.exists():
+        v, why = verdict(code or 1, box)
+        return check.add("kernels", "tests/test_gpu_kernels.py", v, seconds, f"{why}; no report (see kernels.log)")
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        test, _, params = case.get("name").partition("[")
+        name = f"{KERNEL_TESTS.get(test, test)} [{params}" if params else KERNEL_TESTS.get(test, test)
+        skipped, failed = case.find("skipped"), case.find("failure") if case.find("failure") is not None \
+            else case.find("error")
+        detail = ", ".join(f"{k} {v}" for k, v in props.items())
+        if skipped is not None:
+            check.add("kernels", name, "SKIP", float(case.get("time", 0)), skipped.get("message", ""))
+        elif failed is not None:
+            msg = (failed.get("message") or "").splitlines()[0][:200] if failed.get("message") else "failed"
+            check.add("kernels", name, "FAIL", float(case.get("time", 0)), f"{detail}; {msg}".strip("; "))
+        else:
+            check.add("kernels", name, "PASS", float(case.get("time", 0)), detail)
+    if code not in (0, 1):   # pytest itself failed to run (1: some test failed, already a row)
+        check.add("kernels", "pytest", *verdict(code, box), seconds)
+
+
+def part_measure(check: Check, scripts):
+    folder = check.out / "measure"
+    folder.mkdir(exist_ok=True)
+    for name, cmd, read in measure_jobs(scripts, check.args.device, check.args.nccl, check.args.size):
+        box = min(check.args.measure_box, check.left())
+        if check.left() < 10:
+            check.add("measure", name, "NOT STARTED", 0, "budget spent")
+            continue
+        out = folder / cmd[0][:-3]
+        code, seconds = check.run([check.args.python, *cmd, "--out", str(out)], folder / f"{cmd[0][:-3]}.log", box)
+        v, why = verdict(code, box)
+        if code == 0:
+            try:
+                got = read(out)
+                check.measured += got
+                why = "; ".join(f"{m['measurement']}: {m['ratio']}" for m in got)
+                v = "MEASURED"
+            except (OSError, KeyError, IndexError, ValueError) as e:
+                v, why = "FAIL", f"no table to read: {type(e).__name__}: {e}"
+        check.add("measure", name, v, seconds, why)
+
+
+def part_smoke(check: Check, scripts):
+    folder = check.out / ("smoke" if check.args.parts != ["smoke"] else "")
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {AUDIT_ENV: "1"} if check.args.device == "cpu" else {}
+
+    def one(job):
+        name, cmd = job
+        box = min(check.args.box, check.left())
+        if check.left() < 10:
+            return check.add("smoke", name, "NOT STARTED", 0, "budget spent")
+        code, seconds = check.run([check.args.python, *cmd, "--out", str(folder / name)], folder / f"{name}.log",
+                                  box, env)
+        v, why = verdict(code, box)
+        check.add("smoke", name, v, seconds, why)
+    pool = ThreadPoolExecutor(max_workers=check.args.jobs)
+    try:
+        for done in [pool.submit(one, job) for job in smoke_jobs(scripts, check.args.device, check.args.nccl,
+                                                                 check.args.size)]:
+            done.result()
+    finally:   # interrupted: the queued jobs never start, the running ones are ended (end_all)
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "results" / "gpu" / "check"), help="folder of SUMMARY.md and the logs")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run")
+    p.add_argument("--nccl", choices=["nccl", "gloo"], default="nccl", help="the 1-rank jobs' backend (gloo: dry run)")
+    p.add_argument("--size", default="", help="model size of every job (default: each part's own; nano: dry run)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS, help="whose smoke and measured jobs")
+    p.add_argument("--jobs", type=int, default=6, help="smoke jobs at once")
+    p.add_argument("--box", type=float, default=200.0, help="seconds a smoke job may take")
+    p.add_argument("--measure-box", type=float, default=120.0, help="seconds a measured job may take")
+    p.add_argument("--kernel-box", type=float, default=150.0, help="seconds the kernel tests may take")
+    p.add_argument("--budget", type=float, default=470.0, help="seconds after which no job starts or runs on")
+    p.add_argument("--python", default=sys.executable, help="the interpreter the jobs run with")
+    args = p.parse_args(argv)
+    check = Check(args)
+    check.write()
+    previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        for part in PARTS:
+            if part in args.parts:
+                {"kernels": lambda: part_kernels(check), "measure": lambda: part_measure(check, args.scripts),
+                 "smoke": lambda: part_smoke(check, args.scripts)}[part]()
+    except BaseException as e:   # interrupted, or the check's own bug: no job outlives it
+        check.end_all()
+        check.add(args.parts[-1], "(the check)", "FAIL", time.time() - check.start,
+                  "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}")
+        if not isinstance(e, KeyboardInterrupt):
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        check.end_all()
+    print((check.out / "SUMMARY.md").read_text())
+    return 1 if any(r["verdict"] in ("FAIL", "TIMEOUT", "NOT STARTED") for r in check.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
