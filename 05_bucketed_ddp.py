@@ -460,6 +460,11 @@ def benchmark(ctx, args, model, cap, fit=False):
     return {"rows": rows, "fit": fit_allreduce(ctx, args) if fit else None}
 
 
+def recorder_cost(ctx, args, cap):
+    """--recorder-cost: DDPBucketed on the LM with the flight recorder off, on, and checking."""
+    return common.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
+
+
 def benchmark_baselines(ctx, args):
     """The two unbucketed ends: per-parameter overlapped (04) and one flat all-reduce (03)."""
     overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
@@ -565,6 +570,9 @@ def main(argv=None):
     p.add_argument("--time-box", type=common.SECONDS, default=None,
                    help="seconds of benchmarking after which no further bucket size starts "
                         "(what ran is saved; the first size always runs)")
+    p.add_argument("--recorder-cost", action="store_true",
+                   help="instead of the sweep: DDPBucketed at the first --bucket-mb with the flight recorder off, on, "
+                        "and on with --check-collectives, steps alternating (05_recorder_cost)")
     args = common.parse(p, argv)
     caps = list(dict.fromkeys(args.bucket_mb))   # each size once
     report = common.is_reporter()
@@ -576,6 +584,10 @@ def main(argv=None):
             common.check_verification(common.launch(verify_bf16, args), f"{NAME}, bf16, at {args.world_size} rank(s)")
     if args.no_bench:
         return
+    if args.recorder_cost:
+        rows = common.launch(recorder_cost, args, caps[0])
+        return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "
+                                   f"({caps[0]:g} MB buckets)", rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
 
     # One job (fresh processes) per bucket size; the table is rewritten after each, so a run
     # cut short keeps what it measured. The first size also fits the all-reduce cost.

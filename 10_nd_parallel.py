@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -906,6 +907,21 @@ def flops_per_token(dims, context) -> float:
     return 6 * (n * (4 * d * d + 2 * d * f) + d * common.VOCAB_SIZE) + 12 * n * context * d
 
 
+def recorder_cost(ctx, args, shape, dims):
+    """--recorder-cost: ours on the mesh with the flight recorder off, on, and checking."""
+    levers = dataclasses.replace(levers_of(args), tie=False)
+    batch = args.batch_size or 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
+
+    def make():
+        whole = moe_lm(dims, args.context_length, False, args.seed, args.experts, args.top_k, ctx.device) \
+            if args.ep > 1 else lm(dims, args.context_length, False, args.seed, ctx.device)
+        model = ParallelLM(Mesh(shape), whole, batch, levers)
+        opt = make_optimizer(model)
+        return lambda b, clock: train_step(model, opt, model.part(b), clock)
+    return common.recorder_modes(ctx, argparse.Namespace(**{**vars(args), "batch_size": batch}), make,
+                                 global_batch=True)
+
+
 def torch_skip(shape, levers, ep, backend, device) -> str | None:
     """Why torch's composition is left out beside ours on this mesh (None: it runs)."""
     if shape["pp"] > 1 and not pp_mod.torch_pipelining_runs(backend, device):
@@ -1419,6 +1435,9 @@ def main(argv=None):
                    help="--plan, question (b): tokens of activations per device")
     p.add_argument("--plan-rows", type=common.COUNT, default=20, help="--plan: rows of the table (all go to the JSON)")
     common.add_train_flags(p)
+    p.add_argument("--recorder-cost", action="store_true",
+                   help="instead of the verification and benchmark: ours on the mesh (pp 2 x dp 2 without one) with "
+                        "the flight recorder off, on, and on with --check-collectives, steps alternating")
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
     common.check_train_flags(first)
@@ -1431,6 +1450,9 @@ def main(argv=None):
     if first.plan:
         first.model_size = first.model_size or "xxl"
         return report_plan(first)
+    if first.recorder_cost and not any(getattr(first, a) is not None for a in AXES):
+        first.pp = first.dp = 2
+        argv = [*(argv if argv is not None else sys.argv[1:]), "--pp", "2", "--dp", "2"]
     single = any(getattr(first, a) is not None for a in AXES)
     shape = mesh_of(**{a: getattr(first, a) if getattr(first, a) is not None else 1 for a in AXES})
     if first.world_size is not None and not common.under_torchrun():
@@ -1484,6 +1506,11 @@ def main(argv=None):
             raise common.UsageError("--train runs one mesh: give it (--pp 2 --dp 2, say)")
         common.launch(train, args, shape)
         return
+    if args.recorder_cost:
+        args.batch_size = args.batch_size or 2 * levers_of(args).m(shape) * shape["dp"] * shape["fsdp"]
+        rows = common.launch(recorder_cost, args, shape, dims)
+        return common.report_table(args, "10_recorder_cost", f"The flight recorder's cost on {label(shape)} (ours)",
+                                   rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
     if not args.no_verify:
         if single and args.ep > 1:
             jobs = [(args.world_size, [], ("ep", args.ep, shape, args.tie))]

@@ -10,6 +10,8 @@
 #            about 30 seconds; not in `all`)
 # make cp-sweep one attention from 1k to 32k tokens, one process beside every context-parallel
 #            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 6 minutes)
+# make recorder-cost what the flight recorder (every job runs under it) and --check-collectives cost a step:
+#            05's DDPBucketed and 10's pp 2 x dp 2 mesh, steps alternating (about 1 minute; not in `all`)
 # make test  runs the test suite
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
 # Each sets up .venv from requirements.txt first when it is missing or out of date.
@@ -19,7 +21,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints recorder-cost $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -70,6 +72,10 @@ clean-results:
 
 07: $(STAMP)
 	$(PY) 07_fsdp.py --out results
+
+recorder-cost: $(STAMP)
+	$(PY) 05_bucketed_ddp.py --recorder-cost --bucket-mb 25 --no-verify --steps 40 --out results
+	$(PY) 10_nd_parallel.py --recorder-cost --no-verify --steps 40 --out results
 
 checkpoints: $(STAMP)
 	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -209,6 +210,12 @@ def script_parser(doc: str, default_steps=10, cpu_size="mini", gpu_size="xl",
     p.add_argument("--seed", type=COUNT0, default=0, help="seed of weights and data")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for results (make all writes results/)")
     p.add_argument("--timeout", type=SECONDS, default=300.0, help="seconds a collective may wait before the job fails")
+    p.add_argument("--stall-report", type=SECONDS, default=30.0,
+                   help="seconds a rank may wait in a collective before the job prints who it waits for (and again "
+                        "every as many seconds while the stall lasts)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="compare every collective's op, group, shapes and dtype across the ranks before it runs: a "
+                        "rank calling something else is refused at once, naming each rank's call and line")
     p.add_argument("--data", choices=["random", "mnist"], default="random", help="data for the verification")
     p.add_argument("--data-root", default=str(ROOT / "data"), help="where MNIST lives")
     p.add_argument("--download", action="store_true", help="download MNIST if missing")
@@ -374,16 +381,45 @@ def _watch_parent(parent_pid: int):
     threading.Thread(target=loop, daemon=True).start()
 
 
-def _run_worker(worker, ctx, args, job, audit: bool):
-    """``worker(ctx, args, *job)``, under the device audit where asked (a CPU job)."""
-    if audit and ctx.device.type == "cpu":
-        with device_audit():
+def _job_options(args, timeout) -> dict:
+    """What the launch gives every rank besides the job: the device audit (KIT_DEVICE_AUDIT),
+    --check-collectives (or KIT_CHECK_COLLECTIVES), --stall-report and the timeout. Read
+    here, in the launching process: spawned ranks fork from a server started earlier."""
+    return {"audit": os.environ.get(AUDIT_ENV) == "1", "stall_report": getattr(args, "stall_report", 30.0),
+            "check": bool(getattr(args, "check_collectives", False)) or os.environ.get(CHECK_ENV) == "1",
+            "timeout": timeout}
+
+
+def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
+    """``worker(ctx, args, *job)`` with its flight recorder publishing to ``store`` (and
+    comparing collectives with --check-collectives), under the device audit where asked (a
+    CPU job). ``watch`` (torchrun): this rank also watches for stalls, and a failure is
+    preceded by the stall's first line, so the stuck rank is named before any traceback."""
+    recorder = FlightRecorder(ctx, store, options["check"], options["stall_report"], options["timeout"])
+    _RECORDER[:] = [recorder]
+    if watch:
+        recorder.watch = StallWatch(store, ctx.world_size, options["stall_report"], me=ctx.rank)
+    try:
+        with traced_calls(recorder):
+            if options["audit"] and ctx.device.type == "cpu":
+                with device_audit():
+                    return worker(ctx, args, *job)
             return worker(ctx, args, *job)
-    return worker(ctx, args, *job)
+    except BaseException:
+        if watch and recorder.watch.diagnosis:   # named before the traceback torchrun shows
+            print(f"rank {ctx.rank} fails after a stall: {recorder.watch.diagnosis['stuck']}", file=sys.stderr,
+                  flush=True)
+        raise
+    finally:
+        recorder.finish()
+        _RECORDER.clear()
+
+
+_RECORDER = []   # the flight recorder of the job this process runs now
 
 
 def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, device, timeout, result_path, parent_pid,
-                 audit=False):
+                 options=None):
     _watch_parent(parent_pid)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     ctx = Ctx(rank, world_size, rank, backend, _device_for(device, rank))
@@ -392,7 +428,8 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
-        result = _run_worker(getattr(load_script(script), fn_name), ctx, args, job, audit)
+        result = _run_worker(getattr(load_script(script), fn_name), ctx, args, job, options or _job_options(args, timeout),
+                             dist.PrefixStore("kit/fr", store))
     except BaseException:  # leave the time and traceback for launch() to find the first failure
         with open(f"{result_path}.rank{rank}.err", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
@@ -438,7 +475,10 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
             store = _attempt_store(timeout)
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout), store=store,
                                     **({"rank": ctx.rank, "world_size": world_size} if store is not None else {}))
-        return _run_worker(worker, ctx, args, job, os.environ.get(AUDIT_ENV) == "1")
+        _launches[0] += 1   # every rank runs the same launches: each job's states under its own prefix
+        fr_store = dist.PrefixStore(f"kit/fr/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_launches[0]}",
+                                    dist.distributed_c10d._get_default_store())
+        return _run_worker(worker, ctx, args, job, _job_options(args, timeout), fr_store, watch=True)
     script = Path(sys.modules[worker.__module__].__file__).resolve()
     # The parent holds the rendezvous store on a port the OS picked: no race for a free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -446,21 +486,25 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
     fd, result_path = tempfile.mkstemp(prefix="ddp_result_", suffix=".pkl")
     os.close(fd)
     alive = Heartbeat(f"{worker.__name__} on {world_size} rank{'s' * (world_size > 1)}")
+    options = _job_options(args, timeout)
+    watch = StallWatch(dist.PrefixStore("kit/fr", store), world_size, options["stall_report"])
+    quiet = _quiet_spawn_log()
     try:
         procs = mp.start_processes(
             _spawn_entry, nprocs=world_size, join=False, start_method="forkserver",
             args=(str(script), worker.__name__, args, job, world_size, store.port, backend, device,
-                  timeout, result_path, os.getpid(), os.environ.get(AUDIT_ENV) == "1"))
+                  timeout, result_path, os.getpid(), options))
         try:
             while not procs.join(timeout=1.0, grace_period=2):
                 alive.tick()
+                watch.tick()
         except mp.ProcessRaisedException:
-            raise LaunchError(_failure_report(result_path, world_size)) from None
+            raise LaunchError(_failure_report(result_path, world_size, stall=watch.diagnosis)) from None
         except mp.ProcessExitedException as e:
             how = f"signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             raise LaunchError(_failure_report(result_path, world_size,
-                                              (time.time(), e.error_index, f"died ({how}) without a Python error"))) \
-                from None
+                                              (time.time(), e.error_index, f"died ({how}) without a Python error"),
+                                              stall=watch.diagnosis)) from None
         except BaseException:
             for p in procs.processes:
                 if p.is_alive():
@@ -472,10 +516,25 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
             return pickle.load(f) if os.path.getsize(result_path) else None
     finally:
         alive.done()
+        quiet()
         for f in [result_path] + [f"{result_path}.rank{r}.err" for r in range(world_size)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
         del store
+
+
+_launches = [0]   # launches so far in this process (under torchrun: the same count on every rank)
+
+
+def _quiet_spawn_log():
+    """Keep torch's process launcher from printing its own warnings ("Terminating process
+    ... via signal SIGTERM") while a job ends: the launcher's report says what happened.
+    Returns the function that restores its level."""
+    import logging
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    return lambda: log.setLevel(level)
 
 
 _announce_next = []   # run_main arms it: the script's first job says what is starting
@@ -518,17 +577,18 @@ class Heartbeat:
             print("\r\033[K", end="", flush=True)
 
 
-def _failure_report(result_path, world_size, died=None) -> str:
+def _failure_report(result_path, world_size, died=None, stall=None) -> str:
     """What went wrong, the first failure first: that rank and its exception's last line,
     then what followed (the others usually fail only because it went away), and the path
     of a log file with every failed rank's whole traceback. ``died``: (time, rank, how) of
-    a process that ended without a Python error."""
+    a process that ended without a Python error. ``stall``: the StallWatch's diagnosis
+    when the job was stalled: then the rank the others waited for is named first (a rank
+    that timed out waiting for it only failed as a consequence)."""
     events = []   # (time, rank, what, traceback)
     for r in range(world_size):
         with contextlib.suppress(FileNotFoundError, ValueError):
             when, tb = Path(f"{result_path}.rank{r}.err").read_text().split("\n", 1)
-            lines = [ln.strip() for ln in tb.strip().splitlines() if ln.strip()]
-            events.append((float(when), r, f"failed: {lines[-1] if lines else '?'}", tb))
+            events.append((float(when), r, f"failed: {_exception_text(tb)}", tb))
     if died is not None:
         events.append((*died, ""))
     if not events:
@@ -538,6 +598,8 @@ def _failure_report(result_path, world_size, died=None) -> str:
     same = [r for _, r, what, _ in events[1:] if what == first[2]]   # the same error raised on its own
     rest = [(r, what) for _, r, what, _ in events[1:] if what != first[2]]
     msg = f"rank {first[1]} {first[2].replace('failed:', 'failed first:', 1)}"
+    if stall is not None:
+        msg = f"{stall['stuck']}\n  then, after waiting: rank {first[1]} {first[2]}"
     if same:
         msg += f"\n  rank{'s' * (len(same) > 1)} {', '.join(map(str, same))} failed the same way"
     if rest:
@@ -552,21 +614,39 @@ def _failure_report(result_path, world_size, died=None) -> str:
     return msg
 
 
+def _exception_text(tb: str) -> str:
+    """The exception a traceback ends with: its last line, or its whole message where it
+    spans lines (a CollectiveMismatch's table of the ranks' calls)."""
+    lines = [ln for ln in tb.rstrip().splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    start = max((i for i, ln in enumerate(lines) if not ln[0].isspace()), default=len(lines) - 1)
+    head = lines[start].strip()
+    if head.split(":")[0].split(".")[-1] == "CollectiveMismatch":
+        return "\n".join([head] + [ln for ln in lines[start + 1:]])
+    return lines[-1].strip()
+
+
 def is_reporter() -> bool:
     """True in the process that prints and writes results (always, unless torchrun rank > 0)."""
     return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
 # ----------------------------------------------------------------------------------------
-# What a rank calls: torch.distributed's collectives seen by the launcher, and the device audit
+# What a rank calls: torch.distributed's collectives seen by the launcher, not by the methods
 # ----------------------------------------------------------------------------------------
 # torch.distributed's functions a rank may wait in: wrapped in each worker by the launch
-# (never by the methods), so that every installed hook sees each call, whoever makes it (a
-# script, a copied class, torch's own classes that call them by these names)
-TRACED_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
-                "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "gather_object",
-                "broadcast_object_list", "scatter_object_list")
+# (never by the methods), so that every observer sees each call, whoever makes it (a script,
+# a copied class, torch's own classes that call them by these names). Calls from threads
+# other than the main one pass straight through.
+COLLECTIVE_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
+P2P_CALLS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+OBJECT_CALLS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
+TRACED_CALLS = COLLECTIVE_CALLS + P2P_CALLS + OBJECT_CALLS
+# calls whose every rank gives tensors of the same shape (the others: a root's list, uneven splits)
+SAME_SHAPES = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
+               "reduce_scatter"}
 
 
 def call_tensors(op, args, kwargs) -> list:
@@ -582,38 +662,76 @@ def call_tensors(op, args, kwargs) -> list:
 
 
 class _P2POp(dist.P2POp):
-    """dist.P2POp taking a wrapped isend/irecv (torch checks the op by identity)."""
+    """dist.P2POp taking a wrapped isend/irecv (torch checks the op by identity; the op stays
+    the wrapped one, so code comparing it with dist.isend still finds it)."""
 
     def __new__(cls, op, *args, **kwargs):
         return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
 
-    def __init__(self, op, *args, **kwargs):
-        super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+def _unwrapped_ops(ops):
+    """batch_isend_irecv's list with torch's own isend/irecv (it tells them apart by identity)."""
+    out = []
+    for p in ops:
+        q = object.__new__(type(p))
+        q.__dict__.update(p.__dict__, op=getattr(p.op, "__wrapped__", p.op))
+        out.append(q)
+    return out
+
+
+_OBSERVERS = []   # what watches the calls in this process (the device audit, the flight recorder)
+
+
+def _traced(name, fn):
+    import inspect
+    params = list(inspect.signature(fn).parameters)
+    where = {k: params.index(k) for k in ("group", "async_op") if k in params}
+
+    def traced(*args, **kwargs):
+        if not _OBSERVERS or threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
+        async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
+            kwargs.get("async_op", args[where["async_op"]] if len(args) > where.get("async_op", 1 << 30) else False)
+        tokens = [o.enter(name, args, kwargs, group, async_op) for o in list(_OBSERVERS)]
+        result = fn(_unwrapped_ops(args[0]), *args[1:], **kwargs) if name == "batch_isend_irecv" else \
+            fn(*args, **kwargs)
+        for o, token in zip(list(_OBSERVERS), tokens):
+            o.exit(token, result)
+        return result
+    traced.__wrapped__, traced.__name__, traced.__doc__ = fn, fn.__name__, fn.__doc__
+    return traced
 
 
 @contextlib.contextmanager
-def traced_calls(hook):
-    """Inside the block, every call of TRACED_CALLS first runs ``hook(op, args, kwargs)``."""
-    real = {name: getattr(dist, name) for name in TRACED_CALLS if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def traced(*args, **kwargs):
-            hook(name, args, kwargs)
-            return fn(*args, **kwargs)
-        traced.__wrapped__, traced.__name__, traced.__doc__ = fn, fn.__name__, fn.__doc__
-        return traced
-    real_p2p = dist.P2POp
-    for name, fn in real.items():
-        setattr(dist, name, wrap(name, fn))
-    dist.P2POp = _P2POp
+def traced_calls(observer):
+    """Inside the block, ``observer.enter(op, args, kwargs, group, async_op)`` runs before
+    every call of TRACED_CALLS this process's main thread makes (it may raise: the call does
+    not run) and ``observer.exit(its token, the call's result)`` after it returns. The first
+    observer puts the wrappers in place, the last one out takes them away."""
+    if not _OBSERVERS:
+        _traced_calls_real.update({name: getattr(dist, name) for name in TRACED_CALLS if hasattr(dist, name)})
+        for name, fn in _traced_calls_real.items():
+            setattr(dist, name, _traced(name, fn))
+        _traced_calls_real["P2POp"] = dist.P2POp
+        dist.P2POp = _P2POp
+    _OBSERVERS.append(observer)
     try:
-        yield
+        yield observer
     finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-        dist.P2POp = real_p2p
+        _OBSERVERS.remove(observer)
+        if not _OBSERVERS:
+            for name, fn in _traced_calls_real.items():
+                setattr(dist, name, fn)
+            _traced_calls_real.clear()
 
 
+_traced_calls_real = {}
+
+
+# ----------------------------------------------------------------------------------------
+# The device audit: a GPU's device rules on a CPU run
+# ----------------------------------------------------------------------------------------
 AUDIT_ENV = "KIT_DEVICE_AUDIT"   # =1: a CPU job runs under DeviceAudit (the tests' way to see GPU-only bugs)
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 # where a GPU would put a tensor: HOST (made without a device, or by .cpu()), DEVICE (made on
@@ -663,10 +781,16 @@ class DeviceAudit(torch.overrides.TorchFunctionMode):
                                f"tensor on the job's device: on a GPU this raises 'Expected all tensors to be on "
                                f"the same device'")
 
+    def enter(self, op, args, kwargs, group=None, async_op=False):   # (an observer of traced_calls)
+        self.check_call(op, args, kwargs)
+
+    def exit(self, token, result):
+        pass
+
     def check_call(self, op, args, kwargs):
         """A collective's tensors: a HOST one is what NCCL refuses (an object collective
         pickles its objects to the device itself)."""
-        if op in _OBJECT_CALLS or op == "scatter_object_list":
+        if op in OBJECT_CALLS:
             return
         for t in call_tensors(op, args, kwargs):
             place, made = self.of(t)
@@ -793,7 +917,7 @@ def device_audit():
     nn.Parameter.__new__ = staticmethod(parameter)
     _AUDITS.append(audit)
     try:
-        with traced_calls(audit.check_call):
+        with traced_calls(audit):
             for name, real in saved.items():
                 setattr(dist, name, shipping(name, getattr(dist, name)))
             with audit:
@@ -803,6 +927,542 @@ def device_audit():
             setattr(dist, name, real)
         _AUDITS.remove(audit)
         nn.Parameter.__new__ = staticmethod(new)
+
+
+# ----------------------------------------------------------------------------------------
+# The flight recorder: every call a rank enters and completes, stalls named, mismatches refused
+# ----------------------------------------------------------------------------------------
+CHECK_ENV = "KIT_CHECK_COLLECTIVES"   # =1: --check-collectives in every job (the tests set it)
+RECORDER_SIZE = 4096                  # calls a rank remembers
+BEAT = 1.0                            # seconds between a rank's published states
+_POST = 0.02                          # seconds a compared call waits before posting its whole signature
+_SLICE = 1.0                          # seconds between looks at where the missing ranks are
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives at the same place of a group (--check-collectives)."""
+
+
+_FILES = {}   # a frame's file -> its name, or None for torch's and this file's own (skipped)
+
+
+def _site() -> str:
+    """file:line of the code that made the call (the first frame outside torch and this file)."""
+    f = sys._getframe(3)
+    while f is not None:
+        path = f.f_code.co_filename
+        name = _FILES.get(path, 0)
+        if name == 0:
+            name = _FILES[path] = None if path == __file__ or path.startswith(_TORCH_DIR) else os.path.basename(path)
+        if name is not None:
+            return f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def _stack(frame, limit=6) -> list:
+    """The last ``limit`` frames of a thread's Python stack, outside torch, as file:line func: code."""
+    lines = []
+    for fs in traceback.extract_stack(frame)[::-1]:
+        if fs.filename.startswith(_TORCH_DIR) or fs.filename == threading.__file__:
+            continue
+        lines.append(f"{Path(fs.filename).name}:{fs.lineno} {fs.name}: {(fs.line or '').strip()}")
+        if len(lines) == limit:
+            break
+    return lines
+
+
+class FlightRecorder:
+    """One rank's record of the torch.distributed calls its main thread makes (a ring of
+    RECORDER_SIZE): for each, its sequence number on its group (a point-to-point call: on
+    the pair, each direction apart), the op, the group, shapes and dtype, where it was
+    called, and when it was entered and completed (an async call: when its work was seen
+    done). A thread publishes the rank's state to the job's store every BEAT seconds: its
+    calls in flight, the last it completed, how far it is on each group, and, while it is in
+    no call, its Python stack. The launcher (or, under torchrun, the first rank still
+    beating) reads every rank's state and names a stall (``diagnose``). With ``check``,
+    every collective's signature (op, group, shapes, dtype, place) is compared with the
+    other ranks' before it runs: a rank calling something else is refused at once
+    (CollectiveMismatch, on every rank that sees it, naming each rank's call and line)."""
+
+    def __init__(self, ctx, store, check=False, stall_report=30.0, timeout=300.0):
+        import collections
+        self.rank, self.world, self.store, self.check = ctx.rank, ctx.world_size, store, check
+        self.stall_report, self.timeout = stall_report, timeout
+        self.calls = collections.deque(maxlen=RECORDER_SIZE)
+        self.seq, self.groups, self.flight, self.done, self.on, self._by_id = {}, {}, [], None, True, {}
+        self.unsettled = []   # --check-collectives: async collectives whose comparison is not settled yet
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        self.main = threading.main_thread()
+        self.watch = None   # under torchrun: this rank's StallWatch (the first rank still beating reports)
+        self._publish(stack=False)
+        self.thread = threading.Thread(target=self._beat, name="kit-flight-recorder", daemon=True)
+        self.thread.start()
+
+    # -- the calls
+    def _group(self, group):
+        """(name, global ranks) of a process group (None: the world), cached by the object."""
+        got = self._by_id.get(id(group))
+        if got is None or got[2] is not group:
+            pg = group or dist.group.WORLD
+            self.groups[pg.group_name] = dist.get_process_group_ranks(pg)
+            got = self._by_id[id(group)] = (pg.group_name, self.groups[pg.group_name], group)
+        return got[0], got[1]
+
+    def enter(self, op, args, kwargs, group, async_op):
+        if not self.on:
+            return None
+        name, ranks = self._group(group)
+        tensors = call_tensors(op, args, kwargs)
+        if op in P2P_CALLS:
+            pairs = self._pairs(op, args, kwargs, group, name)
+        else:
+            pairs = [name]
+        seqs = []
+        for key in pairs:
+            self.seq[key] = self.seq.get(key, 0) + 1
+            seqs.append(self.seq[key])
+        rec = {"op": op, "group": name, "ranks": ranks, "keys": pairs, "seqs": seqs,
+               "shapes": [list(t.shape) for t in tensors[:4]], "dtype": str(tensors[0].dtype)[6:] if tensors else "",
+               "site": _site(), "t0": time.time(), "t1": None, "async": bool(async_op), "works": []}
+        self.calls.append(rec)   # (appends and removes of lists are atomic: the beat thread copies them)
+        self.flight.append(rec)
+        if self.check and op not in P2P_CALLS:   # (before the call: a mismatch is refused, not run)
+            self._settle()
+            self._compare(rec, wait=not async_op)
+        return rec
+
+    def _pairs(self, op, args, kwargs, group, name) -> list:
+        """The sequence keys of a point-to-point call: "group:src>dst" for each message."""
+        ops = args[0] if op == "batch_isend_irecv" else [None]
+        keys = []
+        for p in ops:
+            if p is not None:
+                kind = "send" if getattr(p.op, "__name__", "") == "isend" else "recv"
+                g, peer = p.group, p.peer
+            else:
+                kind = "send" if op in ("send", "isend") else "recv"
+                g = group
+                peer = kwargs.get("dst" if kind == "send" else "src", args[1] if len(args) > 1 else None)
+                gp = kwargs.get("group_dst" if kind == "send" else "group_src")
+                if peer is None and gp is not None:
+                    peer = dist.get_global_rank(g or dist.group.WORLD, gp)
+            gname = self._group(g)[0]
+            keys.append(f"{gname}:{self.rank}>{peer}" if kind == "send" else f"{gname}:{peer}>{self.rank}")
+        return keys
+
+    def exit(self, rec, result):
+        if rec is None:
+            return
+        if rec["async"] and result is not None:
+            import weakref
+            works = result if isinstance(result, (list, tuple)) else [result]
+            rec["works"] = [weakref.ref(w) for w in works if w is not None]
+        if not rec["works"]:
+            self._complete(rec)
+
+    def _complete(self, rec):
+        rec["t1"], rec["works"] = time.time(), []
+        flight = self.flight
+        if flight and flight[-1] is rec:
+            flight.pop()
+        else:
+            for i, r in enumerate(flight):
+                if r is rec:
+                    del flight[i]
+                    break
+        self.done = rec
+
+    # -- --check-collectives: every rank's signature of each collective, before it runs
+    def _compare(self, rec, wait=True):
+        """Every rank of the call's group adds one to a counter named by the call's place and
+        signature (op, group, shapes where they must match, dtype): where all agree it
+        reaches the group's size, one store round trip for the last to come. A rank still
+        waiting after _POST seconds posts its whole call (and where it is) and compares it
+        with those the others posted: a rank at that place with another call, or one waiting
+        in another group's call that this rank has not reached, is a mismatch. An async call
+        (``wait`` False) does not wait: its comparison is settled at this rank's next calls
+        (_settle), so a timed wait on its work (08's evaluation guard) still times out."""
+        key, seq, ranks = rec["keys"][0], rec["seqs"][0], rec["ranks"]
+        if len(ranks) == 1:
+            return
+        mine = {"op": rec["op"], "shapes": rec["shapes"], "dtype": rec["dtype"], "site": rec["site"],
+                "group": key, "seq": seq, "ranks": ranks}
+        sign = _signature(mine, rec["op"])
+        count = f"n/{key}/{seq}/{zlib.crc32(json.dumps(sign).encode()):08x}"
+        if self.store.add(count, 1) == len(ranks):
+            return
+        if not wait:
+            self.unsettled.append((count, mine, sign, time.time(), [False]))
+            return
+        others = [r for r in ranks if r != self.rank]
+        start, pause, posted, look = time.time(), 5e-5, False, 0.0
+        while self.store.add(count, 0) < len(ranks):   # (polled: a store's wait that times out logs warnings)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+            now = time.time()
+            if now > start + self.timeout:
+                raise RuntimeError(f"--check-collectives: the other ranks did not call #{seq} on "
+                                   f"{_label(key, ranks, self.world)} within --timeout {self.timeout:g} s")
+            if now < start + _POST:
+                continue
+            if not posted:
+                self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
+                self.store.set(f"now/{self.rank}", json.dumps(mine))
+                posted = True
+            for r in others:   # what the others posted at this place
+                k = f"sig/{key}/{seq}/{r}"
+                if self.store.check([k]):
+                    theirs = json.loads(self.store.get(k))
+                    if _signature(theirs, rec["op"]) != sign:
+                        raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+            if now < look:
+                continue
+            look = now + _SLICE
+            for r in others:   # a rank that waits in another group's call we have not entered
+                if not self.store.check([f"now/{r}"]):
+                    continue
+                theirs = json.loads(self.store.get(f"now/{r}"))
+                g = theirs["group"]
+                if g != key and self.rank in theirs["ranks"] and self.seq.get(g, 0) < theirs["seq"]:
+                    raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+
+    def _settle(self):
+        """The comparisons of this rank's earlier async collectives: those every rank has
+        reached are done; one still short after _POST seconds posts its call and compares it
+        with what the others posted there (a mismatch raises now, refusing the next call)."""
+        now = time.time()
+        for item in list(self.unsettled):
+            count, mine, sign, t0, posted = item
+            if self.store.add(count, 0) == len(mine["ranks"]):
+                self.unsettled.remove(item)
+                continue
+            if now < t0 + _POST:
+                continue
+            key, seq = mine["group"], mine["seq"]
+            if not posted[0]:
+                self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
+                posted[0] = True
+            for r in mine["ranks"]:
+                k = f"sig/{key}/{seq}/{r}"
+                if r != self.rank and self.store.check([k]):
+                    theirs = json.loads(self.store.get(k))
+                    if _signature(theirs, mine["op"]) != sign:
+                        self.unsettled.clear()
+                        raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+
+    # -- the published state
+    def _state(self, stack=True) -> dict:
+        for rec in list(self.flight):   # async calls whose work is done (or dropped)
+            if rec["works"] and all(w() is None or w().is_completed() for w in rec["works"]):
+                rec["t1"], rec["works"] = time.time(), []
+                with contextlib.suppress(ValueError):
+                    self.flight.remove(rec)
+                self.done = rec
+        flight = [_brief(r) for r in list(self.flight)]
+        done = _brief(self.done) if self.done else None
+        seq = dict(self.seq)
+        blocked = any(r["t1"] is None and not r["async"] for r in self.flight)
+        frame = sys._current_frames().get(self.main.ident)
+        return {"rank": self.rank, "pid": os.getpid(), "host": platform.node(), "t": time.time(),
+                "flight": flight, "done": done, "seq": seq, "groups": self.groups,
+                "stack": _stack(frame) if stack and frame is not None and not blocked else []}
+
+    def _publish(self, stack=True):
+        self.store.set(f"state/{self.rank}", json.dumps(self._state(stack)))
+
+    def _beat(self):
+        while not self.stopped.wait(BEAT):
+            try:
+                self._publish()
+                if self.watch is not None:
+                    self.watch.tick()
+            except Exception:   # the store went away: the job is ending
+                return
+
+    def finish(self):
+        """The worker returned or raised: its last state says so; the beat stops."""
+        self.stopped.set()
+        self.thread.join(2 * BEAT)
+        with contextlib.suppress(Exception):
+            state = self._state()
+            state["finished"] = True
+            self.store.set(f"state/{self.rank}", json.dumps(state))
+
+
+def _brief(rec) -> dict:
+    return {k: rec[k] for k in ("op", "group", "ranks", "keys", "seqs", "shapes", "dtype", "site", "t0", "t1", "async")}
+
+
+def _signature(s, op) -> tuple:
+    shapes = s["shapes"] if op in SAME_SHAPES else [sh[1:] for sh in s["shapes"]] if op == "all_to_all_single" else []
+    return s["op"], s["group"], json.dumps(shapes), s["dtype"] if op not in OBJECT_CALLS else ""
+
+
+def _mismatch_text(key, seq, calls, world) -> str:
+    first = calls[min(calls)]
+    lines = [f"ranks {', '.join(map(str, sorted(calls)))} called different collectives as call #{seq} on "
+             f"{_label(key, first['ranks'], world)}; refused before it ran (--check-collectives):"]
+    for r in sorted(calls):
+        c = calls[r]
+        shapes = " ".join(f"[{','.join(map(str, sh))}]" for sh in c["shapes"][:2])
+        lines.append(f"  rank {r}: {c['op']} #{c['seq']} on {_label(c['group'], c['ranks'], world)} "
+                     f"({c['dtype']} {shapes}) at {c['site']}")
+    return "\n".join(lines)
+
+
+def _label(group, ranks, world) -> str:
+    return "the world" if len(ranks) == world else f"group of ranks {','.join(map(str, ranks))}"
+
+
+def _call_text(c, world, now=None) -> str:
+    """all_reduce #57 on the world (float32 [1024]) at 05_bucketed_ddp.py:238[, for 31 s]"""
+    where = _label(c["group"], c["ranks"], world)
+    if ":" in c["keys"][0]:   # point-to-point: the messages
+        msgs = ", ".join(f"{k.split(':')[1].replace('>', ' to ')} #{s}" for k, s in zip(c["keys"], c["seqs"]))
+        text = f"{c['op']} ({msgs}) on {where}"
+    else:
+        text = f"{c['op']} #{c['seqs'][0]} on {where}"
+    shapes = " ".join(f"[{','.join(map(str, s))}]" for s in c["shapes"][:2])
+    text += f" ({c['dtype']} {shapes})" if c["dtype"] else ""
+    text += f" at {c['site']}"
+    return text + (f", for {now - c['t0']:.0f} s" if now is not None else "")
+
+
+def _process_state(pid, host) -> str | None:
+    """"stopped" (SIGSTOP, a debugger), "gone", or None (running) for a process of this host."""
+    if host != platform.node():
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+    return {"T": "stopped", "t": "stopped (traced)", "Z": "gone", "X": "gone", "D": "in uninterruptible I/O"}.get(state)
+
+
+def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_process_state) -> dict | None:
+    """A stall from every rank's published state (FlightRecorder), or None: some rank has
+    waited ``stall_after`` seconds or more in a call. Each waiting rank's oldest call is
+    followed to the ranks that have not entered it (by its sequence number on its group,
+    or on its pair for a point-to-point message), and from those to the ones they wait for
+    in turn: the first named are the ranks the others wait for at the end of that chain
+    (busy in no call, not responding, finished, or waiting on a call nobody else reached)
+    and the ranks that entered the same place of a group with another call. Returns
+    {"culprits": [rank, ...], "text": the report, "first": one line naming the first}."""
+    flight = {r: s["flight"] for r, s in states.items() if s.get("flight")}
+    waiting = {r: min(f, key=lambda c: c["t0"]) for r, f in flight.items()}
+    stalled = {r: c for r, c in waiting.items() if now - c["t0"] >= stall_after}
+    if not stalled:
+        return None
+
+    def status(r):
+        s = states.get(r)
+        if s is None:
+            return "not responding: never started its recorder"
+        if s.get("finished"):
+            return "finished its work"
+        if now - s["t"] > 3 * BEAT:
+            how = alive(s["pid"], s["host"])
+            return (f"not responding: {how}" if how else "not responding (alive, its recorder silent)") + \
+                f"; its last state is {now - s['t']:.0f} s old"
+        if r in waiting:
+            return f"waits in {_call_text(waiting[r], world, now)}"
+        return "busy in no call" + (f", at {s['stack'][0]}" if s.get("stack") else "")
+
+    def same_place(m, key, seq):
+        """Rank m's call in flight at ``seq`` of ``key``, if any."""
+        return next((x for x in states.get(m, {}).get("flight", []) if key in x["keys"]
+                     and x["seqs"][x["keys"].index(key)] == seq), None)
+
+    def behind(r, c):
+        """The ranks that have not entered ``c`` (rank r's call), and those at its place with
+        another call: [(rank, their call)]."""
+        late, other = [], []
+        for key, seq in zip(c["keys"], c["seqs"]):
+            members = [int(x) for x in key.split(":")[1].split(">")] if ":" in key else c["ranks"]
+            for m in members:
+                if m == r:
+                    continue
+                if states.get(m, {}).get("seq", {}).get(key, 0) < seq:
+                    late.append(m)
+                    continue
+                theirs = same_place(m, key, seq)
+                if theirs and (theirs["op"], theirs["shapes"], theirs["dtype"]) != (c["op"], c["shapes"], c["dtype"]):
+                    other.append((m, theirs))
+        return sorted(set(late)), other
+
+    culprits, notes, kind = [], {}, "late"
+    for r in sorted(stalled):
+        seen, chain = {r}, [r]
+        while True:
+            here = chain[-1]
+            late, other = behind(here, waiting[here])
+            if other:
+                kind = "mismatch"
+                for m, theirs in other:
+                    pair = tuple(sorted((here, m)))
+                    calls = {here: waiting[here], m: theirs}
+                    notes[pair] = "; ".join(f"rank {k} calls {_call_text(calls[k], world)}" for k in pair)
+                culprits += [m for m in [here] + [m for m, _ in other] if m not in culprits]
+                break
+            roots = [m for m in late if m not in waiting]
+            if roots:
+                culprits += [m for m in roots if m not in culprits]
+                break
+            nxt = [m for m in late if m not in seen]
+            if not nxt:
+                if late:   # every late rank waits on a call this chain already holds: a cycle
+                    kind = "cycle" if kind == "late" else kind
+                    culprits += [m for m in chain if m not in culprits]
+                    notes[tuple(chain)] = ("ranks " + ", ".join(map(str, chain)) + " wait for each other, each in a "
+                                           "call another has not entered")
+                break
+            seen.add(nxt[0])
+            chain.append(nxt[0])
+    rows = []
+    for r in range(world):
+        s = states.get(r, {})
+        done = s.get("done")
+        fresh = s and now - s["t"] <= 3 * BEAT
+        where = s.get("stack", [])[:3] if r not in waiting and fresh else []
+        rows.append(f"| {r}{' *' if r in culprits else ''} | {status(r)} | "
+                    f"{_call_text(done, world) if done else '-'} | {' <- '.join(where) or '-'} |")
+    culprits = culprits or [min(stalled)]
+    first, who = culprits[0], ", ".join(map(str, culprits))
+    waiters = sorted(r for r in stalled if r not in culprits)
+    waited = (f"; rank{'s' * (len(waiters) > 1)} {', '.join(map(str, waiters))} waited "
+              f"{now - min(stalled[w]['t0'] for w in waiters):.0f} s") if waiters else ""
+    if kind == "mismatch":
+        head = f"stall: ranks {who} are in different calls at the same place of a group{waited}"
+        stuck = f"ranks {who} called different collectives at the same place: " + " / ".join(notes.values())
+    elif kind == "cycle":
+        head = f"stall: ranks {who} wait for each other{waited}"
+        stuck = f"ranks {who} stuck first, waiting for each other: " + "; ".join(
+            f"rank {r} {status(r)}" for r in culprits)
+    else:
+        head = f"stall: the ranks wait for rank{'s' * (len(culprits) > 1)} {who} ({status(first)}){waited}"
+        stuck = f"rank {first} stuck first: {status(first)} (the rank the others waited for)"
+    text = "\n".join([head, *[f"  {n}" for n in notes.values()],
+                      "| rank | state | last call completed | where (innermost first) |", "|---|---|---|---|", *rows])
+    return {"culprits": culprits, "text": text, "first": f"rank {first} {status(first)}", "stuck": stuck,
+            "kind": kind}
+
+
+class StallWatch:
+    """Every rank's published state, read from the job's store; when a rank has waited in a
+    call for ``stall_report`` seconds, ``tick()`` prints one table (``diagnose``) naming the
+    ranks the others wait for, again at most every ``stall_report`` seconds while the stall
+    lasts; ``diagnosis`` keeps the last one, for the failure report. Under torchrun every
+    rank watches and the first rank still beating prints (``me``)."""
+
+    def __init__(self, store, world, stall_report, me=None, out=None):
+        self.store, self.world, self.stall_report, self.me = store, world, stall_report, me
+        self.out, self.diagnosis, self.shown = out or sys.stdout, None, 0.0
+
+    def states(self) -> dict:
+        keys = [f"state/{r}" for r in range(self.world)]
+        got = {}
+        for r, k in enumerate(keys):
+            if self.store.check([k]):
+                got[r] = json.loads(self.store.get(k))
+        return got
+
+    def tick(self):
+        now = time.time()
+        states = self.states()
+        d = diagnose(states, now, self.world, self.stall_report)
+        self.diagnosis = d or (self.diagnosis if self.diagnosis and any(s.get("flight") for s in states.values())
+                               else None)
+        if d is None or now - self.shown < self.stall_report:
+            return
+        if self.me is not None:   # under torchrun: the first rank whose state is fresh prints
+            fresh = [r for r, s in states.items() if now - s["t"] <= 3 * BEAT and not s.get("finished")]
+            if not fresh or self.me != min(fresh):
+                return
+        self.shown = now
+        print(d["text"], file=self.out, flush=True)
+
+
+def recorder_modes(ctx, args, make, global_batch=False) -> list:
+    """What the flight recorder costs one method's step: ``make()`` (as time_methods takes
+    it) built three times and stepped alternately with the recorder off, on, and on with
+    --check-collectives (the paired ratios over off), beside each traced call's own cost
+    (the recorder's bookkeeping per call, timed alone; the check's store round trips, from
+    a 1-element all-reduce on the world with and without it) times the traced calls a step
+    makes. Rows for a table; collective on the world."""
+    rec = _RECORDER[0]
+
+    def mode(on, check):
+        def build():
+            step = make()
+
+            def timed(batch, clock):
+                rec.on, rec.check = on, check
+                try:
+                    step(batch, clock)
+                finally:
+                    rec.on, rec.check = True, False
+            return timed
+        return build
+    names = {"recorder off": (False, False), "recorder on": (True, False),
+             "recorder on, --check-collectives": (True, True)}
+    rows = time_methods(ctx, args, {n: mode(*m) for n, m in names.items()}, global_batch=global_batch)
+    before = len(rec.calls)
+    mode(True, False)()(*_first_batch(ctx, args, global_batch))
+    per_step = len(rec.calls) - before
+    x = torch.zeros(1, device=ctx.device)
+    scratch = FlightRecorder(ctx, dist.HashStore())   # its sequence numbers are its own: the job's stay in step
+    traced = _traced("all_reduce", lambda *a, **k: None)
+    saved = _OBSERVERS[:]
+
+    def bookkeeping(observers, n=20000):
+        _OBSERVERS[:] = observers
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                traced(x)
+            return (time.perf_counter() - t0) / n
+        finally:
+            _OBSERVERS[:] = saved
+    recorder = min(bookkeeping([scratch]) for _ in range(3)) - min(bookkeeping([]) for _ in range(3))
+    scratch.finish()
+
+    def world_calls(check, n=50):   # the check's store round trips on the world, 8 blocks each way
+        rec.check = check
+        try:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            return (time.perf_counter() - t0) / n
+        finally:
+            rec.check = False
+    blocks = [(world_calls(False), world_calls(True)) for _ in range(8)]
+    check = statistics.median(b - a for a, b in blocks)
+    cost = {"recorder off": 0.0, "recorder on": recorder, "recorder on, --check-collectives": recorder + check}
+    base = rows[0]
+    for r in rows:
+        r.update(vs_paired(r, base, "vs_off"), traced_calls_per_step=per_step, call_cost_us=cost[r["method"]] * 1e6,
+                 calls_share_of_step=cost[r["method"]] * per_step / (base["step_ms"] / 1e3))
+    return rows
+
+
+def _first_batch(ctx, args, global_batch):
+    batch = lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
+    return (batch if global_batch else tuple(shard(t, ctx.rank, ctx.world_size) for t in batch)), \
+        StepClock(ctx.device)
+
+
+RECORDER_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_off", "vs_off_min", "vs_off_max",
+                    "traced_calls_per_step", "call_cost_us", "calls_share_of_step"]
+RECORDER_NOTE = ("The flight recorder (every job runs under it) off, on, and on with --check-collectives, the same "
+                 "method's steps alternating: vs_off is the median of the paired steps' ratios over the recorder off "
+                 "[min, max]; call_cost_us: what one traced call costs more: the recorder's bookkeeping (its wrapper, "
+                 "entry and exit, timed 20000 times against the bare wrapper) and the check's store round trips (a "
+                 "1-element all-reduce on the world with and without it, 8 blocks of 50 each way, the median "
+                 "difference); calls_share_of_step: that cost times the traced calls of one step, over the step "
+                 "(the paired ratio's spread is the machine's noise; this share is the recorder's own cost).")
 
 
 # ----------------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ def refused(script: str, *argv) -> str:
 # agent and workers, and any orphan of theirs), so a session finds its own leftovers only,
 # not those of a session beside it (two suites at once, or pytest-xdist's workers gw0 and gw1,
 # each its own session). A process started by a session keeps its tag.
+# Every job the tests launch compares each collective across its ranks before it runs
+# (--check-collectives): a rank calling another op, shape or group fails the test at once
+os.environ.setdefault(common.CHECK_ENV, "1")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if "KIT_TEST_SESSION" not in os.environ or os.environ.get("KIT_TEST_WORKER") != _WORKER:
     os.environ["KIT_TEST_SESSION"], os.environ["KIT_TEST_WORKER"] = str(os.getpid()), _WORKER

@@ -868,3 +868,43 @@ def cp_kernel_errors(ctx, args):
     dist.all_gather_object(everyone, out)
     return {n: (max(e[n][0] for e in everyone), max(e[n][1] for e in everyone),
                 sorted({k for e in everyone for k in e[n][2]})) for n in out}
+
+
+def _spin(seconds=None):
+    """A rank's computing (or, with no end, its infinite loop): Python holding the CPU."""
+    end = time.time() + (seconds if seconds is not None else float("inf"))
+    n = 0
+    while time.time() < end:
+        n += 1
+    return n
+
+
+def stall_scenario(ctx, args):
+    """Six all_reduces on every rank, then a broadcast; at the fourth, rank 1 misbehaves as
+    ``args.mode`` says: "stop" (SIGSTOP to itself), "loop" (computes forever), "skip" (skips
+    that all_reduce), "op" (broadcasts instead), "shape" (all-reduces another shape), "busy"
+    (computes ``args.busy`` seconds, then goes on), "none". Rank 1 writes the time it
+    misbehaved to <args.out>/misbehaved. Returns the sum every rank ends with."""
+    import signal
+    x = torch.ones(4)
+    for i in range(6):
+        if ctx.rank == 1 and i == 3 and args.mode != "none":
+            with open(os.path.join(args.out, "misbehaved"), "w") as f:
+                f.write(repr(time.time()))
+            if args.mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif args.mode == "loop":
+                _spin()
+            elif args.mode == "skip":
+                continue
+            elif args.mode == "op":
+                dist.broadcast(x, 0)
+                continue
+            elif args.mode == "shape":
+                dist.all_reduce(torch.ones(5))
+                continue
+            elif args.mode == "busy":
+                _spin(args.busy)
+        dist.all_reduce(x)
+    dist.broadcast(x, 0)
+    return x.sum().item()
