@@ -1267,7 +1267,8 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
             return (f"not responding: {how}" if how else "not responding (alive, its recorder silent)") + \
                 f"; its last state is {now - s['t']:.0f} s old"
         if r in waiting:
-            return f"waits in {_call_text(waiting[r], world, now)}"
+            c = waiting[r]
+            return f"waits {'for its async' if c['async'] else 'in'} {_call_text(c, world, now)}"
         return "busy in no call" + (f", at {s['stack'][0]}" if s.get("stack") else "")
 
     def same_place(m, key, seq):
@@ -1325,7 +1326,7 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
         s = states.get(r, {})
         done = s.get("done")
         fresh = s and now - s["t"] <= 3 * BEAT
-        where = s.get("stack", [])[:3] if r not in waiting and fresh else []
+        where = s.get("stack", [])[:3] if fresh and (r not in waiting or waiting[r]["async"]) else []
         rows.append(f"| {r}{' *' if r in culprits else ''} | {status(r)} | "
                     f"{_call_text(done, world) if done else '-'} | {' <- '.join(where) or '-'} |")
     culprits = culprits or [min(stalled)]

@@ -18,7 +18,7 @@ from conftest import ROOT, workers_left
 STALL, TIMEOUT, BUSY = 3.0, 15.0, 40.0
 # (mode, extra flags): the stall report names rank 1 within the window; the job fails at --timeout
 # (the mismatches at once, refused by --check-collectives); "busy" computes 40 s and completes
-SCENARIOS = {"stop": [], "loop": [], "skip": ["--check-collectives"], "op": ["--check-collectives"],
+SCENARIOS = {"stop": [], "loop": [], "ddp_stop": [], "skip": ["--check-collectives"], "op": ["--check-collectives"],
              "shape": ["--check-collectives"], "busy": ["--stall-report", "5", "--timeout", "60", "--busy", str(BUSY)]}
 LAUNCHES = ("spawned", "torchrun")
 _jobs = {}
@@ -89,6 +89,20 @@ def test_the_rank_the_others_wait_for_is_named_within_the_stall_window(jobs, mod
     else:   # torchrun prints each rank's traceback: the stall's line comes before it
         assert f"rank 0 fails after a stall: rank 1 stuck first: {state}" in job["stderr"]
         assert job["stderr"].index("fails after a stall") < job["stderr"].index("Traceback")
+
+
+@pytest.mark.parametrize("how", LAUNCHES)
+def test_a_rank_stopped_in_backward_is_named_while_the_other_waits_on_its_async_buckets(jobs, how):
+    """05's DDPBucketed: rank 1 stops in the middle of a step's backward; rank 0 finished
+    backward and waits for its buckets' all-reduces, issued async (seen pending by the
+    recorder, not by a blocking call)."""
+    job = jobs[("ddp_stop", how)]
+    when, report = _report(job)
+    assert report[0].startswith("stall: the ranks wait for rank 1 (not responding: stopped"), report
+    assert when - job["misbehaved"] <= STALL + 5
+    row0 = next(ln for ln in report if ln.startswith("| 0 |"))
+    assert "waits for its async all_reduce #" in row0 and "05_bucketed_ddp.py:" in row0, row0
+    assert job["rc"] != 0
 
 
 @pytest.mark.parametrize("how", LAUNCHES)

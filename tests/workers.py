@@ -886,6 +886,8 @@ def stall_scenario(ctx, args):
     (computes ``args.busy`` seconds, then goes on), "none". Rank 1 writes the time it
     misbehaved to <args.out>/misbehaved. Returns the sum every rank ends with."""
     import signal
+    if args.mode == "ddp_stop":
+        return _ddp_stop(ctx, args)
     x = torch.ones(4)
     for i in range(6):
         if ctx.rank == 1 and i == 3 and args.mode != "none":
@@ -908,3 +910,30 @@ def stall_scenario(ctx, args):
         dist.all_reduce(x)
     dist.broadcast(x, 0)
     return x.sum().item()
+
+
+def _ddp_stop(ctx, args):
+    """05's DDPBucketed training a small model; at the third step rank 1 stops itself
+    (SIGSTOP) in the middle of backward, after its first bucket's all-reduce went out: rank
+    0 finishes backward and waits for its buckets' async all-reduces."""
+    import signal
+    bucketed = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
+    torch.manual_seed(0)
+    model = bucketed.DDPBucketed(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]), 0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = model.module[0].weight
+
+    def stop(grad):
+        if ctx.rank == 1 and step[0] == 2:
+            with open(os.path.join(args.out, "misbehaved"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return grad
+    first.register_hook(stop)
+    step = [0]
+    for step[0] in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    return 0.0
