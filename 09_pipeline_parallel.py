@@ -50,6 +50,7 @@ Writes <out>/09_pipeline_parallel.{json,md} and a timeline per schedule,
 import copy
 import hashlib
 import math
+import statistics
 
 import common
 from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
@@ -64,17 +65,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def balanced_split(costs: list, n_stages: int) -> list:
+def balanced_split(costs: list, n_stages: int, first: float = 0.0, last: float = 0.0) -> list:
     """Cut a list of layer costs into ``n_stages`` consecutive runs whose largest total is
-    as small as possible; returns the index where each stage starts (and len(costs))."""
+    as small as possible; returns the index where each stage starts (and len(costs)).
+    ``first`` / ``last``: what the first and the last run cost besides their layers (the
+    embedding; the head and the loss)."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+    run = lambda i, j: prefix[j] - prefix[i] + (first if i == 0 else 0.0) + (last if j == n else 0.0)  # noqa: E731
     best = {(0, 0): (0.0, None)}   # (layers placed, stages used) -> (largest stage so far, previous cut)
     for s in range(1, n_stages + 1):
         for j in range(s, n - (n_stages - s) + 1):
-            best[(j, s)] = min((max(best[(i, s - 1)][0], prefix[j] - prefix[i]), i)
+            best[(j, s)] = min((max(best[(i, s - 1)][0], run(i, j)), i)
                                for i in range(s - 1, j) if (i, s - 1) in best)
     cuts, j = [n], n
     for s in range(n_stages, 0, -1):
@@ -83,26 +87,101 @@ def balanced_split(costs: list, n_stages: int) -> list:
     return cuts[::-1]
 
 
+def measure_costs(pieces, sample, repeats=5, process_group=None) -> list:
+    """Each piece's forward and backward seconds on this rank's device, [(F, B), ...]: the
+    fastest of ``repeats`` (what the work takes; a shared machine only adds to it), after a
+    pass over every piece unmeasured, averaged over the ranks of ``process_group`` (every
+    rank then cuts the model the same way). ``pieces``: functions run in turn, each on the
+    previous one's output (a tensor or a tuple of them; ``sample`` is the first's input);
+    each runs on detached copies of its inputs, so its backward is its own, from a gradient
+    of ones (the last piece returns the loss). The pieces' parameters get gradients: zero
+    them after."""
+    def once(piece, x):
+        xs = x if isinstance(x, tuple) else (x,)
+        ins = [t.detach().requires_grad_(t.is_floating_point()) if torch.is_tensor(t) else t for t in xs]
+        device = next((t.device for t in ins if torch.is_tensor(t)), torch.device("cpu"))
+        _sync(device)
+        t0 = time.perf_counter()
+        out = piece(tuple(ins) if isinstance(x, tuple) else ins[0])
+        _sync(device)
+        t1 = time.perf_counter()
+        outs = [t for t in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(t) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        _sync(device)
+        nxt = tuple(t.detach() if torch.is_tensor(t) else t for t in out) if isinstance(out, tuple) else out.detach()
+        return (t1 - t0, time.perf_counter() - t1), nxt, device
+    x = sample
+    for piece in pieces:   # every kernel and buffer warmed up once
+        x = once(piece, x)[1]
+    times, x = [], sample
+    for piece in pieces:
+        runs = [once(piece, x) for _ in range(repeats)]
+        times.append((min(r[0][0] for r in runs), min(r[0][1] for r in runs)))
+        x, device = runs[-1][1], runs[-1][2]
+    flat = torch.tensor([v for fb in times for v in fb], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(flat, group=process_group)
+        flat /= dist.get_world_size(process_group)
+    flat = flat.tolist()
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(times))]
+
+
+def lm_pieces(model, loss_fn):
+    """The kit's TransformerLM as measure_costs' pieces: the embeddings (tokens in), each
+    block, the final norm and head with the loss (the targets ride along with the tokens)."""
+    def embed(xs):
+        tokens, targets = xs
+        return model.tok(tokens) + model.pos(torch.arange(tokens.shape[1], device=tokens.device)), targets
+    block = lambda b: lambda xs: (b(xs[0]), xs[1])  # noqa: E731
+    return [embed] + [block(b) for b in model.blocks] + [lambda xs: loss_fn(model.head(model.ln_f(xs[0])), xs[1])]
+
+
 class LMStage(nn.Module):
     """Stage ``stage`` of ``n_stages`` of the kit's TransformerLM: the embeddings (first
     stage), its share of the blocks, the final norm and output head (last stage), split so
-    the stages cost about the same (a block costs 24 d^2 + 4 t d FLOPs a token, the head
-    2 d V). It holds the model's own modules under their own names. With ``chunks`` v > 1
-    (interleaved schedules) the model is cut into p·v chunks and this stage holds chunks
-    stage, stage + p, ..., one forward each: ``stage(x, chunk=j)`` runs its j-th.
+    the stages cost about the same. It holds the model's own modules under their own names.
+    With ``chunks`` v > 1 (interleaved schedules) the model is cut into p·v chunks and this
+    stage holds chunks stage, stage + p, ..., one forward each: ``stage(x, chunk=j)`` runs
+    its j-th.
 
-        stage = LMStage(model, rank, world_size)
+        stage = LMStage(model, rank, world_size, costs="measure", microbatch=(mb, t))
         pipe = Pipeline(stage, n_microbatches=8, loss_fn=lm_loss, activation_shape=(mb, t, d))
-    """
 
-    def __init__(self, model, stage: int, n_stages: int, chunks: int = 1):
+    ``costs``: "flops" (a block costs 24 d^2 + 4 t d a token, the head 2 d V, the embedding
+    nothing); "measure": each piece (the embeddings, every block, the norm and head with the
+    loss) timed forward and backward on this rank's device for a micro-batch of
+    ``microbatch`` = (sequences, tokens) (default: one sequence of the model's context),
+    averaged over ``process_group``'s ranks (collective: every rank builds its stage); or
+    measure_costs' list [(F, B), ...] of those pieces, from a measurement made once.
+    ``cuts``: the p·v runs' first blocks and the number of blocks, given outright. The
+    measured times stay on the stage (``costs``), with its cuts (``cuts``)."""
+
+    def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs="flops", microbatch=None,
+                 process_group=None, cuts=None):
         super().__init__()
         d, t, v = model.tok.embedding_dim, model.pos.num_embeddings, model.head.out_features
         n, total = len(model.blocks), n_stages * chunks
         if not 1 <= total <= n:
             raise ValueError(f"{n_stages} stages x {chunks} chunks for {n} blocks: at most one chunk per block")
-        costs = [24 * d * d + 4 * t * d] * n + [2 * d * v]   # the blocks, then the head
-        cuts = balanced_split(costs, total)
+        if cuts is None and costs == "flops":
+            cuts = balanced_split([24 * d * d + 4 * t * d] * n + [2 * d * v], total)   # the blocks, then the head
+        elif cuts is None:
+            if costs == "measure":
+                mb, tokens = microbatch or (1, t)
+                device = model.head.weight.device
+                g = torch.Generator().manual_seed(0)
+                sample = tuple(torch.randint(0, v, (mb, tokens), generator=g).to(device) for _ in range(2))
+                costs = measure_costs(lm_pieces(model, lm_loss), sample, process_group=process_group)
+                model.zero_grad(set_to_none=True)
+            if len(costs) != n + 2:
+                raise ValueError(f"costs: {len(costs)} pieces, but the embeddings, {n} blocks and the head are {n + 2}")
+            sums = [f + b for f, b in costs]   # the head as a last layer: a stage may hold it alone
+            cuts = balanced_split(sums[1:], total, first=sums[0])
+        if len(cuts) != total + 1 or cuts[0] != 0 or cuts[-1] not in (n, n + 1) or \
+                any(a >= b for a, b in zip(cuts, cuts[1:])):   # (n + 1: by FLOPs, the head alone may be the last)
+            raise ValueError(f"cuts {list(cuts)}: {total + 1} increasing numbers from 0 to {n} blocks")
+        self.costs = None if costs == "flops" else costs
+        self.cuts = list(cuts)
         self.ranges = [(cuts[k], min(cuts[k + 1], n)) for k in range(stage, total, n_stages)]
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.tok, self.pos = (model.tok, model.pos) if self.first else (None, None)
@@ -136,19 +215,48 @@ class PipelineStage(nn.Module):
         pipe = Pipeline(stage, 8, loss_fn, activation_shape=[(mb, t, dim), (t, head_dim // 2), (t, head_dim // 2)])
 
     The layers are cut into n_stages x ``chunks`` runs of about equal ``costs`` (default:
-    every layer alike); with chunks v > 1 (interleaved) the stage holds runs stage,
-    stage + p, ... and ``stage(*xs, chunk=j)`` runs its j-th."""
+    every layer alike; a list: one number a layer); with chunks v > 1 (interleaved) the
+    stage holds runs stage, stage + p, ... and ``stage(*xs, chunk=j)`` runs its j-th.
+    ``costs="measure"`` times every piece on this rank's device instead, forward and
+    backward, averaged over ``process_group``'s ranks (collective): ``embed`` with the first
+    modules, each layer, ``head`` with ``loss_fn``, on ``sample`` = (one micro-batch's
+    inputs, its targets), and cuts so that the slowest stage (chunk) is as fast as it can
+    be, the embedding and the loss counted where they run:
+
+        stage = PipelineStage(model, "layers", rank, n_stages, embed, head, first=[...], last=[...],
+                              costs="measure", sample=(tokens[:mb], targets[:mb]), loss_fn=loss_fn)
+
+    ``costs`` may also be measure_costs' list [(F, B), ...] for the embedding, each layer
+    and the head; ``cuts`` gives the runs' first layers (and the number of layers)
+    outright. The stage keeps ``costs`` and ``cuts``."""
 
     def __init__(self, model, layers: str, stage: int, n_stages: int, embed=None, head=None, first=(), last=(),
-                 chunks: int = 1, costs=None):
+                 chunks: int = 1, costs=None, sample=None, loss_fn=None, process_group=None, cuts=None):
         super().__init__()
         blocks, total = model.get_submodule(layers), n_stages * chunks
         if not 1 <= total <= len(blocks):
             raise ValueError(f"{n_stages} stages x {chunks} chunks for {len(blocks)} layers: at most one chunk a layer")
         if any("." in name for name in (layers, *first, *last)):
             raise ValueError("layers, first and last name the model's top-level modules (no dots)")
-        cuts = balanced_split(list(costs) if costs is not None else [1.0] * len(blocks), total)
-        self.ranges = [(cuts[k], cuts[k + 1]) for k in range(stage, total, n_stages)]
+        if costs == "measure":
+            if sample is None or loss_fn is None:
+                raise ValueError('costs="measure" times the pieces on a micro-batch: give sample=(inputs, targets) '
+                                 'and loss_fn')
+            costs = measure_costs(_stage_pieces(model, blocks, embed, head, loss_fn), _with_targets(*sample),
+                                  process_group=process_group)
+            model.zero_grad(set_to_none=True)
+        n = len(blocks)
+        if cuts is None and costs is not None and len(costs) == n + 2 and \
+                all(isinstance(c, (tuple, list)) for c in costs):
+            sums = [f + b for f, b in costs]   # the head as a last layer: a stage may hold it alone
+            cuts = balanced_split(sums[1:], total, first=sums[0])
+        elif cuts is None:
+            cuts = balanced_split(list(costs) if costs is not None else [1.0] * n, total)
+        if len(cuts) != total + 1 or cuts[0] != 0 or cuts[-1] not in (n, n + 1) or \
+                any(a >= b for a, b in zip(cuts, cuts[1:])):
+            raise ValueError(f"cuts {list(cuts)}: {total + 1} increasing numbers from 0 to {n} layers")
+        self.costs, self.cuts = costs, list(cuts)
+        self.ranges = [(cuts[k], min(cuts[k + 1], n)) for k in range(stage, total, n_stages)]
         self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, layers
         self.embed, self.head = embed, head
         self.add_module(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
@@ -165,6 +273,25 @@ class PipelineStage(nn.Module):
         if self.last and chunk == len(self.ranges) - 1:
             return self.head(self, xs[0]) if self.head is not None else xs[0]
         return xs if len(xs) > 1 else xs[0]
+
+
+def _with_targets(inputs, targets):
+    return (*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)), targets)
+
+
+def _stage_pieces(model, blocks, embed, head, loss_fn):
+    """PipelineStage's pieces for measure_costs: each carries (activations..., targets)."""
+    def first(xs):
+        *inputs, targets = xs
+        out = embed(model, *inputs) if embed is not None else inputs
+        return (*(out if isinstance(out, (tuple, list)) else (out,)), targets)
+
+    def layer(b):
+        return lambda xs: (b(*xs[:-1]), *xs[1:-1], xs[-1])
+
+    def last(xs):
+        return loss_fn(head(model, xs[0]) if head is not None else xs[0], xs[-1])
+    return [first] + [layer(b) for b in blocks] + [last]
 
 
 def lm_loss(logits, targets):
@@ -337,7 +464,11 @@ class Pipeline:
     inside it; call its finish_gradient_synchronization after. ``host_staging``: send and receive
     through host memory (None: when the group's backend is gloo and the stage is on a GPU,
     since gloo's send/recv take CPU tensors only; NCCL and CPU tensors go directly).
-    ``timed``: record each action's (kind, chunk, micro-batch, start, end) (``timeline``);
+    ``timed``: record each action's (kind, chunk, micro-batch, start, end) (``timeline``,
+    seconds from the step's start ``began``), what each spent besides computing, posting
+    its messages and copying them (``overhead``, by (kind, chunk, micro-batch)), what it
+    waited for its inputs (``waits``), and all the step waited for its neighbours
+    (``waited``: the inputs, and at the end the last sends);
     ``count_activations``: count the bytes autograd saves for backward, held between a
     micro-batch's F and B (and with zb1, the inputs and gradients W keeps, until W)
     (``peak_activation_bytes``); parameters do not count, nor, if ``count_activations`` is
@@ -365,7 +496,8 @@ class Pipeline:
         self.dtypes = list(dtypes)
         self.with_grad = [j for j, dt in enumerate(self.dtypes) if dt.is_floating_point]   # gradients flow back
         self.timed, self.count_activations = timed, count_activations
-        self.timeline, self.peak_activation_bytes = [], 0
+        self.timeline, self.peak_activation_bytes, self.overhead, self.waited = [], 0, {}, 0.0
+        self.waits, self.began = {}, 0.0
         if self.n_stages > 1:
             for p in module.parameters():   # this stage's own: the others hold the rest of the model
                 place(p, "part", process_group)
@@ -411,7 +543,8 @@ class Pipeline:
             xs = [None] * m
         ys = targets.chunk(m) if self.last else [None] * m
         saved_in, saved_out, held, stashes, losses, sends, sent, posted = {}, {}, {}, {}, [], [], [], {}
-        live, self.timeline, t0 = 0, [], time.perf_counter()
+        live, self.timeline, t0, self.overhead, self.waited, self.waits = 0, [], time.perf_counter(), {}, 0.0, {}
+        self.began = t0   # (time.perf_counter: one clock for every process of a machine)
         # each chunk's last gradient-making action runs synchronized (a DDP or FSDP wrapper
         # reduces then what its parameters, all of one chunk, accumulated); the others in no_sync
         synced = {max(k for k, (kind, c, _) in enumerate(self.order) if kind in "BW" and c == j)
@@ -422,6 +555,9 @@ class Pipeline:
         ahead = self.receive_ahead if dist.get_backend(self.group) == "gloo" else 0
         for k, (kind, c, i) in enumerate(self.order):
             v, key = self._virtual(c), (c, i)
+            if self.timed:
+                _sync(device)
+                began = time.perf_counter()
             recvs = []                       # what this action and the next few need from a neighbour
             for j in range(k, min(k + ahead + 1, len(self.order))):
                 ops = self._receive(j, wire, last_virtual) if j not in posted else []
@@ -438,10 +574,13 @@ class Pipeline:
                     for work in works:
                         work.wait()
             sends = []
+            waited = 0.0
             if k in posted:                  # wait for what this action receives
                 data, works = posted.pop(k)
+                before = time.perf_counter()
                 for work in works:
                     work.wait()
+                waited = time.perf_counter() - before
                 if kind == "F":
                     saved_in[key] = [t.to(device) for t in data]
                 else:
@@ -449,6 +588,9 @@ class Pipeline:
             if self.timed:
                 _sync(device)
                 start = time.perf_counter() - t0
+                self.waited += waited
+                self.overhead[(kind, c, i)] = start + t0 - began - waited
+                self.waits[(kind, c, i)] = waited
             sync = contextlib.nullcontext() if k in synced or not hasattr(self.module, "no_sync") \
                 else self.module.no_sync()
             if kind == "F":
@@ -503,8 +645,10 @@ class Pipeline:
             if self.timed:
                 _sync(device)
                 self.timeline.append((kind, c, i, start, time.perf_counter() - t0))
+        before = time.perf_counter()
         for work in sent + (dist.batch_isend_irecv(sends) if sends else []):
             work.wait()
+        self.waited += time.perf_counter() - before
         return torch.stack(losses).sum() if self.last else None
 
     @contextlib.contextmanager
@@ -618,12 +762,19 @@ def runs(schedule, m, n_stages) -> bool:
 def simulate(orders: list, chunks=1, cost=None):
     """Every rank runs its order on one clock: an action starts when its rank is free and
     its input exists (F after the previous chunk's F of the micro-batch, B after its own F
-    and the next chunk's B, W after its B); sends cost nothing. ``cost``: time of a whole
-    stage's F, B, W (a chunk's is 1/v of it). Returns each rank's actions with (start, end),
-    or None if some rank waits for ever (a deadlock)."""
+    and the next chunk's B, W after its B); sends cost nothing unless ``cost["send"]`` says
+    what a message between two ranks takes. ``cost``: time of a whole stage's F, B, W (a
+    chunk's is 1/v of it). Returns each rank's actions with (start, end), or None if some
+    rank waits for ever (a deadlock)."""
     p = len(orders)
     last = p * chunks - 1
-    cost = cost or {"F": 1.0, "B": 2.0, "W": 0.0}
+    cost = dict(cost or {"F": 1.0, "B": 2.0, "W": 0.0})
+    send = cost.pop("send", 0.0)   # what a message between two ranks takes
+    # a kind's time: a whole stage's (each of its v chunks 1/v of it), a list (one per chunk of
+    # the model), or a dict by (chunk of the model, micro-batch): each action's own
+    dur = {kind: (lambda k, i, c=c: c[(k, i)]) if isinstance(c, dict) else
+           (lambda k, i, c=c: c[k]) if isinstance(c, (list, tuple)) else (lambda k, i, c=c: c / chunks)
+           for kind, c in cost.items()}
     done, pos, free, spans = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
     moved = True
     while moved:
@@ -637,8 +788,8 @@ def simulate(orders: list, chunks=1, cost=None):
                         "W": [("B", k, i)]}[kind]
                 if any(n not in done for n in need):
                     break
-                start = max([free[r]] + [done[n] for n in need])
-                done[(kind, k, i)] = free[r] = start + cost[kind] / chunks
+                start = max([free[r]] + [done[n] + (send if n[1] % p != r else 0.0) for n in need])
+                done[(kind, k, i)] = free[r] = start + dur[kind](k, i)
                 spans[r].append((kind, c, i, start, free[r]))
                 pos[r] += 1
                 moved = True
@@ -677,14 +828,80 @@ def check_orders(orders: list, m: int, chunks=1) -> list:
     return problems
 
 
-def theory(schedule, m, p, chunks=1) -> list:
+def theory(schedule, m, p, chunks=1, costs=None) -> list:
     """Each stage's idle share of a step by the schedule on paper: stages of equal cost,
     backward twice the forward (B and W one forward each with zb1), free sends. GPipe and
-    1F1B: (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1); ZB-H1 (p-1)/(3m+p-1) for m >= p."""
+    1F1B: (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1); ZB-H1 (p-1)/(3m+p-1) for m >= p.
+    ``costs``: the stages unequal, each chunk of the model its own F and B (and W) seconds
+    ({"F": [...], "B": [...]}: chunk_costs' or action_costs'); with zb1 and no W, its B is
+    half input, half weight gradient."""
     orders = [SCHEDULES[schedule](m, s, p, chunks) for s in range(p)]
-    spans = simulate(orders, chunks, {"F": 1.0, "B": 1.0, "W": 1.0} if schedule == "zb1" else None)
+    if costs is not None:
+        cost = {"F": costs["F"], "B": costs["B"], "W": costs.get("W", 0.0)}
+        if schedule == "zb1" and "W" not in costs:
+            cost.update(B=[b / 2 for b in costs["B"]], W=[b / 2 for b in costs["B"]])
+    else:
+        cost = {"F": 1.0, "B": 1.0, "W": 1.0} if schedule == "zb1" else None
+    spans = simulate(orders, chunks, cost)
     end = max(a[-1] for lane in spans for a in lane)
     return [1 - sum(b - a for *_, a, b in lane) / end for lane in spans]
+
+
+def message_time(steps, p, chunks) -> float:
+    """What a message between two stages took in the run: from the sending action's end to
+    the receiving action's start, over the actions that waited for it (the others' data was
+    there before they were ready), the median; ``steps``: per rank (began, timeline, waits)
+    of one step, on the machine's one clock. 0 where no action waited."""
+    done = [{(kind, c, i): began + end for kind, c, i, _, end in timeline} for began, timeline, _ in steps]
+    got, last = [], p * chunks - 1
+    for r, (began, timeline, waits) in enumerate(steps):
+        for kind, c, i, start, _ in timeline:
+            src = r + c * p + (-1 if kind == "F" else 1)
+            if kind == "W" or not 0 <= src <= last or waits.get((kind, c, i), 0.0) < 1e-4:
+                continue
+            sent = done[src % p].get((kind, src // p, i))
+            if sent is not None:
+                got.append(began + start - sent)
+    return statistics.median(got) if got else 0.0
+
+
+def step_on_paper(schedule, m, p, chunks, timelines, send=0.0) -> list:
+    """Each stage's idle share of one step had it run its actions in the same times, and
+    each message taken ``send`` seconds: the schedule on paper with that step's measured
+    actions (each rank's timeline, each action's time with its overhead)."""
+    cost = {"F": {}, "B": {}, "W": {}, "send": send}
+    for r, timeline in enumerate(timelines):
+        for kind, c, i, start, end in timeline:
+            cost[kind][(r + c * p, i)] = end - start
+    orders = [SCHEDULES[schedule](m, s, p, chunks) for s in range(p)]
+    spans = simulate(orders, chunks, cost)
+    end = max(a[-1] for lane in spans for a in lane)
+    return [1 - sum(b - a for *_, a, b in lane) / end for lane in spans]
+
+
+def action_costs(timelines, p, chunks) -> dict:
+    """Each chunk of the model's mean F, B (and W) seconds as the pipeline ran them: from
+    every rank's timeline of a step (actions (kind, chunk, micro-batch, start, end)), chunk
+    k = rank + chunk x p."""
+    out = {}
+    for r, timeline in enumerate(timelines):
+        for kind, c, _, start, end in timeline:
+            out.setdefault(kind, {}).setdefault(r + c * p, []).append(end - start)
+    return {kind: [sum(t[k]) / len(t[k]) for k in range(p * chunks)] for kind, t in out.items()}
+
+
+def chunk_costs(costs, cuts) -> dict:
+    """Each chunk of the model's F and B seconds from measure_costs' pieces (the embeddings,
+    every block, the head with the loss) and the chunks' ``cuts``: its blocks, the first
+    chunk the embeddings, the last the head."""
+    n, k = len(costs) - 2, len(cuts) - 1
+    out = {"F": [], "B": []}
+    for c in range(k):
+        pieces = list(range(1 + cuts[c], 1 + min(cuts[c + 1], n))) + ([0] if c == 0 else []) + \
+            ([n + 1] if c == k - 1 else [])
+        out["F"].append(sum(costs[i][0] for i in pieces))
+        out["B"].append(sum(costs[i][1] for i in pieces))
+    return out
 
 
 def held_peak(order, act, stash=None) -> float:
@@ -817,13 +1034,15 @@ def recompute_runs(mode, schedule) -> bool:
 # ----------------------------------------------------------------------------------------
 # Benchmark: ours against torch.distributed.pipelining, the bubble, memory, bytes
 # ----------------------------------------------------------------------------------------
-def torch_pipeline(ctx, model, m, schedule, chunks):
+def torch_pipeline(ctx, model, m, schedule, chunks, costs="flops"):
     """torch.distributed.pipelining on the same chunks and micro-batches: ScheduleGPipe,
     Schedule1F1B, ScheduleInterleaved1F1B (a PipelineStage per chunk), and for zb1
-    ScheduleInterleavedZeroBubble with one stage per rank (torch's ZB-H1)."""
+    ScheduleInterleavedZeroBubble with one stage per rank (torch's ZB-H1); ``costs``: the
+    split ours uses (LMStage's)."""
     from torch.distributed.pipelining import PipelineStage, schedules
     p, v = ctx.world_size, chunks if schedule == "interleaved" else 1
-    mods = [LMStage(model, ctx.rank + j * p, p * v) for j in range(v)]
+    cuts = LMStage(model, 0, p, v, costs=costs).cuts   # the p·v chunks, each a stage of torch's
+    mods = [LMStage(model, ctx.rank + j * p, p * v, cuts=cuts) for j in range(v)]
     stages = [PipelineStage(mod, ctx.rank + j * p, p * v, ctx.device) for j, mod in enumerate(mods)]
     cls = {"gpipe": schedules.ScheduleGPipe, "1f1b": schedules.Schedule1F1B,
            "interleaved": schedules.ScheduleInterleaved1F1B, "zb1": schedules.ScheduleInterleavedZeroBubble}[schedule]
@@ -836,30 +1055,58 @@ def torch_pipelining_runs(backend, device) -> bool:
     return not (backend == "gloo" and device == "cuda")
 
 
+def measured_costs(ctx, args, microbatches) -> dict:
+    """{m: the LM's pieces (embeddings, each block, head with the loss) timed forward and
+    backward (measure_costs) on a micro-batch of the global batch cut m ways}: one profiling
+    pass per micro-batch size, the same on every rank."""
+    model, out = common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), {}
+    for m in sorted(set(microbatches)):
+        g = torch.Generator().manual_seed(args.seed)
+        sample = tuple(torch.randint(0, common.VOCAB_SIZE, (args.batch_size // m, args.context_length),
+                                     generator=g).to(ctx.device) for _ in range(2))
+        out[m] = measure_costs(lm_pieces(model, lm_loss), sample)
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+SPLITS = ("measured", "flops")   # --split: where each stage's blocks end: by measured time, or by FLOPs
+
+
+def split_costs(split, measured, m):
+    return measured[m] if split == "measured" else "flops"
+
+
 def benchmark(ctx, args, microbatches, schedules, chunks):
-    """For each number of micro-batches and schedule, ours and torch's on the same stages,
-    steps alternating; for ours also the bubble of every step, the activation memory and
-    the point-to-point bytes."""
+    """For each number of micro-batches and schedule, ours on each --split (the stages cut
+    by measured time, and by FLOPs) and torch's on the first, steps alternating; for ours
+    also the bubble of every step beside the schedule on paper, equal stages and these
+    stages' measured times, the activation memory and the point-to-point bytes."""
     d, p = common.MODEL_SIZES[args.model_size][0], ctx.world_size
     shape = lambda m: (args.batch_size // m, args.context_length, d)  # noqa: E731
     build = lambda: common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)  # noqa: E731
     chunks_of = lambda s: chunks if s == "interleaved" else 1  # noqa: E731
+    splits = list(getattr(args, "split", None) or SPLITS)
     bubbles, cases = {}, [(m, s) for m in microbatches for s in schedules if runs(s, m, p)]
+    measured, cuts = measured_costs(ctx, args, microbatches), {}
 
-    def ours(m, schedule):
-        stage = LMStage(build(), ctx.rank, p, chunks_of(schedule))
+    def ours(m, schedule, split):
+        stage = LMStage(build(), ctx.rank, p, chunks_of(schedule), costs=split_costs(split, measured, m))
+        cuts[(m, schedule, split)] = stage.cuts
         pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=shape(m), timed=True, chunks=chunks_of(schedule))
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-        bubbles[(m, schedule)] = []
+        bubbles[(m, schedule, split)] = []
 
-        def step(batch, clock):   # the idle share of each step, from its action timeline
+        def step(batch, clock):   # each step's waits and pipeline phase, its actions with their overheads
             train_step(pipe, opt, batch, clock)
-            busy = sum(end - start for *_, start, end in pipe.timeline)
-            bubbles[(m, schedule)].append(1 - busy / clock.times["pipeline"])
+            actions = [(kind, c, i, start - pipe.overhead[(kind, c, i)], end)
+                       for kind, c, i, start, end in pipe.timeline]
+            bubbles[(m, schedule, split)].append((pipe.waited, clock.times["pipeline"], actions,
+                                                  (pipe.began, list(pipe.timeline), dict(pipe.waits))))
+        return step
         return step
 
     def theirs(m, schedule):
-        mods, sched = torch_pipeline(ctx, build(), m, schedule, chunks)
+        mods, sched = torch_pipeline(ctx, build(), m, schedule, chunks, split_costs(splits[0], measured, m))
         opt = torch.optim.AdamW([q for mod in mods for q in mod.parameters()], lr=1e-4)
 
         def step(batch, clock):   # contiguous: torch 2.11's stages check the strides of what they get
@@ -874,7 +1121,8 @@ def benchmark(ctx, args, microbatches, schedules, chunks):
         return step
     methods = {}
     for m, schedule in cases:
-        methods[f"{schedule}, m {m} (ours)"] = lambda m=m, s=schedule: ours(m, s)
+        for split in splits:
+            methods[ours_name(schedule, m, split)] = lambda m=m, s=schedule, sp=split: ours(m, s, sp)
         # torch's Schedule1F1B refuses fewer micro-batches than stages; its stages send CUDA
         # tensors point to point, which gloo cannot carry (main says so)
         if (schedule != "1f1b" or m >= p) and torch_pipelining_runs(ctx.backend, ctx.device.type):
@@ -882,24 +1130,49 @@ def benchmark(ctx, args, microbatches, schedules, chunks):
     rows = common.time_methods(ctx, args, methods, global_batch=True)
     everyone = [None] * p
     dist.all_gather_object(everyone, {k: v[-args.steps:] for k, v in bubbles.items()})
-    memory = activation_memory(ctx, args, cases, chunks)
+    memory = activation_memory(ctx, args, cases, chunks, {m: split_costs(splits[0], measured, m) for m in measured})
     by_name = {r["method"]: r for r in rows}
     message = args.batch_size * args.context_length * d * 4   # a whole batch's activations, fp32
     for m, schedule in cases:
-        r, t = by_name[f"{schedule}, m {m} (ours)"], by_name.get(f"{schedule}, m {m} (torch)")
-        v = chunks_of(schedule)
-        for row in (r, t) if t else (r,):
-            row.update(schedule=schedule, chunks=v, stages=p, microbatches=m, theory=sum(theory(schedule, m, p, v)) / p)
-        per_stage = [common.summarize(e[(m, schedule)])["median"] for e in everyone]
-        mem = memory[(m, schedule)]
-        r.update(bubble=sum(per_stage) / p, bubble_per_stage=per_stage, theory_per_stage=theory(schedule, m, p, v),
-                 act_MB_per_stage=[s["peak"] / 1e6 for s in mem], peak_act_MB=max(s["peak"] for s in mem) / 1e6,
-                 act_formula_MB=max(s["formula"] for s in mem) / 1e6,
-                 p2p_MB=max(s["sent"] for s in mem) / 1e6, p2p_formula_MB=max(p2p_bytes(m, p, s, v, message / m)
-                                                                                for s in range(p)) / 1e6)
+        t, v = by_name.get(f"{schedule}, m {m} (torch)"), chunks_of(schedule)
+        equal = theory(schedule, m, p, v)
+        for split in splits:
+            r = by_name[ours_name(schedule, m, split)]
+            stages = chunk_costs(measured[m], cuts[(m, schedule, split)])
+            steps = [[e[(m, schedule, split)][i] for e in everyone] for i in range(args.steps)]
+            # each stage's idle share of the step (the slowest rank's pipeline phase): what it waited
+            # for its neighbours, and what was left once it was done
+            idle = [[(waited + max(T for _, T, *_ in ranks) - own) / max(T for _, T, *_ in ranks)
+                     for waited, own, *_ in ranks] for ranks in steps]
+            per_stage = [statistics.median(step[s] for step in idle) for s in range(p)]
+            ran = [action_costs([tl for _, _, tl, _ in ranks], p, v) for ranks in steps]
+            ran = {k: [statistics.median(x[k][j] for x in ran) for j in range(p * v)] for k in ran[0]}
+            flight = statistics.median(message_time([clock for *_, clock in ranks], p, v) for ranks in steps)
+            papers = [step_on_paper(schedule, m, p, v, [tl for _, _, tl, _ in ranks], flight) for ranks in steps]
+            on_paper = [statistics.median(x[s] for x in papers) for s in range(p)]
+            r.update(split=split, cuts=cuts[(m, schedule, split)], bubble=sum(per_stage) / p, message_ms=flight * 1e3,
+                     bubble_per_stage=per_stage, theory_per_stage=equal, theory_split=sum(on_paper) / p,
+                     theory_split_per_stage=on_paper, action_costs=ran, chunk_costs=stages,
+                     theory_profiled=sum(theory(schedule, m, p, v, stages)) / p,
+                     chunk_ms=[(f + b) * 1e3 for f, b in zip(stages["F"], stages["B"])],
+                     run_chunk_ms=[sum(ran[k][j] for k in ran) * 1e3 for j in range(p * v)])
+            if split == splits[0]:
+                mem = memory[(m, schedule)]
+                r.update(act_MB_per_stage=[s["peak"] / 1e6 for s in mem], peak_act_MB=max(s["peak"] for s in mem) / 1e6,
+                         act_formula_MB=max(s["formula"] for s in mem) / 1e6,
+                         p2p_MB=max(s["sent"] for s in mem) / 1e6,
+                         p2p_formula_MB=max(p2p_bytes(m, p, s, v, message / m) for s in range(p)) / 1e6)
+                if t:
+                    r.update(common.vs_paired(r, t))
+        for row in [by_name[ours_name(schedule, m, sp)] for sp in splits] + ([t] if t else []):
+            row.update(schedule=schedule, chunks=v, stages=p, microbatches=m, theory=sum(equal) / p)
         if t:
-            r.update(common.vs_paired(r, t))
+            t.update(split=splits[0], cuts=cuts[(m, schedule, splits[0])])
     return rows
+
+
+def ours_name(schedule, m, split) -> str:
+    return f"{schedule}, m {m}, {'FLOP' if split == 'flops' else 'measured'} split (ours)"
 
 
 def one_microbatch(stage, chunk, mb, context, d, deferred):
@@ -1009,17 +1282,17 @@ def recompute_accounting(ctx, args, m, modes):
     return out
 
 
-def activation_memory(ctx, args, cases, chunks):
+def activation_memory(ctx, args, cases, chunks, costs=None):
     """For each (m, schedule), on every stage: the peak bytes of activations held for
     backward in one counted step (exact: one step is enough) beside the schedule's formula
     (held_peak, from one micro-batch's bytes through each chunk), and the bytes the stage
-    sent point to point."""
+    sent point to point. ``costs``: {m: LMStage's costs}, the split (default: by FLOPs)."""
     d, out = common.MODEL_SIZES[args.model_size][0], {}
     x, y = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
     for m, schedule in cases:
         v = chunks if schedule == "interleaved" else 1
         stage = LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank,
-                        ctx.world_size, v)
+                        ctx.world_size, v, costs=(costs or {}).get(m, "flops"))
         units = [one_microbatch(stage, c, args.batch_size // m, args.context_length, d, schedule == "zb1")
                  for c in range(v)]
         pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=(args.batch_size // m, args.context_length, d),
@@ -1036,13 +1309,16 @@ def activation_memory(ctx, args, cases, chunks):
 
 
 def timelines(ctx, args, m, schedules, chunks):
-    """One timed step of each schedule on every stage: {schedule: [stage's actions]}."""
+    """One timed step of each schedule on every stage, split as the first --split says:
+    {schedule: [stage's actions]}."""
     d, out = common.MODEL_SIZES[args.model_size][0], {}
     x, y = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
+    split = (getattr(args, "split", None) or SPLITS)[0]
+    costs = measured_costs(ctx, args, [m])[m] if split == "measured" else "flops"
     for schedule in schedules:
         v = chunks if schedule == "interleaved" else 1
         stage = LMStage(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), ctx.rank,
-                        ctx.world_size, v)
+                        ctx.world_size, v, costs=costs)
         pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=(args.batch_size // m, args.context_length, d),
                         timed=True, chunks=v)
         for _ in range(3):   # the last step is drawn
@@ -1083,8 +1359,9 @@ def draw_timeline(lanes, title, path):
 
 
 HEADERS = ["method", "stages", "chunks", "microbatches", "step_ms", "step_min_ms", "step_max_ms", "vs_torch",
-           "vs_torch_min", "vs_torch_max", "bubble", "theory", "peak_act_MB", "act_formula_MB", "p2p_MB",
+           "vs_torch_min", "vs_torch_max", "bubble", "theory_split", "theory", "peak_act_MB", "act_formula_MB", "p2p_MB",
            "p2p_formula_MB"]
+SPLIT_HEADERS = ["stages", "chunks", "microbatches", "split", "cuts", "chunk_ms"]
 NAME, TITLE = "09_pipeline_parallel", "Pipeline schedules against torch.distributed.pipelining"
 RC_HEADERS = ["recompute", "stages", "microbatches", "mb_act_MB", "mb_formula_MB", "peak_act_MB", "peak_formula_MB",
               "step_ms", "step_min_ms", "step_max_ms", "vs_none", "vs_none_min", "vs_none_max"]
@@ -1108,6 +1385,11 @@ def main(argv=None):
                    help=f"schedules, of {', '.join(SCHEDULES)} (default: all; interleaved only where the "
                         f"micro-batches are a multiple of the stages)")
     p.add_argument("--chunks", type=common.COUNT, default=2, help="interleaved: chunks of layers per stage (v)")
+    p.add_argument("--split", nargs="+", choices=SPLITS, default=list(SPLITS),
+                   help="where the stages' blocks end, one row each: measured (each piece of the LM timed forward and "
+                        "backward on the device, the slowest stage made as fast as it can be) and flops (a block "
+                        "24 d^2 + 4 t d a token, the head 2 d V, the embedding free); torch's pipelining gets the "
+                        "first")
     p.add_argument("--recompute", nargs="+", default=["none"], choices=RECOMPUTE,
                    help="activation recomputation of the blocks: verified bit for bit against none (every schedule "
                         "at the largest m), and a table per mode: activation memory per stage beside the formula, "
@@ -1202,16 +1484,25 @@ def main(argv=None):
             continue
         rows += common.launch(benchmark, args, args.microbatches, schedules, args.chunks, world_size=s)
         if common.is_reporter():
-            table = common.save_results(args.out, NAME, rows, {**common.lm_settings(args), "world_size": stages,
-                                                               "chunks": args.chunks},
-                                        headers=HEADERS, title=TITLE, note=theory.__doc__.split("\n\n")[0])
+            settings = {**common.lm_settings(args), "world_size": stages, "chunks": args.chunks, "split": args.split}
+            table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE,
+                                        note=" ".join(theory.__doc__.split()))
+            splits = list({(r["stages"], r["chunks"], r["microbatches"], r["split"]): {
+                **{k: r[k] for k in SPLIT_HEADERS}, "chunk_ms": [round(x, 2) for x in r["chunk_ms"]]}
+                for r in rows if r["method"].endswith("(ours)")}.values())
+            split_table = common.save_results(args.out, "09_split", splits, settings, headers=SPLIT_HEADERS,
+                                              title="Where the stages' blocks end: by measured time and by FLOPs",
+                                              note=" ".join(measure_costs.__doc__.split()))
     if rows and common.is_reporter():
         print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, global batch {args.batch_size}x"
               f"{args.context_length}; step times in ms, median [min, max] of {args.steps} steps; vs_torch: "
-              f"median of paired steps; bubble: idle share of a step, mean of the stages, beside theory (the "
-              f"schedule on paper); peak_act_MB: activations held for backward, largest stage, beside the "
-              f"schedule's formula; p2p_MB: bytes the busiest stage sends, beside the formula)\n{table}\n"
-              f"wrote {args.out}/{NAME}.json and .md")
+              f"median of paired steps, torch's stages on the first split; bubble: idle share of a step, mean of "
+              f"the stages, beside theory_split (the schedule on paper with these stages' measured times) and "
+              f"theory (equal stages); peak_act_MB: activations held for backward, largest stage, beside the "
+              f"schedule's formula; p2p_MB: bytes the busiest stage sends, beside the formula)\n{table}\n\n"
+              f"The splits (cuts: each chunk's first block, then the number of blocks; chunk_ms: each chunk's "
+              f"measured forward and backward, its embeddings or head included)\n{split_table}\n"
+              f"wrote {args.out}/{NAME}.json, .md and 09_split.*")
     if rows and modes != ["none"]:
         m, rc_rows = max(args.microbatches), []
         for s in stages:

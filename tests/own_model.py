@@ -276,11 +276,13 @@ def pipeline(ctx, args):
     want = train_reference(ref_trained, data)
     a = ref.args
     hd, mb, t = a.dim // a.n_heads, data[0][0].shape[0] // m, data[0][0].shape[1]
-    for schedule in pp.SCHEDULES:
+    for schedule in pp.SCHEDULES:   # each cut where the pieces' measured times balance (collective)
         chunks = 2 if schedule == "interleaved" else 1
         model = copy.deepcopy(ref)
         stage = pp.PipelineStage(model, "layers", ctx.rank, ctx.world_size, embed, head, first=["tok_embeddings"],
-                                 last=["norm", "output"], chunks=chunks)
+                                 last=["norm", "output"], chunks=chunks, costs="measure",
+                                 sample=(data[0][0][:mb], data[0][1][:mb]), loss_fn=llama.loss_fn)
+        assert len(stage.costs) == a.n_layers + 2 and all(p.grad is None for p in model.parameters())
         pipe = pp.Pipeline(stage, m, llama.loss_fn, schedule, activation_shape=[(mb, t, a.dim), (t, hd // 2),
                                                                                 (t, hd // 2)], chunks=chunks)
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-6)

@@ -165,17 +165,28 @@ def test_script_writes_table_timelines_and_memory(tmp_path):
         assert r["step_ms"] > 0 and (mode == "none" or r["vs_none_min"] <= r["vs_none"] <= r["vs_none_max"])
     assert rc["full"]["mb_act_MB"][0] < rc["selective"]["mb_act_MB"][0] < rc["none"]["mb_act_MB"][0]
     rows = {r["method"]: r for r in json.loads((tmp_path / "09_pipeline_parallel.json").read_text())["rows"]}
-    assert set(rows) == {"gpipe, m 1 (ours)", "gpipe, m 1 (torch)", "1f1b, m 1 (ours)", "zb1, m 1 (ours)",
-                         "zb1, m 1 (torch)"} | {f"{s}, m 2 ({w})" for s in pp.SCHEDULES for w in ("ours", "torch")}
+    ours = lambda s, m, split="measured": rows[pp.ours_name(s, m, split)]  # noqa: E731
+    assert set(rows) == {pp.ours_name(s, m, sp) for s in ("gpipe", "1f1b", "zb1") for m in (1, 2) for sp in pp.SPLITS} \
+        | {pp.ours_name("interleaved", 2, sp) for sp in pp.SPLITS} \
+        | {"gpipe, m 1 (torch)", "zb1, m 1 (torch)"} | {f"{s}, m 2 (torch)" for s in pp.SCHEDULES}
     for name, r in rows.items():   # torch's 1F1B needs m >= p, interleaved groups of p micro-batches
         assert r["step_ms"] > 0 and r["theory"] == pytest.approx(sum(pp.theory(r["schedule"], r["microbatches"], 2,
                                                                                   r["chunks"])) / 2)
-        if name.endswith("(ours)"):
-            assert 0 <= r["bubble"] < 1 and len(r["bubble_per_stage"]) == 2 and r["peak_act_MB"] > 0
-            assert r["p2p_MB"] == pytest.approx(r["p2p_formula_MB"])   # counted sends: the formula's
+        if name.endswith("(ours)"):   # the schedule on paper with these stages' times: profiled, and as they ran
+            assert 0 <= r["bubble"] < 1 and len(r["bubble_per_stage"]) == 2 and len(r["cuts"]) == 2 * r["chunks"] + 1
+            assert r["theory_profiled"] == pytest.approx(sum(pp.theory(r["schedule"], r["microbatches"], 2,
+                                                                        r["chunks"], r["chunk_costs"])) / 2)
+            assert 0 <= r["theory_split"] < 1 and len(r["theory_split_per_stage"]) == 2 and r["message_ms"] >= 0
+        if name.endswith("measured split (ours)"):
+            assert r["peak_act_MB"] > 0 and r["p2p_MB"] == pytest.approx(r["p2p_formula_MB"])   # counted = formula
             assert r["peak_act_MB"] == pytest.approx(r["act_formula_MB"], rel=0.05)
-    assert rows["interleaved, m 2 (ours)"]["p2p_MB"] == pytest.approx(3 * rows["1f1b, m 2 (ours)"]["p2p_MB"])
-    assert rows["gpipe, m 2 (ours)"]["vs_torch_min"] <= rows["gpipe, m 2 (ours)"]["vs_torch"]
+    assert ours("interleaved", 2)["p2p_MB"] == pytest.approx(3 * ours("1f1b", 2)["p2p_MB"])
+    assert ours("gpipe", 2)["vs_torch_min"] <= ours("gpipe", 2)["vs_torch"]
+    assert rows["gpipe, m 2 (torch)"]["cuts"] == ours("gpipe", 2)["cuts"]   # torch's stages on the same split
+    for r in json.loads((tmp_path / "09_split.json").read_text())["rows"]:   # the slowest chunk: as fast as it can be
+        flops = ours("interleaved" if r["chunks"] > 1 else "1f1b", r["microbatches"], "flops")
+        measured = ours("interleaved" if r["chunks"] > 1 else "1f1b", r["microbatches"])
+        assert max(measured["chunk_ms"]) <= max(flops["chunk_ms"]) + 1e-9
     for schedule in pp.SCHEDULES:
         assert (tmp_path / f"09_timeline_{schedule}.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -218,3 +229,81 @@ def test_a_refusal_concerns_only_what_the_command_runs():
     p = run_inline("09_pipeline_parallel.py", "--stages", "4", "--model-size", "nano", "--no-bench",
                    launch=lambda *a, **k: {"case": {"ok": True, "max_diff": 0.0}})
     assert p.returncode == 0, p.stderr
+
+
+def test_the_split_makes_the_slowest_stage_as_fast_as_it_can_be_counting_the_ends():
+    """balanced_split with what the first and last runs carry besides their layers (the
+    embedding; the head and loss): against every way of cutting, by brute force."""
+    import itertools
+    costs, first, last = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 7.0, 11.0
+    for k in (2, 3, 4):
+        cuts = pp.balanced_split(costs, k, first, last)
+        worst = lambda cs: max(sum(costs[a:b]) + first * (a == 0) + last * (b == len(costs))  # noqa: E731
+                               for a, b in zip(cs, cs[1:]))
+        best = min(worst([0, *c, len(costs)]) for c in itertools.combinations(range(1, len(costs)), k - 1))
+        assert cuts[0] == 0 and cuts[-1] == len(costs) and worst(cuts) == best
+    assert pp.balanced_split([1.0] * 8, 2, first=0.0, last=3.0) == [0, 5, 8]   # the head weighs on the last stage
+
+
+def test_measured_costs_cut_the_lm_and_give_its_chunks_times():
+    """measure_costs on the LM's pieces (one process: nothing to agree on), the stages cut by
+    them, each chunk's F and B for the schedule on paper; cuts given outright; and what the
+    measurement leaves: no gradient."""
+    model = common.build_lm("nano", 16, "cpu")
+    tokens = torch.randint(0, common.VOCAB_SIZE, (2, 16))
+    costs = pp.measure_costs(pp.lm_pieces(model, pp.lm_loss), (tokens, tokens), repeats=2)
+    n = len(model.blocks)
+    assert len(costs) == n + 2 and all(f > 0 and b > 0 for f, b in costs)
+    assert all(p.grad is None for p in model.parameters()) is False   # the pieces' backward left gradients ...
+    model.zero_grad(set_to_none=True)
+    stage = pp.LMStage(model, 1, 2, costs=costs)
+    assert stage.costs == costs and len(stage.cuts) == 3 and stage.ranges == [(stage.cuts[1], 2)]
+    assert stage.cuts == pp.balanced_split([f + b for f, b in costs[1:]], 2, first=sum(costs[0]))
+    times = pp.chunk_costs(costs, [0, 1, 2])
+    assert times["F"][0] == pytest.approx(costs[0][0] + costs[1][0]) and \
+        times["B"][1] == pytest.approx(costs[2][1] + costs[3][1])
+    alone = pp.chunk_costs(costs, [0, 2, 3])   # the head alone on the last stage
+    assert alone["F"][1] == costs[3][0] and alone["F"][0] == pytest.approx(sum(f for f, _ in costs[:3]))
+    assert pp.LMStage(model, 0, 2, cuts=[0, 1, 2]).ranges == [(0, 1)]
+    with pytest.raises(ValueError, match="cuts"):
+        pp.LMStage(model, 0, 2, cuts=[0, 2, 2])
+    with pytest.raises(ValueError, match="pieces"):
+        pp.LMStage(model, 0, 2, costs=costs[1:])
+    measured = pp.LMStage(model, 0, 2, costs="measure", microbatch=(2, 16))
+    assert len(measured.costs) == n + 2 and all(p.grad is None for p in model.parameters())
+
+
+def test_unequal_stages_on_paper_give_the_bubble_of_their_slowest():
+    """theory with each chunk's times: equal stages give the equal-stage formula; a stage
+    twice as slow leaves the other idle as long again, which the formula counts."""
+    equal = {"F": [1.0, 1.0], "B": [2.0, 2.0]}
+    assert pp.theory("1f1b", 8, 2, 1, equal) == pytest.approx(pp.theory("1f1b", 8, 2))
+    slow = pp.theory("1f1b", 8, 2, 1, {"F": [2.0, 1.0], "B": [4.0, 2.0]})
+    assert slow[1] > 0.4 > slow[0]   # stage 1 waits on stage 0 at every micro-batch
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2), ("zb1", 1)])
+def test_a_step_on_paper_replays_the_run_its_timelines_and_message_time_describe(schedule, chunks):
+    """A run made on paper (unequal stages, each message 0.3 units in flight) gives timelines
+    like a Pipeline's: message_time finds the 0.3 from the actions that waited, and
+    step_on_paper rebuilds every stage's idle share from them."""
+    p, m = 2, 4
+    cost = {"F": [1.0, 1.5, 0.7, 1.2][:p * chunks], "B": [2.0, 2.4, 1.5, 2.2][:p * chunks], "send": 0.3}
+    if schedule == "zb1":
+        cost["W"] = [0.5, 0.9]
+    orders = [pp.SCHEDULES[schedule](m, s, p, chunks) for s in range(p)]
+    spans = pp.simulate(orders, chunks, cost)
+    end = max(a[-1] for lane in spans for a in lane)
+    idle = [1 - sum(b - a for *_, a, b in lane) / end for lane in spans]
+    timelines = [[(k, c, i, a, b) for k, c, i, a, b in lane] for lane in spans]
+    waits = []   # an action waited where it started later than its rank was free
+    for lane in spans:
+        free, mine = 0.0, {}
+        for k, c, i, a, b in lane:
+            mine[(k, c, i)] = a - free
+            free = b
+        waits.append(mine)
+    steps = [(0.0, tl, w) for tl, w in zip(timelines, waits)]
+    assert pp.message_time(steps, p, chunks) == pytest.approx(0.3)
+    assert pp.step_on_paper(schedule, m, p, chunks, timelines, 0.3) == pytest.approx(idle)
+    assert sum(pp.step_on_paper(schedule, m, p, chunks, timelines)) < sum(idle)   # free sends: less idle
