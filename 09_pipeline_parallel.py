@@ -959,18 +959,19 @@ def reference(args, batch, device):
     return _REFERENCES[key]
 
 
-def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch, mode="none"):
+def verify_case(ctx, args, groups, n_stages, m, schedule, chunks, batch, mode="none", costs="flops"):
     """The LM, its head tied to its embedding, pipelined over ``n_stages`` ranks (the
     remaining ranks data-parallel replicas of each stage, DDPBucketed over each stage's
     replicas), clipped by the global norm, against one process; its blocks recomputed
-    (``mode``) or not. "digest": every rank's weights, hashed (recomputation must not
-    change a bit)."""
+    (``mode``) or not; split by ``costs`` (LMStage's: "measure" times the pieces, on every
+    rank). "digest": every rank's weights, hashed (recomputation must not change a bit)."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     pipe_group, dp_group, tie_group = groups
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     d = VERIFY_DIMS[0]
     initial, ref = reference(args, batch, ctx.device)
-    stage = LMStage(copy.deepcopy(initial), dist.get_rank(pipe_group), n_stages, chunks)
+    stage = LMStage(copy.deepcopy(initial), dist.get_rank(pipe_group), n_stages, chunks, costs=costs,
+                    microbatch=(batch // dp_size // m, VERIFY_T))
     recompute(stage.blocks.values(), mode)
     module = bucketed.DDPBucketed(stage, 0.01, process_group=dp_group) if dp_size > 1 else stage
     pipe = Pipeline(module, m, lm_loss, schedule, pipe_group, activation_shape=(batch // dp_size // m, VERIFY_T, d),
@@ -1017,6 +1018,8 @@ def verify(ctx, args, n_stages, microbatches, schedules, chunks, modes=("none",)
                 out[name] = verify_case(ctx, args, groups, n_stages, m, schedule, v, batch)
                 if m != max(microbatches):
                     continue
+                out[f"{name}, split by measured time"] = verify_case(ctx, args, groups, n_stages, m, schedule, v,
+                                                                     batch, costs="measure")
                 for mode in modes:
                     if mode != "none" and recompute_runs(mode, schedule):
                         r = verify_case(ctx, args, groups, n_stages, m, schedule, v, batch, mode)

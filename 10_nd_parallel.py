@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -172,7 +173,9 @@ class Levers:
     ``chunks`` a stage (interleaved; the other schedules hold one: ``v``) and
     ``microbatches`` (None: 2 x pp, ``m(shape)``); 08's sequence parallelism ``sp``; 09's
     ``recompute``; the compute ``dtype``; 11's ``cp_method``; 12's ``ep`` degree, with
-    ``experts`` per MoE and ``top_k``; and whether the head is ``tie``d to the embedding.
+    ``experts`` per MoE and ``top_k``; whether the head is ``tie``d to the embedding; and
+    the pipeline's ``cuts`` (09's LMStage: each chunk's first block, then the number of
+    blocks; None: by FLOPs), which the benchmark measures (09's measure_costs).
     ``dataclasses.replace(levers, sp=True)`` makes a variant."""
 
     schedule: str = "1f1b"
@@ -186,6 +189,7 @@ class Levers:
     experts: int = MOE_EXPERTS
     top_k: int = MOE_TOP_K
     tie: bool = False
+    cuts: tuple | None = None
 
     @property
     def v(self) -> int:
@@ -261,7 +265,7 @@ class ParallelLM:
             for moe in (m for m in model.modules() if isinstance(m, ep_mod.MoE)):
                 moe.distribute(self.ep_group, self.expert_copies)
             self.experts = ep_mod.expert_parameters(model)
-        self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P, chunks)
+        self.stage = pp_mod.LMStage(model, mesh.coord("pp"), P, chunks, cuts=levers.cuts)
         pp_mod.recompute(self.stage.blocks.values(), recompute)
         self.fsdp = fsdp_mod.FSDP(self.stage, process_group=mesh.group("fsdp"), units=list(self.stage.blocks.values()),
                                   ignore=self.experts) if F > 1 else None
@@ -637,7 +641,7 @@ def stage_layout(dims, context, shape, stage, levers=Levers(), ep_rank=0):
     local = {"qkv.weight": lambda s: (s[0] // T, s[1]), "proj.weight": lambda s: (s[0], s[1] // T),
              "ff_in.weight": lambda s: (s[0] // T, s[1]), "ff_out.weight": lambda s: (s[0], s[1] // T)}
     whole = moe_lm(dims, context, tie, 0, experts, 1, "meta") if ep > 1 else lm(dims, context, tie, 0, "meta")
-    model = pp_mod.LMStage(whole, stage, shape["pp"], chunks)
+    model = pp_mod.LMStage(whole, stage, shape["pp"], chunks, cuts=levers.cuts)
     per = experts // ep
     mine = lambda name: ".experts." not in name or \
         ep_rank * per <= int(name.split(".experts.")[1].split(".")[0]) < (ep_rank + 1) * per  # noqa: E731
@@ -734,7 +738,7 @@ def activation_bytes(dims, context, shape, stage, mb, levers=Levers()) -> list:
     d/T under SP)."""
     d, f, _, h = dims
     chunks, cp, sp, recompute = levers.v, shape["cp"], levers.sp, levers.recompute
-    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, shape["pp"], chunks).ranges
+    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, shape["pp"], chunks, cuts=levers.cuts).ranges
     context //= cp
     P, T, n = shape["pp"], shape["tp"], mb * context
     out = []
@@ -751,14 +755,14 @@ def activation_bytes(dims, context, shape, stage, mb, levers=Levers()) -> list:
     return out
 
 
-def kept_bytes(dims, context, shape, stage, mb, chunks=1) -> list:
+def kept_bytes(dims, context, shape, stage, mb, chunks=1, cuts=None) -> list:
     """zb1: bytes W keeps of one micro-batch from its B until its W, per chunk: each
     linear's input and output gradient, per block and token d (qkv's and ff_in's input,
     the norm's output) + d/T + f/T (proj's and ff_out's input) + 3d/T + d + f/T + d (the
     output gradients), and the head's d + V."""
     d, f, _, _ = dims
     P, T, n = shape["pp"], shape["tp"], mb * context
-    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, P, chunks).ranges
+    ranges = pp_mod.LMStage(lm(dims, context, False, 0, "meta"), stage, P, chunks, cuts=cuts).ranges
     return [(hi - lo) * n * 4 * (4 * d + 4 * d // T + 2 * f // T)
             + (n * 4 * (d + common.VOCAB_SIZE) if stage == P - 1 and c == chunks - 1 else 0)
             for c, (lo, hi) in enumerate(ranges)]
@@ -775,7 +779,7 @@ def predicted_memory(dims, context, shape, stage, batch, levers=Levers()) -> dic
     mb = batch // (shape["dp"] * F) // m
     order = pp_mod.SCHEDULES[levers.schedule](m, stage, shape["pp"], chunks)
     held = pp_mod.held_peak(order, activation_bytes(dims, context, shape, stage, mb, levers),
-                            kept_bytes(dims, context // C, shape, stage, mb, chunks))
+                            kept_bytes(dims, context // C, shape, stage, mb, chunks, levers.cuts))
     return {"params": 4 * numel, "grads": 4 * numel, "opt_state": 8 * numel + 4 * len(layout), "activations": held}
 
 
@@ -848,7 +852,8 @@ def torch_composition(ctx, shape, model, batch, levers=Levers()):
     coords = {a: tmesh.get_local_rank(a) for a in AXES}
     if T > 1:
         tp_mod.torch_tensor_parallel_lm(model, tmesh["tp"])
-    mods = [pp_mod.LMStage(model, coords["pp"] + j * P, P * chunks) for j in range(chunks)]
+    cuts = levers.cuts or pp_mod.LMStage(model, 0, P, chunks).cuts   # ours's split, a chunk each a stage of torch's
+    mods = [pp_mod.LMStage(model, coords["pp"] + j * P, P * chunks, cuts=cuts) for j in range(chunks)]
     for mod in mods:
         pp_mod.recompute(mod.blocks.values(), recompute)
     if D * F > 1:
@@ -922,6 +927,42 @@ def recorder_cost(ctx, args, shape, dims):
                                  global_batch=True)
 
 
+def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:
+    """09's split by measured time for this mesh's pipeline: the LM's pieces (embeddings, each
+    block, head with the loss; the whole model, as one process holds it) timed on a
+    micro-batch of this mesh (its replica's part, cut m ways; its cp part of each sequence),
+    the same on every rank; the cuts of its pp x v chunks."""
+    whole = lm(dims, args.context_length, False, args.seed, ctx.device)
+    mb, tokens = batch // (shape["dp"] * shape["fsdp"]) // levers.m(shape), args.context_length // shape["cp"]
+    g = torch.Generator().manual_seed(args.seed)
+    sample = tuple(torch.randint(0, common.VOCAB_SIZE, (mb, tokens), generator=g).to(ctx.device) for _ in range(2))
+    costs = pp_mod.measure_costs(pp_mod.lm_pieces(whole, pp_mod.lm_loss), sample)
+    return tuple(pp_mod.LMStage(whole, 0, shape["pp"], levers.v, costs=costs).cuts)
+
+
+def pipeline_bubble_of(ctx, steps, shape, m, levers) -> dict:
+    """The pipeline's bubble in these steps (09's: each stage's waits for its neighbours and
+    what was left once it was done, over the slowest rank's pipeline phase, the mean of the
+    stages), beside the schedule on paper with equal stages and with the steps' own actions
+    and message time; the whole mesh's ranks gathered, one pipeline (the first replica's)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, steps)
+    P, v = shape["pp"], levers.v
+    stride = dist.get_world_size() // P   # the mesh puts pp outermost: stage s's first rank is s x stride
+    lanes = [everyone[s * stride] for s in range(P)]
+    idle, papers = [], []
+    for i in range(len(lanes[0])):
+        ranks = [lane[i] for lane in lanes]
+        T = max(t for _, t, *_ in ranks)
+        idle.append([(waited + T - own) / T for waited, own, *_ in ranks])
+        flight = pp_mod.message_time([clock for *_, clock in ranks], P, v)
+        papers.append(pp_mod.step_on_paper(levers.schedule, m, P, v, [a for _, _, a, _ in ranks], flight))
+    per = [statistics.median(x[s] for x in idle) for s in range(P)]
+    return {"bubble": sum(per) / P, "theory_split": sum(statistics.median(x[s] for x in papers)
+                                                       for s in range(P)) / P,
+            "theory": sum(pp_mod.theory(levers.schedule, m, P, v)) / P, "cuts": list(levers.cuts or [])}
+
+
 def torch_skip(shape, levers, ep, backend, device) -> str | None:
     """Why torch's composition is left out beside ours on this mesh (None: it runs)."""
     if shape["pp"] > 1 and not pp_mod.torch_pipelining_runs(backend, device):
@@ -948,19 +989,29 @@ def benchmark(ctx, args, shapes, dims, trace=None):
     for shape in shapes:
         m, name = levers.m(shape), label(shape, False, levers.schedule, levers.v) + lever_label(levers)
         batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
-        holder = {}
+        holder, steps = {}, []
+        mesh_levers = dataclasses.replace(levers, cuts=measured_cuts(ctx, args, dims, shape, batch, levers)) \
+            if shape["pp"] > 1 and getattr(args, "split", "measured") == "measured" else levers
 
         def ours():
             whole = moe_lm(dims, args.context_length, False, args.seed, args.experts, args.top_k, ctx.device) \
                 if args.ep > 1 else lm(dims, args.context_length, False, args.seed, ctx.device)
-            model = ParallelLM(Mesh(shape), whole, batch, levers)
+            model = ParallelLM(Mesh(shape), whole, batch, mesh_levers, timed=shape["pp"] > 1)
             opt = make_optimizer(model)
             holder.update(model=model, opt=opt)
-            return lambda b, clock: train_step(model, opt, model.part(b), clock)
+
+            def step(b, clock):   # (with pp: each step's waits and actions, for its bubble)
+                train_step(model, opt, model.part(b), clock)
+                if shape["pp"] > 1:
+                    pipe = model.pipe
+                    steps.append((pipe.waited, clock.times["pipeline"], [(k, c, i, a - pipe.overhead[(k, c, i)], b_)
+                                                                         for k, c, i, a, b_ in pipe.timeline],
+                                  (pipe.began, list(pipe.timeline), dict(pipe.waits))))
+            return step
 
         def theirs():
             return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch,
-                                     levers)
+                                     mesh_levers)
         timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
         methods = {f"{name} (ours)": ours}
         if torch_skip(shape, levers, args.ep, ctx.backend, ctx.device.type) is None:   # main says why not
@@ -975,13 +1026,15 @@ def benchmark(ctx, args, shapes, dims, trace=None):
                     dist.get_world_size() / peak
         if len(got) == 2:   # steps alternate: compare them pair by pair
             got[0].update(common.vs_paired(got[0], got[1]))
+        if shape["pp"] > 1:
+            got[0].update(pipeline_bubble_of(ctx, steps[-args.steps:], shape, m, mesh_levers))
         rows += got
         if shape == trace:
             timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
         holder.clear()
         if levers.dtype == "float32":   # the formulas count float32 bytes
             accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
-                               "ranks": account(ctx, args, shape, dims, batch, levers)})
+                               "ranks": account(ctx, args, shape, dims, batch, mesh_levers)})
     return rows, accounting, timeline
 
 
@@ -1274,7 +1327,8 @@ def accounting_rows(accounting) -> tuple:
 
 
 TIME_HEADERS = ["method", "world_size", "microbatches", "batch", "step_ms", "step_min_ms", "step_max_ms", "vs_torch",
-                "vs_torch_min", "vs_torch_max", "tokens_per_s_per_rank", "mfu", "collectives", "comm_MB"]
+                "vs_torch_min", "vs_torch_max", "tokens_per_s_per_rank", "mfu", "collectives", "comm_MB", "bubble",
+                "theory_split", "theory", "cuts"]
 TRAFFIC_HEADERS = ["mesh", "stage", "axis", "counted_MB", "predicted_MB", "equal", "ranks_agree"]
 MEMORY_HEADERS = ["mesh", "stage", "params_MB", "params_predicted_MB", "grads_MB", "grads_predicted_MB", "opt_state_MB",
                   "opt_state_predicted_MB", "activations_MB", "activations_predicted_MB", "activations_ratio"]
@@ -1293,7 +1347,10 @@ def report(args, rows, accounting, dims):
                              title="Memory per rank after a step (MiB), counted beside the formula",
                              note=predicted_memory.__doc__.replace("\n    ", " "))
     print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, context {args.context_length}; step times "
-          f"in ms, median [min, max] of {args.steps} steps; vs_torch: median of paired steps [min, max])\n{table}\n\n"
+          f"in ms, median [min, max] of {args.steps} steps; vs_torch: median of paired steps [min, max]; with pp, "
+          f"split by {args.split}, torch's on the same cuts: bubble, its idle share (09's), beside theory_split, "
+          f"the schedule on paper with the steps' own actions and message time, and theory, equal stages)\n"
+          f"{table}\n\n"
           f"Bytes each axis sends per step, per rank of each pipeline stage (MB)\n{t2}\n\n"
           f"Memory per rank (MiB): counted, and predicted\n{t3}\n"
           f"wrote {args.out}/{NAME}.*, 10_accounting.*, 10_memory.*", flush=True)
@@ -1435,6 +1492,9 @@ def main(argv=None):
                    help="--plan, question (b): tokens of activations per device")
     p.add_argument("--plan-rows", type=common.COUNT, default=20, help="--plan: rows of the table (all go to the JSON)")
     common.add_train_flags(p)
+    p.add_argument("--split", choices=["measured", "flops"], default="measured",
+                   help="where a pipeline's stages end in the benchmark: by the LM's pieces timed on the device (09's "
+                        "measured split) or by FLOPs (the verification's)")
     p.add_argument("--recorder-cost", action="store_true",
                    help="instead of the verification and benchmark: ours on the mesh (pp 2 x dp 2 without one) with "
                         "the flight recorder off, on, and on with --check-collectives, steps alternating")
