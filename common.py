@@ -1212,7 +1212,9 @@ def _mismatch_text(key, seq, calls, world) -> str:
 
 
 def _label(group, ranks, world) -> str:
-    return "the world" if len(ranks) == world else f"group of ranks {','.join(map(str, ranks))}"
+    """"the world" (the default group, named "0"), or the group and its ranks."""
+    return "the world" if group == "0" and len(ranks) == world else \
+        f"group {group} (ranks {','.join(map(str, ranks))})"
 
 
 def _call_text(c, world, now=None) -> str:

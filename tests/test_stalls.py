@@ -19,7 +19,7 @@ STALL, TIMEOUT, BUSY = 3.0, 15.0, 40.0
 # (mode, extra flags): the stall report names rank 1 within the window; the job fails at --timeout
 # (the mismatches at once, refused by --check-collectives); "busy" computes 40 s and completes
 SCENARIOS = {"stop": [], "loop": [], "ddp_stop": [], "skip": ["--check-collectives"], "op": ["--check-collectives"],
-             "shape": ["--check-collectives"], "busy": ["--stall-report", "5", "--timeout", "60", "--busy", str(BUSY)]}
+             "shape": ["--check-collectives"], "group": ["--check-collectives"], "busy": ["--stall-report", "5", "--timeout", "60", "--busy", str(BUSY)]}
 LAUNCHES = ("spawned", "torchrun")
 _jobs = {}
 
@@ -110,6 +110,7 @@ def test_a_rank_stopped_in_backward_is_named_while_the_other_waits_on_its_async_
     ("skip", ["rank 0: all_reduce #6 on the world (float32 [4])", "rank 1: broadcast #6 on the world (float32 [4])"]),
     ("op", ["rank 0: all_reduce #4 on the world (float32 [4])", "rank 1: broadcast #4 on the world (float32 [4])"]),
     ("shape", ["rank 0: all_reduce #4 on the world (float32 [4])", "rank 1: all_reduce #4 on the world (float32 [5])"]),
+    ("group", ["rank 0: all_reduce #4 on the world (float32 [4])", "rank 1: all_reduce #1 on group 1 (ranks 0,1)"]),
 ])
 def test_a_rank_calling_something_else_is_refused_before_the_call_runs(jobs, mode, how, theirs):
     job = jobs[(mode, how)]

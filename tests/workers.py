@@ -882,13 +882,15 @@ def _spin(seconds=None):
 def stall_scenario(ctx, args):
     """Six all_reduces on every rank, then a broadcast; at the fourth, rank 1 misbehaves as
     ``args.mode`` says: "stop" (SIGSTOP to itself), "loop" (computes forever), "skip" (skips
-    that all_reduce), "op" (broadcasts instead), "shape" (all-reduces another shape), "busy"
+    that all_reduce), "op" (broadcasts instead), "shape" (all-reduces another shape), "group"
+    (all-reduces on another group of the same two ranks), "busy"
     (computes ``args.busy`` seconds, then goes on), "none". Rank 1 writes the time it
     misbehaved to <args.out>/misbehaved. Returns the sum every rank ends with."""
     import signal
     if args.mode == "ddp_stop":
         return _ddp_stop(ctx, args)
     x = torch.ones(4)
+    pair = dist.new_group([0, 1]) if args.mode == "group" else None
     for i in range(6):
         if ctx.rank == 1 and i == 3 and args.mode != "none":
             with open(os.path.join(args.out, "misbehaved"), "w") as f:
@@ -904,6 +906,9 @@ def stall_scenario(ctx, args):
                 continue
             elif args.mode == "shape":
                 dist.all_reduce(torch.ones(5))
+                continue
+            elif args.mode == "group":   # the same call on another group of the same ranks
+                dist.all_reduce(x, group=pair)
                 continue
             elif args.mode == "busy":
                 _spin(args.busy)

@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     p.add_argument("--box", type=float, default=200.0, help="seconds a smoke job may take")
     p.add_argument("--measure-box", type=float, default=120.0, help="seconds a measured job may take")
     p.add_argument("--kernel-box", type=float, default=150.0, help="seconds the kernel tests may take")
-    p.add_argument("--budget", type=float, default=470.0, help="seconds after which no job starts or runs on")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds after which no job starts or runs on")
     p.add_argument("--python", default=sys.executable, help="the interpreter the jobs run with")
     args = p.parse_args(argv)
     check = Check(args)
