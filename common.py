@@ -1250,9 +1250,14 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
     or on its pair for a point-to-point message), and from those to the ones they wait for
     in turn: the first named are the ranks the others wait for at the end of that chain
     (busy in no call, not responding, finished, or waiting on a call nobody else reached)
-    and the ranks that entered the same place of a group with another call. Returns
-    {"culprits": [rank, ...], "text": the report, "first": one line naming the first}."""
-    flight = {r: s["flight"] for r, s in states.items() if s.get("flight")}
+    and the ranks that entered the same place of a group with another call. A rank whose
+    recorder has gone silent is not taken at its last word: it is the one not responding,
+    in whatever call it last said it was (a stopped process holds up a collective it had
+    entered too). Returns {"culprits": [rank, ...], "text": the report, "first": one line
+    naming the first, "stuck": the failure's first line, "kind"}."""
+    silent = {r for r in range(world) if r not in states or
+              (not states[r].get("finished") and now - states[r]["t"] > 3 * BEAT)}
+    flight = {r: s["flight"] for r, s in states.items() if s.get("flight") and r not in silent}
     waiting = {r: min(f, key=lambda c: c["t0"]) for r, f in flight.items()}
     stalled = {r: c for r, c in waiting.items() if now - c["t0"] >= stall_after}
     if not stalled:
@@ -1287,7 +1292,7 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
             for m in members:
                 if m == r:
                     continue
-                if states.get(m, {}).get("seq", {}).get(key, 0) < seq:
+                if m in silent or states.get(m, {}).get("seq", {}).get(key, 0) < seq:
                     late.append(m)
                     continue
                 theirs = same_place(m, key, seq)

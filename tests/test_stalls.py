@@ -110,7 +110,8 @@ def test_a_rank_stopped_in_backward_is_named_while_the_other_waits_on_its_async_
     ("skip", ["rank 0: all_reduce #6 on the world (float32 [4])", "rank 1: broadcast #6 on the world (float32 [4])"]),
     ("op", ["rank 0: all_reduce #4 on the world (float32 [4])", "rank 1: broadcast #4 on the world (float32 [4])"]),
     ("shape", ["rank 0: all_reduce #4 on the world (float32 [4])", "rank 1: all_reduce #4 on the world (float32 [5])"]),
-    ("group", ["rank 0: all_reduce #4 on the world (float32 [4])", "rank 1: all_reduce #1 on group 1 (ranks 0,1)"]),
+    ("group", ["rank 0: all_reduce #4 on the world (float32 [4])",
+               "rank 1: all_reduce #1 on group 1 (ranks 0,1) (float32 [4])"]),
 ])
 def test_a_rank_calling_something_else_is_refused_before_the_call_runs(jobs, mode, how, theirs):
     job = jobs[(mode, how)]
@@ -183,11 +184,22 @@ def test_diagnose_names_a_receive_whose_send_never_came_and_a_cycle():
     assert d["kind"] == "cycle" and sorted(d["culprits"]) == [0, 1] and "wait for each other" in d["text"]
 
 
+def test_diagnose_names_a_silent_rank_even_inside_the_call_the_others_wait_in():
+    """Rank 1 entered all_reduce #5 (async), then was stopped: its last state says it waits
+    too, but it is silent; rank 0, waiting in the same call, is not the one to blame."""
+    now = 100.0
+    call = lambda t0: {**_call("all_reduce", "0", 5, [0, 1], t0), "async": True}  # noqa: E731
+    states = {0: _state(0, now, {"0": 5}, [call(now - 40)]), 1: _state(1, now - 35, {"0": 5}, [call(now - 36)])}
+    d = diagnose(states, now, alive=lambda pid, host: "stopped")
+    assert d["culprits"] == [1] and d["stuck"].startswith("rank 1 stuck first: not responding: stopped")
+
+
 def test_diagnose_waits_out_the_window_and_names_a_finished_rank():
     now = 100.0
     waiting = {0: _state(0, now, {"0": 3}, [_call("barrier", "0", 3, [0, 1], now - 2)]),
                1: _state(1, now, {"0": 2}, finished=True)}
     assert diagnose(waiting, now) is None                     # 2 s: within the window
+    waiting[0]["t"] = now + 30                                # still beating 30 s on
     d = diagnose(waiting, now + 30)
     assert d["culprits"] == [1] and "finished its work" in d["text"]
 
