@@ -511,10 +511,7 @@ def main(argv=None):
     p.add_argument("--time-box", type=common.SECONDS, default=300.0,
                    help="seconds per configuration and op; past it a size stops after its current iteration")
     p.add_argument("--timeout", type=common.SECONDS, default=600.0, help="seconds a collective may wait")
-    p.add_argument("--stall-report", type=common.SECONDS, default=30.0,
-                   help="seconds a rank may wait in a collective before the job prints who it waits for")
-    p.add_argument("--check-collectives", action="store_true",
-                   help="compare every collective across the ranks before it runs (see docs/running.md)")
+    common.add_stall_flags(p)
     p.add_argument("--out", default=common.DEFAULT_OUT, help="folder for results (make all writes results/)")
     p.add_argument("--name", default=None, help="results file stem (default: 01_allreduce for all_reduce "
                                                 "alone, else 01_collectives)")

@@ -879,6 +879,37 @@ def step_on_paper(schedule, m, p, chunks, timelines, send=0.0) -> list:
     return [1 - sum(b - a for *_, a, b in lane) / end for lane in spans]
 
 
+def step_record(pipe, clock) -> tuple:
+    """What one step of a timed Pipeline leaves for pipeline_bubble: what it waited for its
+    neighbours, its pipeline phase (the clock's), when it began, its timeline, each
+    action's overhead and wait."""
+    return pipe.waited, clock.times["pipeline"], pipe.began, list(pipe.timeline), dict(pipe.overhead), \
+        dict(pipe.waits)
+
+
+def pipeline_bubble(steps, schedule, m, p, chunks) -> dict:
+    """The bubble of some timed steps: ``steps``, for each step every stage's step_record.
+    Each stage's idle share of a step is what it waited for its neighbours and what was
+    left once it was done, over the slowest stage's pipeline phase (the median over the
+    steps); beside it the schedule on paper with the step's own actions, each with its
+    overhead, and every message taking the run's median message time (message_time); and
+    each chunk's median action times (action_costs)."""
+    idle, papers, ran, runs = [], [], [], []
+    for ranks in steps:
+        T = max(r[1] for r in ranks)
+        idle.append([(waited + T - own) / T for waited, own, *_ in ranks])
+        runs.append([[(k, c, i, a - overhead[(k, c, i)], b) for k, c, i, a, b in timeline]
+                     for _, _, _, timeline, overhead, _ in ranks])
+        ran.append(action_costs(runs[-1], p, chunks))
+    flight = statistics.median(message_time([(began, timeline, waits) for _, _, began, timeline, _, waits in ranks],
+                                            p, chunks) for ranks in steps)
+    papers = [step_on_paper(schedule, m, p, chunks, actions, flight) for actions in runs]
+    return {"bubble_per_stage": [statistics.median(x[s] for x in idle) for s in range(p)],
+            "theory_split_per_stage": [statistics.median(x[s] for x in papers) for s in range(p)],
+            "message": flight,
+            "action_costs": {k: [statistics.median(x[k][j] for x in ran) for j in range(p * chunks)] for k in ran[0]}}
+
+
 def action_costs(timelines, p, chunks) -> dict:
     """Each chunk of the model's mean F, B (and W) seconds as the pipeline ran them: from
     every rank's timeline of a step (actions (kind, chunk, micro-batch, start, end)), chunk
@@ -1099,13 +1130,9 @@ def benchmark(ctx, args, microbatches, schedules, chunks):
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
         bubbles[(m, schedule, split)] = []
 
-        def step(batch, clock):   # each step's waits and pipeline phase, its actions with their overheads
+        def step(batch, clock):
             train_step(pipe, opt, batch, clock)
-            actions = [(kind, c, i, start - pipe.overhead[(kind, c, i)], end)
-                       for kind, c, i, start, end in pipe.timeline]
-            bubbles[(m, schedule, split)].append((pipe.waited, clock.times["pipeline"], actions,
-                                                  (pipe.began, list(pipe.timeline), dict(pipe.waits))))
-        return step
+            bubbles[(m, schedule, split)].append(step_record(pipe, clock))
         return step
 
     def theirs(m, schedule):
@@ -1142,20 +1169,13 @@ def benchmark(ctx, args, microbatches, schedules, chunks):
         for split in splits:
             r = by_name[ours_name(schedule, m, split)]
             stages = chunk_costs(measured[m], cuts[(m, schedule, split)])
-            steps = [[e[(m, schedule, split)][i] for e in everyone] for i in range(args.steps)]
-            # each stage's idle share of the step (the slowest rank's pipeline phase): what it waited
-            # for its neighbours, and what was left once it was done
-            idle = [[(waited + max(T for _, T, *_ in ranks) - own) / max(T for _, T, *_ in ranks)
-                     for waited, own, *_ in ranks] for ranks in steps]
-            per_stage = [statistics.median(step[s] for step in idle) for s in range(p)]
-            ran = [action_costs([tl for _, _, tl, _ in ranks], p, v) for ranks in steps]
-            ran = {k: [statistics.median(x[k][j] for x in ran) for j in range(p * v)] for k in ran[0]}
-            flight = statistics.median(message_time([clock for *_, clock in ranks], p, v) for ranks in steps)
-            papers = [step_on_paper(schedule, m, p, v, [tl for _, _, tl, _ in ranks], flight) for ranks in steps]
-            on_paper = [statistics.median(x[s] for x in papers) for s in range(p)]
-            r.update(split=split, cuts=cuts[(m, schedule, split)], bubble=sum(per_stage) / p, message_ms=flight * 1e3,
-                     bubble_per_stage=per_stage, theory_per_stage=equal, theory_split=sum(on_paper) / p,
-                     theory_split_per_stage=on_paper, action_costs=ran, chunk_costs=stages,
+            got = pipeline_bubble([[e[(m, schedule, split)][i] for e in everyone] for i in range(args.steps)],
+                                  schedule, m, p, v)
+            per_stage, on_paper, ran = got["bubble_per_stage"], got["theory_split_per_stage"], got["action_costs"]
+            r.update(split=split, cuts=cuts[(m, schedule, split)], bubble=sum(per_stage) / p,
+                     message_ms=got["message"] * 1e3, bubble_per_stage=per_stage, theory_per_stage=equal,
+                     theory_split=sum(on_paper) / p, theory_split_per_stage=on_paper, action_costs=ran,
+                     chunk_costs=stages,
                      theory_profiled=sum(theory(schedule, m, p, v, stages)) / p,
                      chunk_ms=[(f + b) * 1e3 for f, b in zip(stages["F"], stages["B"])],
                      run_chunk_ms=[sum(ran[k][j] for k in ran) * 1e3 for j in range(p * v)])

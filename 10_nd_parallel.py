@@ -52,7 +52,6 @@ import copy
 import dataclasses
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -941,25 +940,16 @@ def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:
 
 
 def pipeline_bubble_of(ctx, steps, shape, m, levers) -> dict:
-    """The pipeline's bubble in these steps (09's: each stage's waits for its neighbours and
-    what was left once it was done, over the slowest rank's pipeline phase, the mean of the
-    stages), beside the schedule on paper with equal stages and with the steps' own actions
-    and message time; the whole mesh's ranks gathered, one pipeline (the first replica's)."""
+    """The pipeline's bubble in these steps (09's pipeline_bubble, the mean of the stages)
+    beside the schedule on paper with the steps' own actions and message time and with
+    equal stages; the whole mesh's ranks gathered, one pipeline (the first replica's)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, steps)
     P, v = shape["pp"], levers.v
     stride = dist.get_world_size() // P   # the mesh puts pp outermost: stage s's first rank is s x stride
-    lanes = [everyone[s * stride] for s in range(P)]
-    idle, papers = [], []
-    for i in range(len(lanes[0])):
-        ranks = [lane[i] for lane in lanes]
-        T = max(t for _, t, *_ in ranks)
-        idle.append([(waited + T - own) / T for waited, own, *_ in ranks])
-        flight = pp_mod.message_time([clock for *_, clock in ranks], P, v)
-        papers.append(pp_mod.step_on_paper(levers.schedule, m, P, v, [a for _, _, a, _ in ranks], flight))
-    per = [statistics.median(x[s] for x in idle) for s in range(P)]
-    return {"bubble": sum(per) / P, "theory_split": sum(statistics.median(x[s] for x in papers)
-                                                       for s in range(P)) / P,
+    got = pp_mod.pipeline_bubble([[everyone[s * stride][i] for s in range(P)] for i in range(len(steps))],
+                                 levers.schedule, m, P, v)
+    return {"bubble": sum(got["bubble_per_stage"]) / P, "theory_split": sum(got["theory_split_per_stage"]) / P,
             "theory": sum(pp_mod.theory(levers.schedule, m, P, v)) / P, "cuts": list(levers.cuts or [])}
 
 
@@ -1000,13 +990,10 @@ def benchmark(ctx, args, shapes, dims, trace=None):
             opt = make_optimizer(model)
             holder.update(model=model, opt=opt)
 
-            def step(b, clock):   # (with pp: each step's waits and actions, for its bubble)
+            def step(b, clock):   # (with pp: each step's record, for its bubble)
                 train_step(model, opt, model.part(b), clock)
                 if shape["pp"] > 1:
-                    pipe = model.pipe
-                    steps.append((pipe.waited, clock.times["pipeline"], [(k, c, i, a - pipe.overhead[(k, c, i)], b_)
-                                                                         for k, c, i, a, b_ in pipe.timeline],
-                                  (pipe.began, list(pipe.timeline), dict(pipe.waits))))
+                    steps.append(pp_mod.step_record(model.pipe, clock))
             return step
 
         def theirs():

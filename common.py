@@ -210,12 +210,7 @@ def script_parser(doc: str, default_steps=10, cpu_size="mini", gpu_size="xl",
     p.add_argument("--seed", type=COUNT0, default=0, help="seed of weights and data")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for results (make all writes results/)")
     p.add_argument("--timeout", type=SECONDS, default=300.0, help="seconds a collective may wait before the job fails")
-    p.add_argument("--stall-report", type=SECONDS, default=30.0,
-                   help="seconds a rank may wait in a collective before the job prints who it waits for (and again "
-                        "every as many seconds while the stall lasts)")
-    p.add_argument("--check-collectives", action="store_true",
-                   help="compare every collective's op, group, shapes and dtype across the ranks before it runs: a "
-                        "rank calling something else is refused at once, naming each rank's call and line")
+    add_stall_flags(p)
     p.add_argument("--data", choices=["random", "mnist"], default="random", help="data for the verification")
     p.add_argument("--data-root", default=str(ROOT / "data"), help="where MNIST lives")
     p.add_argument("--download", action="store_true", help="download MNIST if missing")
@@ -223,6 +218,16 @@ def script_parser(doc: str, default_steps=10, cpu_size="mini", gpu_size="xl",
     p.add_argument("--no-verify", action="store_true", help="skip the verification")
     p.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     return p
+
+
+def add_stall_flags(p: argparse.ArgumentParser):
+    """--stall-report and --check-collectives (the flight recorder's, read by launch)."""
+    p.add_argument("--stall-report", type=SECONDS, default=30.0,
+                   help="seconds a rank may wait in a collective before the job prints who it waits for (and again "
+                        "every as many seconds while the stall lasts)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="compare every collective's op, group, shapes and dtype across the ranks before it runs: a "
+                        "rank calling something else is refused at once, naming each rank's call and line")
 
 
 def set_help(parser: argparse.ArgumentParser, dest: str, text: str):
@@ -747,12 +752,25 @@ _MAY_MIX = {"copy_", "__setitem__", "__getitem__", "index_put_", "index_put", "t
             "stride", "element_size", "data_ptr", "untyped_storage", "backward", "grad", "__repr__", "__format__"}
 
 
-def _birthplace() -> str:
-    """file:line of the first frame outside torch and this module (where a tensor was made)."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+_FILES = {}   # a frame's file -> its name, or None where the walk skips it (torch's; this file's, if asked)
+
+
+def _caller(depth: int, skip_common: bool) -> str:
+    """file:line of the first frame from ``depth`` up (as the calling function's
+    sys._getframe counts) outside torch (and this file, with ``skip_common``): where a
+    tensor was made, or a collective called."""
+    f = sys._getframe(depth + 1)
+    while f is not None:
+        path = f.f_code.co_filename
+        key = (path, skip_common)
+        name = _FILES.get(key, 0)
+        if name == 0:
+            skip = path.startswith(_TORCH_DIR) or (skip_common and path == __file__)
+            name = _FILES[key] = None if skip else os.path.basename(path)
+        if name is not None:
+            return f"{name}:{f.f_lineno}"
         f = f.f_back
-    return f"{Path(f.f_code.co_filename).name}:{f.f_lineno}" if f is not None else "?"
+    return "?"
 
 
 class DeviceAudit(torch.overrides.TorchFunctionMode):
@@ -843,7 +861,7 @@ class DeviceAudit(torch.overrides.TorchFunctionMode):
             target = DEVICE if DEVICE in kinds else (HOST if kinds and all(k == HOST for k in kinds) else None)
             made = next((self.of(t)[1] for t in wide if self.of(t)[0] == HOST), "")
         else:
-            made = _birthplace() if target == HOST else ""
+            made = _caller(1, skip_common=False) if target == HOST else ""
         if target is not None:
             for t in outs:
                 if not any(t is i for i in inputs):
@@ -869,7 +887,7 @@ def _arrive(tensor, place):
 
 
 _AUDITS = []   # the audit this process runs under (device_audit)
-_OBJECT_CALLS = {"all_gather_object": 1, "gather_object": 0, "broadcast_object_list": 0}   # which argument is sent
+_SENT_ARG = {"all_gather_object": 1, "gather_object": 0, "broadcast_object_list": 0}   # which argument is sent
 
 
 @contextlib.contextmanager
@@ -892,7 +910,7 @@ def device_audit():
         return type(obj)(unship(v) for v in obj) if type(obj) in (list, tuple) else obj
 
     def shipping(name, real):   # an object collective whose tensors keep their place on arrival
-        which = _OBJECT_CALLS[name]
+        which = _SENT_ARG[name]
 
         def call(*args, **kwargs):
             args = list(args)
@@ -906,7 +924,7 @@ def device_audit():
             return real(*args, **kwargs)
         call.__wrapped__ = real
         return call
-    saved = {name: getattr(dist, name) for name in _OBJECT_CALLS}
+    saved = {name: getattr(dist, name) for name in _SENT_ARG}
     new = nn.Parameter.__new__
 
     def parameter(cls, data=None, requires_grad=True):   # a Parameter lives where its data does
@@ -943,23 +961,6 @@ class CollectiveMismatch(RuntimeError):
     """Ranks called different collectives at the same place of a group (--check-collectives)."""
 
 
-_FILES = {}   # a frame's file -> its name, or None for torch's and this file's own (skipped)
-
-
-def _site() -> str:
-    """file:line of the code that made the call (the first frame outside torch and this file)."""
-    f = sys._getframe(3)
-    while f is not None:
-        path = f.f_code.co_filename
-        name = _FILES.get(path, 0)
-        if name == 0:
-            name = _FILES[path] = None if path == __file__ or path.startswith(_TORCH_DIR) else os.path.basename(path)
-        if name is not None:
-            return f"{name}:{f.f_lineno}"
-        f = f.f_back
-    return "?"
-
-
 def _stack(frame, limit=6) -> list:
     """The last ``limit`` frames of a thread's Python stack, outside torch, as file:line func: code."""
     lines = []
@@ -992,7 +993,7 @@ class FlightRecorder:
         self.calls = collections.deque(maxlen=RECORDER_SIZE)
         self.seq, self.groups, self.flight, self.done, self.on, self._by_id = {}, {}, [], None, True, {}
         self.unsettled = []   # --check-collectives: async collectives whose comparison is not settled yet
-        self.lock, self.stopped = threading.Lock(), threading.Event()
+        self.entered, self.stopped = 0, threading.Event()
         self.main = threading.main_thread()
         self.watch = None   # under torchrun: this rank's StallWatch (the first rank still beating reports)
         self._publish(stack=False)
@@ -1024,8 +1025,9 @@ class FlightRecorder:
             seqs.append(self.seq[key])
         rec = {"op": op, "group": name, "ranks": ranks, "keys": pairs, "seqs": seqs,
                "shapes": [list(t.shape) for t in tensors[:4]], "dtype": str(tensors[0].dtype)[6:] if tensors else "",
-               "site": _site(), "t0": time.time(), "t1": None, "async": bool(async_op), "works": []}
+               "site": _caller(2, skip_common=True), "t0": time.time(), "t1": None, "async": bool(async_op), "works": []}
         self.calls.append(rec)   # (appends and removes of lists are atomic: the beat thread copies them)
+        self.entered += 1
         self.flight.append(rec)
         if self.check and op not in P2P_CALLS:   # (before the call: a mismatch is refused, not run)
             self._settle()
@@ -1107,15 +1109,9 @@ class FlightRecorder:
             if now < start + _POST:
                 continue
             if not posted:
-                self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
                 self.store.set(f"now/{self.rank}", json.dumps(mine))
-                posted = True
-            for r in others:   # what the others posted at this place
-                k = f"sig/{key}/{seq}/{r}"
-                if self.store.check([k]):
-                    theirs = json.loads(self.store.get(k))
-                    if _signature(theirs, rec["op"]) != sign:
-                        raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+            self._posted_mismatch(mine, sign, posted)
+            posted = True
             if now < look:
                 continue
             look = now + _SLICE
@@ -1139,17 +1135,25 @@ class FlightRecorder:
                 continue
             if now < t0 + _POST:
                 continue
-            key, seq = mine["group"], mine["seq"]
-            if not posted[0]:
-                self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
-                posted[0] = True
-            for r in mine["ranks"]:
-                k = f"sig/{key}/{seq}/{r}"
-                if r != self.rank and self.store.check([k]):
-                    theirs = json.loads(self.store.get(k))
-                    if _signature(theirs, mine["op"]) != sign:
-                        self.unsettled.clear()
-                        raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+            try:
+                self._posted_mismatch(mine, sign, posted[0])
+            except CollectiveMismatch:
+                self.unsettled.clear()
+                raise
+            posted[0] = True
+
+    def _posted_mismatch(self, mine, sign, posted):
+        """Post this rank's call at its place (unless ``posted``) and compare it with what the
+        group's other ranks posted there: one with another signature is a mismatch."""
+        key, seq = mine["group"], mine["seq"]
+        if not posted:
+            self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
+        for r in mine["ranks"]:
+            k = f"sig/{key}/{seq}/{r}"
+            if r != self.rank and self.store.check([k]):
+                theirs = json.loads(self.store.get(k))
+                if _signature(theirs, mine["op"]) != sign:
+                    raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
 
     # -- the published state
     def _state(self, stack=True) -> dict:
@@ -1416,9 +1420,9 @@ def recorder_modes(ctx, args, make, global_batch=False) -> list:
     names = {"recorder off": (False, False), "recorder on": (True, False),
              "recorder on, --check-collectives": (True, True)}
     rows = time_methods(ctx, args, {n: mode(*m) for n, m in names.items()}, global_batch=global_batch)
-    before = len(rec.calls)
+    before = rec.entered
     mode(True, False)()(*_first_batch(ctx, args, global_batch))
-    per_step = len(rec.calls) - before
+    per_step = rec.entered - before
     x = torch.zeros(1, device=ctx.device)
     scratch = FlightRecorder(ctx, dist.HashStore())   # its sequence numbers are its own: the job's stay in step
     traced = _traced("all_reduce", lambda *a, **k: None)
