@@ -1258,9 +1258,14 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
     recorder has gone silent is not taken at its last word: it is the one not responding,
     in whatever call it last said it was (a stopped process holds up a collective it had
     entered too). Returns {"culprits": [rank, ...], "text": the report, "first": one line
-    naming the first, "stuck": the failure's first line, "kind"}."""
+    naming the first, "stuck": the failure's first line, "kind", "silent": the ranks not
+    responding}."""
+    # a process this host sees stopped or gone is silent at once: its last state, published
+    # up to a beat before it stopped, may still look fresh
+    proc = {r: alive(s["pid"], s["host"]) for r, s in states.items() if not s.get("finished")}
     silent = {r for r in range(world) if r not in states or
-              (not states[r].get("finished") and now - states[r]["t"] > 3 * BEAT)}
+              (not states[r].get("finished") and (now - states[r]["t"] > 3 * BEAT
+                                                   or proc[r] in ("stopped", "stopped (traced)", "gone")))}
     flight = {r: s["flight"] for r, s in states.items() if s.get("flight") and r not in silent}
     waiting = {r: min(f, key=lambda c: c["t0"]) for r, f in flight.items()}
     stalled = {r: c for r, c in waiting.items() if now - c["t0"] >= stall_after}
@@ -1273,8 +1278,8 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
             return "not responding: never started its recorder"
         if s.get("finished"):
             return "finished its work"
-        if now - s["t"] > 3 * BEAT:
-            how = alive(s["pid"], s["host"])
+        if r in silent:
+            how = proc[r]
             return (f"not responding: {how}" if how else "not responding (alive, its recorder silent)") + \
                 f"; its last state is {now - s['t']:.0f} s old"
         if r in waiting:
@@ -1358,7 +1363,7 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
     text = "\n".join([head, *[f"  {n}" for n in notes.values()],
                       "| rank | state | last call completed | where (innermost first) |", "|---|---|---|---|", *rows])
     return {"culprits": culprits, "text": text, "first": f"rank {first} {status(first)}", "stuck": stuck,
-            "kind": kind}
+            "kind": kind, "silent": sorted(silent)}
 
 
 class StallWatch:
@@ -1389,7 +1394,7 @@ class StallWatch:
         if d is None or now - self.shown < self.stall_report:
             return
         if self.me is not None:   # under torchrun: the first rank whose state is fresh prints
-            fresh = [r for r, s in states.items() if now - s["t"] <= 3 * BEAT and not s.get("finished")]
+            fresh = [r for r, s in states.items() if r not in d["silent"] and not s.get("finished")]
             if not fresh or self.me != min(fresh):
                 return
         self.shown = now

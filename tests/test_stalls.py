@@ -146,7 +146,7 @@ def test_a_failed_job_prints_the_launchers_lines_only_and_leaves_nothing_running
 
 # ---- diagnose() on states made by hand: what the job's report reads
 def _state(rank, t, seq, flight=(), done=None, stack=(), finished=False):
-    return {"rank": rank, "pid": 1, "host": "elsewhere", "t": t, "seq": seq, "flight": list(flight), "done": done,
+    return {"rank": rank, "pid": 1000 + rank, "host": "elsewhere", "t": t, "seq": seq, "flight": list(flight), "done": done,
             "stack": list(stack), "finished": finished, "groups": {}}
 
 
@@ -190,8 +190,12 @@ def test_diagnose_names_a_silent_rank_even_inside_the_call_the_others_wait_in():
     now = 100.0
     call = lambda t0: {**_call("all_reduce", "0", 5, [0, 1], t0), "async": True}  # noqa: E731
     states = {0: _state(0, now, {"0": 5}, [call(now - 40)]), 1: _state(1, now - 35, {"0": 5}, [call(now - 36)])}
-    d = diagnose(states, now, alive=lambda pid, host: "stopped")
+    d = diagnose(states, now, alive=lambda pid, host: "stopped" if pid == 1001 else None)
     assert d["culprits"] == [1] and d["stuck"].startswith("rank 1 stuck first: not responding: stopped")
+    states[1]["t"] = now - 0.5   # stopped just after it published: its state still looks fresh
+    d = diagnose(states, now, alive=lambda pid, host: "stopped" if pid == 1001 else None)
+    assert d["culprits"] == [1] and d["stuck"].startswith("rank 1 stuck first: not responding: stopped"), d["text"]
+    assert d["silent"] == [1]
 
 
 def test_diagnose_waits_out_the_window_and_names_a_finished_rank():
