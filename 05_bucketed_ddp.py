@@ -29,7 +29,7 @@ import math
 import time
 
 import common
-from common import place   # the placement record (common.py's copy region of that name)
+from common import hold_storage, make_real, place   # the placement record (common.py's copy region of that name)
 
 # ---- begin copy: DDPBucketed (needs torch, the standard library and common.py's placement record) ----
 import contextlib
@@ -76,6 +76,8 @@ class DDPBucketed(nn.Module):
     so that a clip_grad_norm_ or a checkpoint over a composition of axes counts it once.
     """
 
+    wraps_module = True   # its parameters' names are its module's (common.materialize)
+
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
                  first_bucket_mb: float = 1.0, ignore_parameters=()):
         super().__init__()
@@ -87,9 +89,10 @@ class DDPBucketed(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self._src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         ignored = {id(p) for p in ignore_parameters}
-        with torch.no_grad():
+        with torch.no_grad():   # a model built on meta gets its values later, the same on every rank (materialize)
             for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
-                dist.broadcast(t, src=self._src, group=process_group)
+                if not t.is_meta:
+                    dist.broadcast(t, src=self._src, group=process_group)
         self._caps = (min(first_bucket_mb, bucket_size_mb) * 2**20, bucket_size_mb * 2**20)
         for p in module.parameters():
             if id(p) not in ignored:
@@ -98,6 +101,8 @@ class DDPBucketed(nn.Module):
         self._build(list(range(len(self._params)))[::-1])
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
+            if p.is_meta:
+                hold_storage(p, self)
         self._arrived, self._rebuilt = [], False   # gradient order seen before the rebuild
         self._next = 0                  # the next bucket to launch
         self._sync = True
@@ -119,6 +124,15 @@ class DDPBucketed(nn.Module):
         for bucket, idx in zip(self.buckets, groups):
             for j, i in enumerate(idx):
                 self._slot[i] = (bucket, j)
+
+    @torch.no_grad()
+    def materialize_storage(self, device):
+        """For common.materialize: the parameters real on ``device`` (where an axis inside
+        has not made them so), and the buckets built again there."""
+        for p in self._params:
+            if p.is_meta:
+                make_real(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+        self._build(list(range(len(self._params)))[::-1])
 
     @property
     def bucket_sizes_mb(self):

@@ -36,8 +36,8 @@ import time
 import torch.nn.functional as F
 
 import common
-from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
-                    load_full_state_dict, place, placements, whole_tensor)   # the placement record (common.py's copy region)
+from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, hold_storage,  # noqa: F401
+                    load_full_optim_state_dict, load_full_state_dict, make_real, place, placements, whole_tensor)   # the placement record (common.py's copy region)
 
 # ---- begin copy: FSDP (needs torch, the standard library and common.py's placement record) ----
 import contextlib
@@ -117,6 +117,8 @@ class FSDP(nn.Module):
     their own placement record says, and their gradients are the caller's to reduce.
     """
 
+    wraps_module = True   # its parameters' names are its module's (common.materialize)
+
     def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None,
                  ignore=(), reduce_dtype=None):
         super().__init__()
@@ -126,9 +128,10 @@ class FSDP(nn.Module):
         src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         ignored = {id(p) for p in ignore}
         self._ignored = {name: p for name, p in module.named_parameters() if id(p) in ignored}
-        with torch.no_grad():
+        with torch.no_grad():   # a model built on meta gets its values later (common.materialize)
             for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
-                dist.broadcast(t, src=src, group=process_group)
+                if not t.is_meta:
+                    dist.broadcast(t, src=src, group=process_group)
         if units is None:   # each module of a ModuleList, outermost ones only
             units = [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]
         units = [u for u in units if u is not module]
@@ -160,6 +163,13 @@ class FSDP(nn.Module):
         # pipeline stage of several chunks runs ``module(x, chunk=j)``, each its own units)
         self._orders, self._seen, self._kind = {}, [], None
         self._sync, self._reducing = True, None   # the unit whose gradient reduction is in flight
+
+    @torch.no_grad()
+    def materialize_storage(self, device):
+        """For common.materialize (a model built on meta): each unit's flat buffer made on
+        ``device``, its shards views of it again (the same Parameter objects)."""
+        for unit in self._units:
+            unit.materialize_storage(torch.device(device))
 
     # -- forward and backward -------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -392,20 +402,39 @@ class _Unit:
                 view = self.flat[info.offset:info.offset + info.numel].view(info.shard_shape)
                 view.copy_(info.slice(p.detach()))
                 shard = place(nn.Parameter(view, requires_grad=p.requires_grad), "shard", self.group, 0, p.shape, like=p)
+                if shard.is_meta:   # built on meta: common.materialize asks the FSDP for its storage
+                    hold_storage(shard, fsdp)
                 for mod, attr in uses[id(p)]:
                     mod._parameters[attr] = shard
                 self.params.append(shard)
-        # The whole parameters: one tensor each for the unit's life, whose storage is filled
-        # from an all-gather while the unit is whole and resized to nothing while it is not.
-        # Every forward lends aliases of them, so whatever autograd saved, in any of several
-        # micro-batches' forwards (a pipeline), sees them refilled before its backward.
+        self._make_full()
+        self.is_whole, self.gathered, self.work = self.size == 0, None, None
+        self.pending, self.works, self.reduced, self.lent, self.staged = None, [], None, False, None
+
+    def _make_full(self):
+        """The whole parameters: one tensor each for the unit's life, whose storage is filled
+        from an all-gather while the unit is whole and resized to nothing while it is not.
+        Every forward lends aliases of them, so whatever autograd saved, in any of several
+        micro-batches' forwards (a pipeline), sees them refilled before its backward."""
         self.full = [None if info is None else torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
                      for info in self.infos]
         for t in self.full:
-            if t is not None:
+            if t is not None and not t.is_meta:
                 t.untyped_storage().resize_(0)
-        self.is_whole, self.gathered, self.work = self.size == 0, None, None
-        self.pending, self.works, self.reduced, self.lent, self.staged = None, [], None, False, None
+
+    def materialize_storage(self, device):
+        """The flat buffer on ``device`` (uninitialised), the shards views of it (each keeps
+        its Parameter object: common.make_real), and the whole tensors' there."""
+        if not self.flat.is_meta:
+            return
+        self.device, self.flat = device, torch.zeros(self.size, dtype=self.dtype, device=device)
+        for p, info in zip(self.params, self.infos):
+            if info is None:
+                if p.is_meta:
+                    make_real(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+            else:
+                make_real(p, self.flat[info.offset:info.offset + info.numel].view(info.shard_shape))
+        self._make_full()
 
     def prefetch(self):
         if not self.is_whole and self.gathered is None:

@@ -488,13 +488,16 @@ class Pipeline:
         self.prev, self.next = peer(self.stage - 1), peer(self.stage + 1)
         self.order = SCHEDULES[schedule](n_microbatches, self.stage, self.n_stages, chunks)
         self.deferred = any(kind == "W" for kind, _, _ in self.order)
-        # what crosses between stages: one tensor, or several (a list of shapes, and of dtypes)
-        self.shapes = activation_shape if isinstance(activation_shape, list) else [activation_shape]
-        dtypes = activation_dtype if isinstance(activation_dtype, (list, tuple)) else [activation_dtype] * len(self.shapes)
-        if len(dtypes) != len(self.shapes):
-            raise ValueError(f"{len(self.shapes)} activation shapes but {len(dtypes)} dtypes")
-        self.dtypes = list(dtypes)
-        self.with_grad = [j for j, dt in enumerate(self.dtypes) if dt.is_floating_point]   # gradients flow back
+        # what crosses between stages: one tensor, or several (a list of shapes, and of dtypes);
+        # found by the first step (io: per boundary, the tensors going into virtual stage v)
+        self.stated = None
+        if activation_shape is not None:
+            shapes = activation_shape if isinstance(activation_shape, list) else [activation_shape]
+            dtypes = activation_dtype if isinstance(activation_dtype, (list, tuple)) else [activation_dtype] * len(shapes)
+            if len(dtypes) != len(shapes):
+                raise ValueError(f"{len(shapes)} activation shapes but {len(dtypes)} dtypes")
+            self.stated = [(tuple(sh), dt) for sh, dt in zip(shapes, dtypes)]
+        self.io = None
         self.timed, self.count_activations = timed, count_activations
         self.timeline, self.peak_activation_bytes, self.overhead, self.waited = [], 0, {}, 0.0
         self.waits, self.began = {}, 0.0
@@ -510,7 +513,11 @@ class Pipeline:
     def _tag(self, kind, virtual, i, j=0):
         """The tag of what flows into chunk ``virtual`` for micro-batch i: F its activation,
         B the gradient of its output (its j-th tensor, where several cross)."""
-        return (2 * (i * self.n_stages * self.chunks + virtual) + (kind == "B")) * len(self.shapes) + j
+        return (2 * (i * self.n_stages * self.chunks + virtual) + (kind == "B")) * self.width + j
+
+    def with_grad(self, v) -> list:
+        """Which of the tensors going into virtual stage ``v`` carry a gradient back."""
+        return [j for j, (_, dt) in enumerate(self.io[v]) if dt.is_floating_point]
 
     def _receive(self, k, wire, last_virtual):
         """The receives action k needs (its inputs from the previous chunk, or its outputs'
@@ -518,15 +525,55 @@ class Pipeline:
         kind, c, i = self.order[k]
         v = self._virtual(c)
         if kind == "F" and v > 0:
-            return [dist.P2POp(dist.irecv, self._buffer(wire, j), self.prev, self.group, tag=self._tag("F", v, i, j))
-                    for j in range(len(self.shapes))]
+            return [dist.P2POp(dist.irecv, self._buffer(wire, v, j), self.prev, self.group, tag=self._tag("F", v, i, j))
+                    for j in range(len(self.io[v]))]
         if kind == "B" and v < last_virtual:
-            return [dist.P2POp(dist.irecv, self._buffer(wire, j), self.next, self.group, tag=self._tag("B", v, i, j))
-                    for j in self.with_grad]
+            return [dist.P2POp(dist.irecv, self._buffer(wire, v + 1, j), self.next, self.group,
+                               tag=self._tag("B", v, i, j)) for j in self.with_grad(v + 1)]
         return []
 
-    def _buffer(self, device, j=0):
-        return torch.empty(self.shapes[j], dtype=self.dtypes[j], device=device)
+    def _buffer(self, device, v, j=0):
+        shape, dtype = self.io[v][j]
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def _infer(self, x0, device):
+        """What crosses each stage boundary (shapes and dtypes), found once, before the first
+        step sends anything: each chunk but the last runs the first micro-batch's forward
+        without autograd, in the model's order (its input received from the chunk before, its
+        output sent to the chunk after as a Python object), the generator states kept as they
+        were; then every rank of the group learns every boundary (one collective). A stated
+        activation_shape (and dtype) that disagrees is a ValueError on every rank. Costs one
+        forward of a micro-batch per chunk, once."""
+        total, found = self.n_stages * self.chunks, {}
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for v in range(total - 1):
+                if v % self.n_stages != self.stage:
+                    continue
+                if v == 0:
+                    x = list(x0) if isinstance(x0, tuple) else [x0]
+                else:
+                    box = [None]
+                    dist.recv_object_list(box, src=self.prev, group=self.group)
+                    x = [t.to(device) for t in box[0]]
+                out = self.module(*x, chunk=v // self.n_stages) if self.chunks > 1 else self.module(*x)
+                outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                found[v + 1] = [(tuple(t.shape), t.dtype) for t in outs]
+                if v + 1 < total - 1:
+                    dist.send_object_list([[t.cpu() for t in outs]], dst=self.next, group=self.group)
+        parts = [None] * self.n_stages
+        dist.all_gather_object(parts, found, group=self.group)
+        io = {v: io for part in parts for v, io in part.items()}
+        if self.stated is not None:
+            for v in sorted(io):
+                if io[v] != self.stated:
+                    show = lambda xs: ", ".join(f"{list(sh)} {str(dt).replace('torch.', '')}" for sh, dt in xs)  # noqa
+                    raise ValueError(f"activation_shape says [{show(self.stated)}] crosses into stage "
+                                     f"{v % self.n_stages} (chunk {v // self.n_stages}), but the model sends "
+                                     f"[{show(io[v])}] there: leave activation_shape out, it is found by the "
+                                     f"first step")
+        self.io, self.width = io, max([len(x) for x in io.values()] + [1])
 
     def _wire(self, t):
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
@@ -542,6 +589,8 @@ class Pipeline:
         else:
             xs = [None] * m
         ys = targets.chunk(m) if self.last else [None] * m
+        if self.io is None:
+            self._infer(xs[0] if self.first else None, device)
         saved_in, saved_out, held, stashes, losses, sends, sent, posted = {}, {}, {}, {}, [], [], [], {}
         live, self.timeline, t0, self.overhead, self.waited, self.waits = 0, [], time.perf_counter(), {}, 0.0, {}
         self.began = t0   # (time.perf_counter: one clock for every process of a machine)
@@ -597,7 +646,7 @@ class Pipeline:
                 if v == 0:
                     x = list(xs[i]) if isinstance(xs[i], tuple) else [xs[i]]
                 else:
-                    x = [t.requires_grad_() if j in self.with_grad else t for j, t in enumerate(saved_in[key])]
+                    x = [t.requires_grad_() if j in self.with_grad(v) else t for j, t in enumerate(saved_in[key])]
                 stashes[key] = []
                 defer = _DeferWeightGradients(stashes[key]) if self.deferred else contextlib.nullcontext()
                 with self._counting(held, key), defer:
@@ -609,9 +658,9 @@ class Pipeline:
                     losses.append(out.detach())
                 else:
                     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-                    if len(outs) != len(self.shapes):
-                        raise RuntimeError(f"stage {self.stage} returned {len(outs)} tensor(s) where "
-                                           f"activation_shape names {len(self.shapes)}")
+                    if len(outs) != len(self.io[v + 1]):
+                        raise RuntimeError(f"stage {self.stage} returned {len(outs)} tensor(s) where its first "
+                                           f"step's forward gave {len(self.io[v + 1])}")
                     sends = [dist.P2POp(dist.isend, self._wire(t.detach()), self.next, self.group,
                                         tag=self._tag("F", v + 1, i, j)) for j, t in enumerate(outs)]
             elif kind == "B":
@@ -620,7 +669,7 @@ class Pipeline:
                     roots, grads = [out], None
                 else:   # the outputs gradients came back for, those autograd can reach
                     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-                    pairs = [(outs[j], g) for j, g in zip(self.with_grad, grad) if outs[j].requires_grad]
+                    pairs = [(outs[j], g) for j, g in zip(self.with_grad(v + 1), grad) if outs[j].requires_grad]
                     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 with sync:
                     torch.autograd.backward(roots, grads)
@@ -631,12 +680,12 @@ class Pipeline:
                                      for entry in stashes[key] for t in entry[2:]}.values())
                     live += held[key]
                 if v > 0:
-                    if all(x[j].grad is None for j in self.with_grad):
+                    if all(x[j].grad is None for j in self.with_grad(v)):
                         raise RuntimeError(f"stage {self.stage}: backward gave its input no gradient (micro-batch "
                                            f"{i}): does the stage detach its input, or not use it?")
                     sends = [dist.P2POp(dist.isend, self._wire(x[j].grad if x[j].grad is not None else
                                                                torch.zeros_like(x[j])), self.prev, self.group,
-                                        tag=self._tag("B", v - 1, i, j)) for j in self.with_grad]
+                                        tag=self._tag("B", v - 1, i, j)) for j in self.with_grad(v)]
             else:
                 with sync:
                     _weight_gradients(stashes.pop(key), hasattr(self.module, "no_sync"))

@@ -287,6 +287,14 @@ class ParallelLM:
         if self.tied_copy is not None:
             pp_mod.tie([self.tied_copy], self.embed_group)
 
+    def materialize(self, device, source=None):
+        """A model built on meta (``torch.device("meta")``, every axis applied): this rank's
+        part made real on ``device`` and filled from ``source`` (common.materialize: the
+        model's init, ``common.initialized(blueprint, seed=...)``, or whole tensors by name;
+        None: storage only, for load_full_checkpoint or a sharded checkpoint)."""
+        common.materialize(self.module, device, source)
+        return self
+
     def _activation(self, t) -> bool:
         """Whether a tensor autograd saves is an activation: not a weight FSDP gathered (the
         unit's, freed after its forward; the root's, kept until its backward)."""
@@ -469,7 +477,7 @@ def compare(model: ParallelLM, ref, norms=(), tol=None, extra_ok=True) -> dict:
             "max_diff": max(r["max_diff"] for r in everyone)}
 
 
-def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoint=None, batch=None):
+def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoint=None, batch=None, meta=False):
     """Train the verification LM over ``shape`` and one process on the same global batches
     (AdamW, clipped at MAX_NORM); compare. ``checkpoint`` = (path, "save" | "resume", k):
     save after step k, or start from the file at step k (the reference still trains from
@@ -477,13 +485,23 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
     there). ``levers.ep`` > 1: 12's MoE LM, its experts over ep data ranks (the reference
     routes each replica's micro-batches as they are routed). ``sp``, ``recompute``,
     ``dtype``: the memory levers (the reference trains without the first two; bf16: under the same autocast,
-    within common.BF16_TOL, and its losses within common.BF16_LOSS_BOUND of float32's)."""
+    within common.BF16_TOL, and its losses within common.BF16_LOSS_BOUND of float32's). ``meta``:
+    the model built on the meta device, the axes applied, then each rank's part made real
+    and initialised module by module (ParallelLM.materialize): one process's values."""
     mesh, m, ep, dtype = Mesh(shape), levers.m(shape), levers.ep, levers.dtype
     batch = batch or 2 * m * shape["dp"] * shape["fsdp"]
-    ref = moe_lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, levers.experts, levers.top_k, ctx.device) if ep > 1 else \
-        lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, ctx.device)
+    build = (lambda device: moe_lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, levers.experts, levers.top_k, device)) \
+        if ep > 1 else (lambda device: lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, device))
+    if meta:   # one process: the same init on the same seed (MoELM's constructor draws for the MLPs it drops)
+        whole = build("meta")
+        blueprint = copy.deepcopy(whole)   # the model as built (on meta: no memory)
+        ref = common.materialize(copy.deepcopy(blueprint), ctx.device, common.initialized(blueprint, seed=args.seed))
+        model = ParallelLM(mesh, whole, batch, levers).materialize(ctx.device, common.initialized(blueprint,
+                                                                                                  seed=args.seed))
+    else:
+        ref = build(ctx.device)
+        model = ParallelLM(mesh, copy.deepcopy(ref), batch, levers)
     fp32 = copy.deepcopy(ref) if dtype == "bf16" else None
-    model = ParallelLM(mesh, copy.deepcopy(ref), batch, levers)
     opt, ref_opt = make_optimizer(model), make_optimizer(model, ref.parameters())
     fp32_opt = make_optimizer(model, fp32.parameters()) if fp32 is not None else None
     gap = 0.0
@@ -554,6 +572,8 @@ SUITE_CHUNKS = 2
 # ones); and a checkpoint of dp 4 x tp 2 at ep 4 after 2 steps, resumed on dp 2 x tp 2 at ep 2.
 SUITE_EP = {4: [(mesh_of(dp=2, tp=2), 2), (mesh_of(dp=4), 2), (mesh_of(pp=2, dp=2), 2), (mesh_of(fsdp=2, tp=2), 2)]}
 EP_RESUME = ((mesh_of(dp=4, tp=2), 4), (mesh_of(dp=2, tp=2), 2), 2)
+# built on the meta device, each rank's part made real and initialised (ParallelLM.materialize)
+SUITE_META = {8: [(mesh_of(pp=2, fsdp=2, tp=2), True, 1)], 4: [(mesh_of(dp=2, tp=2), False, 2)]}
 RESUME = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(pp=2, dp=2), 2)   # saved on, resumed on, after step
 RESUME_STEPS, RESUME_BATCH = 4, 16
 
@@ -573,6 +593,9 @@ def verify(ctx, args, cases, resume=None, levers=None):
         return {f"{label(shape, tie)}, ep {ep}": verify_mesh(ctx, args, shape, Levers(tie=tie, ep=ep))}
     for shape, ep in SUITE_EP.get(ctx.world_size, []) if resume is not None else []:
         out[f"{label(shape)}, ep {ep}"] = verify_mesh(ctx, args, shape, Levers(ep=ep))
+    for shape, tie, ep in SUITE_META.get(ctx.world_size, []) if resume is not None else []:
+        out[f"{label(shape, tie)}{f', ep {ep}' if ep > 1 else ''}, built on meta"] = verify_mesh(
+            ctx, args, shape, Levers(tie=tie, ep=ep), meta=True)
     if resume is not None:
         path, action = resume
         shape = RESUME[0] if action == "save" else RESUME[1]

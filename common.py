@@ -1763,6 +1763,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
 
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -2358,7 +2361,8 @@ def train_with_checkpoints(ctx, args, module, optimizer, step_fn):
 # The placement record: how each axis laid a parameter out, and what it serves
 # ----------------------------------------------------------------------------------------
 # ---- begin copy: placement record (needs only torch and the standard library) ----
-import math  # noqa: E402  (the copy region's own imports: common.py has them above)
+import contextlib  # noqa: E402  (the copy region's own imports: common.py has them above)
+import math  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -2705,6 +2709,183 @@ def load_full_optim_state_dict(module, optimizer, full: dict):
             index += 1
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- a model built on the meta device: each rank's part made real, filled a tensor at a time --
+_HOLDERS = [0]   # how many storage holders were made: their order (an inner wrapper first)
+
+
+def hold_storage(tensor, holder):
+    """Say that ``holder`` (an axis's object with ``materialize_storage(device)``) gives
+    ``tensor`` its storage when materialize makes a meta-built model real (FSDP: shards that
+    are views of one flat buffer; DDPBucketed: buckets built over the parameters)."""
+    if not hasattr(holder, "_holder_order"):
+        _HOLDERS[0] += 1
+        holder._holder_order = _HOLDERS[0]
+    held = tensor.__dict__.setdefault("storage_holders", [])
+    if all(h is not holder for h in held):
+        held.append(holder)
+    return tensor
+
+
+def make_real(t, data):
+    """Put ``data`` (a real tensor shaped like ``t``) in place of the meta tensor ``t`` (a
+    parameter or a buffer), keeping ``t``'s Python object: whatever holds it (a module, an
+    axis's lists) sees the real tensor, with its attributes (the placement record) and its
+    gradient hooks (registered again: they belong to the storage torch swaps out)."""
+    if isinstance(t, torch.nn.Parameter):
+        data = torch.nn.Parameter(data, requires_grad=t.requires_grad)
+    saved = dict(t.__dict__)
+    pre = list((t._backward_hooks or {}).values()) if t.requires_grad else []
+    post = list((getattr(t, "_post_accumulate_grad_hooks", None) or {}).values())
+    torch.utils.swap_tensors(t, data)
+    t.__dict__.update(saved)
+    if pre or post:
+        t._backward_hooks, t._post_accumulate_grad_hooks = None, None
+        for hook in pre:
+            t.register_hook(hook)
+        for hook in post:
+            t.register_post_accumulate_grad_hook(hook)
+    return t
+
+
+def _tensors(module) -> dict:
+    """{a name the model of one process gives it: [tensor, ...]} for every parameter and buffer
+    of ``module`` (a tied one under each name). A wrapper's ``module.`` (the kit's, torch
+    DDP's; any module with ``wraps_module``) and torch.compile's ``_orig_mod.`` are left out
+    of the names."""
+    out = {}
+
+    def walk(mod, prefix, seen):
+        for kind in (mod._parameters, mod._buffers):
+            for name, t in kind.items():
+                if t is not None:
+                    out.setdefault(prefix + name, [])
+                    if all(x is not t for x in out[prefix + name]):
+                        out[prefix + name].append(t)
+        wrapper = getattr(mod, "wraps_module", False) or type(mod).__name__ in ("DistributedDataParallel",
+                                                                                "OptimizedModule")
+        for name, child in mod._modules.items():
+            if child is None or id(child) in seen:
+                continue
+            skip = (wrapper and name == "module") or name == "_orig_mod"
+            walk(child, prefix if skip else f"{prefix}{name}.", seen | {id(child)})
+    walk(module, "", frozenset())
+    return out
+
+
+@torch.no_grad()
+def materialize(module, device, source=None, strict=True):
+    """Give every meta tensor of ``module`` (a model built under ``torch.device("meta")``,
+    after the axes were applied: each holds only this rank's part, still on meta) real,
+    uninitialised storage on ``device``, this rank's part only, then fill it from ``source``:
+
+    - None: storage only; fill it with load_full_state_dict or load_sharded (the checkpoint
+      path: load_sharded reads only this rank's pieces);
+    - a state dict of whole tensors (one process's, or full_state_dict's);
+    - an iterable of (name, whole tensor) pairs, each cut to this rank's part as it comes
+      (``initialized(blueprint)``, the pretraining path: one tensor whole at a time).
+
+    Names are the model's own (a wrapper's ``module.`` and compile's ``_orig_mod.`` aside),
+    so pass the outermost object or any part holding the model's modules. An axis that
+    keeps storage of its own (FSDP's flat buffers) makes its tensors real itself. Build the
+    optimizer afterwards. ``strict``: a tensor made real that ``source`` did not fill is a
+    KeyError. Returns ``module``."""
+    device = torch.device(device)
+    own = _tensors(module)
+    meta = {id(t): (name, t) for name, ts in own.items() for t in ts if t.is_meta}
+    holders = {}
+    for _, t in meta.values():
+        for h in t.__dict__.get("storage_holders", []):
+            holders.setdefault(id(h), h)
+    for h in sorted(holders.values(), key=lambda h: h._holder_order):
+        h.materialize_storage(device)
+    for _, t in meta.values():
+        if t.is_meta:
+            make_real(t, torch.empty(t.shape, dtype=t.dtype, device=device))
+    if source is None:
+        return module
+    filled = set()
+    for name, whole in (source.items() if isinstance(source, dict) else source):
+        for t in own.get(name, []):
+            t.copy_(local_tensor(whole.detach().to("cpu" if whole.device.type == "meta" else whole.device),
+                                 placements(t)).to(t.device, t.dtype))
+            filled.add(id(t))
+    missing = sorted({name for key, (name, _) in meta.items() if key not in filled})
+    if strict and missing:
+        raise KeyError(f"materialize: the source did not fill {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return module
+
+
+class _OwnTensorsOnly(torch.overrides.TorchFunctionMode):
+    """Inside one module's init: an in-place op on a meta tensor (another module's, not made
+    real for this init) is an error, not a silent no-op."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            for a in list(args) + list((kwargs or {}).values()):
+                if isinstance(a, torch.Tensor) and a.is_meta:
+                    raise ValueError(f"the init of {self.where} writes {name} into a tensor that is not its own "
+                                     f"(another module's): an init sets only its module's own parameters and buffers")
+        return func(*args, **(kwargs or {}))
+
+
+def initialized(blueprint, init=None, seed=None, device="cpu"):
+    """(name, whole tensor) for every parameter and buffer of ``blueprint`` (the model as built
+    on meta, before any axis: ``copy.deepcopy(model)`` costs nothing there), each made whole
+    on ``device`` and initialised module by module, children before their parent as
+    ``nn.Module.apply`` goes: ``init(module)`` (default: its ``reset_parameters()``) on the
+    module's own tensors, the rest of the model left on meta. The same values, bit for bit,
+    as one process running the same init on the same seed (``seed``: torch.manual_seed(seed)
+    first, the caller's generator untouched), and as one process's constructor where it
+    initialises its modules in that order (every nn.Linear and nn.Embedding does). A tied
+    tensor keeps its first module's values (a later module's init still draws). At most
+    one module's tensors are whole at a time. For materialize's ``source``."""
+    names = {}
+    for name, t in list(blueprint.named_parameters(remove_duplicate=False)) + \
+            list(blueprint.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(name)
+    done, order, seen = {}, [], set()
+
+    def post(mod, path):
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        for name, child in mod._modules.items():
+            if child is not None:
+                post(child, f"{path}.{name}" if path else name)
+        order.append((path, mod))
+    post(blueprint, "")
+    rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+    with rng, torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
+        for path, mod in order:
+            own = [(kind, k, t) for kind in (mod._parameters, mod._buffers) for k, t in kind.items() if t is not None]
+            if not own and init is None:
+                continue   # (a given init still runs: it may draw, or refuse to write into a child)
+            for kind, k, t in own:
+                real = torch.empty(t.shape, dtype=t.dtype, device=device)
+                kind[k] = torch.nn.Parameter(real, requires_grad=t.requires_grad) if kind is mod._parameters else real
+            where = f"{path or 'the model'} ({type(mod).__name__})"
+            if init is None and not hasattr(mod, "reset_parameters"):
+                raise ValueError(f"{where} has parameters or buffers of its own and no reset_parameters: give "
+                                 f"init=, a function of one module that sets its own tensors (e.g. "
+                                 f"nn.init.ones_(m.weight) for a norm, m.reset_parameters() for the rest)")
+            with _OwnTensorsOnly(where):
+                (init or type(mod).reset_parameters)(mod)
+            for kind, k, t in own:
+                made, kind[k] = kind[k], t    # back to meta: the next module's turn
+                if id(t) in done:
+                    continue                  # tied: the first module's values
+                done[id(t)] = True
+                for name in names.get(id(t), []):
+                    yield name, made.detach()
 # ---- end copy: placement record ----
 
 

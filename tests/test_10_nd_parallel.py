@@ -32,7 +32,9 @@ def suite(world_size):
 
 CASES = [(w, nd.label(shape, tie, schedule, nd.SUITE_CHUNKS)) for w, cases in nd.SUITE.items()
          for shape, tie, schedule in cases] + \
-    [(w, f"{nd.label(shape)}, ep {ep}") for w, cases in nd.SUITE_EP.items() for shape, ep in cases]
+    [(w, f"{nd.label(shape)}, ep {ep}") for w, cases in nd.SUITE_EP.items() for shape, ep in cases] + \
+    [(w, f"{nd.label(shape, tie)}{f', ep {ep}' if ep > 1 else ''}, built on meta")   # ParallelLM.materialize
+     for w, cases in nd.SUITE_META.items() for shape, tie, ep in cases]
 
 
 @pytest.mark.parametrize("world_size, case", CASES)
