@@ -19,7 +19,7 @@ p = 2 and m = 1 this is plain model parallelism: the model in two halves on two 
 
 In your own training loop (the copy region and common.py's placement record have all of it):
     stage = MyStage(model, rank, n_stages)             # its layers under the model's own names
-    pipe = Pipeline(stage, 8, loss_fn, "1f1b", pp_group, activation_shape=(mb, t, d))
+    pipe = Pipeline(stage, 8, loss_fn, "1f1b", pp_group)   # what crosses the stages: found by step 1
     opt.zero_grad(); pipe.step(x if pipe.first else None, y if pipe.last else None)
     clip_grad_norm_(stage, max_norm, process_group=pp_group)   # not torch's: a stage holds a part
     opt.step()
@@ -145,7 +145,7 @@ class LMStage(nn.Module):
     its j-th.
 
         stage = LMStage(model, rank, world_size, costs="measure", microbatch=(mb, t))
-        pipe = Pipeline(stage, n_microbatches=8, loss_fn=lm_loss, activation_shape=(mb, t, d))
+        pipe = Pipeline(stage, n_microbatches=8, loss_fn=lm_loss)   # what crosses: found by the first step
 
     ``costs``: "flops" (a block costs 24 d^2 + 4 t d a token, the head 2 d V, the embedding
     nothing); "measure": each piece (the embeddings, every block, the norm and head with the
@@ -167,6 +167,9 @@ class LMStage(nn.Module):
             cuts = balanced_split([24 * d * d + 4 * t * d] * n + [2 * d * v], total)   # the blocks, then the head
         elif cuts is None:
             if costs == "measure":
+                if model.head.weight.is_meta:
+                    raise ValueError('costs="measure" times real weights, and this model is on the meta device: '
+                                     'give costs (measure_costs\' list, measured on a model that fits) or cuts')
                 mb, tokens = microbatch or (1, t)
                 device = model.head.weight.device
                 g = torch.Generator().manual_seed(0)
@@ -212,7 +215,7 @@ class PipelineStage(nn.Module):
             return m.tok_embeddings(tokens), cos, sin
         stage = PipelineStage(model, "layers", rank, n_stages, embed, lambda m, h: m.output(m.norm(h)),
                               first=["tok_embeddings"], last=["norm", "output"])
-        pipe = Pipeline(stage, 8, loss_fn, activation_shape=[(mb, t, dim), (t, head_dim // 2), (t, head_dim // 2)])
+        pipe = Pipeline(stage, 8, loss_fn)      # what crosses the stages: found by the first step
 
     The layers are cut into n_stages x ``chunks`` runs of about equal ``costs`` (default:
     every layer alike; a list: one number a layer); with chunks v > 1 (interleaved) the
@@ -239,6 +242,9 @@ class PipelineStage(nn.Module):
         if any("." in name for name in (layers, *first, *last)):
             raise ValueError("layers, first and last name the model's top-level modules (no dots)")
         if costs == "measure":
+            if any(p.is_meta for p in model.parameters()):
+                raise ValueError('costs="measure" times real weights, and this model is on the meta device: give '
+                                 'costs (measure_costs\' list, measured on a model that fits) or cuts')
             if sample is None or loss_fn is None:
                 raise ValueError('costs="measure" times the pieces on a micro-batch: give sample=(inputs, targets) '
                                  'and loss_fn')
@@ -449,7 +455,7 @@ class Pipeline:
     needs). Gradients accumulate in ``module``'s .grad as the whole batch's mean.
 
         stage = MyStage(...)                                    # this rank's layers
-        pipe = Pipeline(stage, 8, loss_fn, schedule="1f1b", activation_shape=(mb, t, d))
+        pipe = Pipeline(stage, 8, loss_fn, schedule="1f1b")    # what crosses: found by the first step
         opt = torch.optim.AdamW(stage.parameters())
         opt.zero_grad()
         loss = pipe.step(x if pipe.first else None, y if pipe.last else None)   # loss on the last stage
@@ -458,8 +464,11 @@ class Pipeline:
     Schedules (SCHEDULES): "gpipe", "1f1b", "interleaved" (``chunks`` v >= 2 chunks per
     stage, ``module(x, chunk=j)`` runs the j-th; m a multiple of p), and "zb1" (ZB-H1: each
     linear's weight gradient is left out of backward and computed later, in W, from the
-    input and output gradient it kept). ``activation_shape``: what one micro-batch's
-    activations look like between stages. If ``module`` has ``no_sync`` (a DDP wrapper over
+    input and output gradient it kept). What crosses each stage boundary (the tensors,
+    their shapes and dtypes) is found by the first step before it sends anything (_infer:
+    one no-grad forward of a micro-batch per chunk, once); ``activation_shape`` (a shape,
+    or a list where several tensors cross) and ``activation_dtype`` may state it, and a
+    statement that disagrees is a ValueError on every rank. If ``module`` has ``no_sync`` (a DDP wrapper over
     the stage's data-parallel group), every gradient-making action but each chunk's last runs
     inside it; call its finish_gradient_synchronization after. ``host_staging``: send and receive
     through host memory (None: when the group's backend is gloo and the stage is on a GPU,
@@ -535,6 +544,17 @@ class Pipeline:
     def _buffer(self, device, v, j=0):
         shape, dtype = self.io[v][j]
         return torch.empty(shape, dtype=dtype, device=device)
+
+    def infer(self, inputs=None):
+        """Find what crosses each stage boundary now rather than in the first step (so that
+        step sends only the schedule's messages): ``inputs`` the first stage's global batch,
+        as step takes it (None on the others); a collective over the group; once."""
+        if self.io is None:
+            x0 = None
+            if self.first:
+                x0 = tuple(t.chunk(self.m)[0] for t in inputs) if isinstance(inputs, (tuple, list)) else \
+                    inputs.chunk(self.m)[0]
+            self._infer(x0, next(self.module.parameters()).device)
 
     @torch.no_grad()
     def _infer(self, x0, device):
@@ -1369,6 +1389,7 @@ def activation_memory(ctx, args, cases, chunks, costs=None):
                  for c in range(v)]
         pipe = Pipeline(stage, m, lm_loss, schedule, activation_shape=(args.batch_size // m, args.context_length, d),
                         count_activations=True, chunks=v)
+        pipe.infer(x if pipe.first else None)   # (its objects are not the schedule's messages)
         with common.count_collectives() as c:
             pipe.step(x if pipe.first else None, y if pipe.last else None)
         order = SCHEDULES[schedule](m, ctx.rank, ctx.world_size, v)

@@ -949,6 +949,144 @@ def recorder_cost(ctx, args, shape, dims):
                                  global_batch=True)
 
 
+# ----------------------------------------------------------------------------------------
+# --setup-memory: each rank's peak host memory while it sets the model up, whole or on meta
+# ----------------------------------------------------------------------------------------
+SETUP_MESHES = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(fsdp=8))
+SETUP_METHODS = ("built whole on every rank", "built on meta, materialize (ours)", "built on meta, torch's (FSDP2)")
+
+
+def _status_mb(field) -> float:
+    """A field of /proc/self/status in MiB (VmRSS: resident now; VmHWM: its peak)."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith(field + ":"))
+
+
+def _reset_peak():
+    """Start VmHWM again from the resident memory now (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def setup_memory(ctx, args, shape, method, size, steps):
+    """One way of setting the LM of ``size`` up on ``shape``, in fresh processes: the peak
+    resident memory of each rank from the start of the setup to its end (VmHWM, reset
+    first), what the rank then holds, and with ``steps`` that many training steps after it
+    (their peak too). Ours: ParallelLM on the whole model, or on a meta-built one then
+    ParallelLM.materialize with the LM's init; torch's: on meta, parallelize_module over tp
+    (08's baseline), the stage's blocks and the stage fully_shard over fsdp, to_empty on
+    the stage, every module's reset_parameters. A row, from the mesh's first rank."""
+    dims, levers = common.MODEL_SIZES[size], Levers()
+    batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
+    gc_collect()
+    start = _status_mb("VmRSS")
+    _reset_peak()
+    began = time.perf_counter()
+    if method == SETUP_METHODS[0]:
+        model = ParallelLM(Mesh(shape), lm(dims, args.context_length, False, args.seed, ctx.device), batch, levers)
+    elif method == SETUP_METHODS[1]:
+        whole = lm(dims, args.context_length, False, args.seed, "meta")
+        blueprint = copy.deepcopy(whole)   # the model as built: its init's order and shapes
+        model = ParallelLM(Mesh(shape), whole, batch, levers).materialize(
+            ctx.device, common.initialized(blueprint, seed=args.seed))
+        del whole, blueprint
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        whole = lm(dims, args.context_length, False, args.seed, "meta")
+        tmesh = init_device_mesh(ctx.device.type, tuple(shape.values()), mesh_dim_names=AXES)
+        if shape["tp"] > 1:
+            tp_mod.torch_tensor_parallel_lm(whole, tmesh["tp"])
+        model = pp_mod.LMStage(whole, tmesh.get_local_rank("pp"), shape["pp"])
+        for block in model.blocks.values():
+            fully_shard(block, mesh=tmesh["dp", "fsdp"])
+        fully_shard(model, mesh=tmesh["dp", "fsdp"])
+        model.to_empty(device=ctx.device)
+        with torch.no_grad():
+            for mod in model.modules():
+                if hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
+        del whole
+    gc_collect()
+    seconds, peak, now = time.perf_counter() - began, _status_mb("VmHWM"), _status_mb("VmRSS")
+    params = model.stage.parameters() if isinstance(model, ParallelLM) else model.parameters()
+    held = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in params) / 2**20
+    row = {"mesh": label(shape), "setup": method, "model_size": size, "whole_mib": lm_param_count_mib(size, args),
+           "held_mib": held, "start_mib": start, "setup_peak_mib": peak, "above_start_mib": peak - start,
+           "after_mib": now, "setup_s": seconds}
+    if steps:
+        opt = make_optimizer(model)
+        _reset_peak()
+        began = time.perf_counter()
+        for i in range(steps):
+            loss = train_step(model, opt, model.part(common.lm_batch(batch, args.context_length, i, args.seed,
+                                                                     ctx.device)), common.StepClock(ctx.device))
+        row.update(step_s=(time.perf_counter() - began) / steps, step_peak_mib=_status_mb("VmHWM"),
+                   loss=loss if loss is not None else float("nan"))
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    out = dict(rows[0])
+    for k in ("held_mib", "start_mib", "setup_peak_mib", "above_start_mib", "after_mib", "setup_s", "step_s",
+              "step_peak_mib"):
+        if k in out:
+            out[k] = max(r[k] for r in rows)
+    out["ranks_peak_gib"] = sum(r["setup_peak_mib"] for r in rows) / 1024
+    if "loss" in out:
+        out["loss"] = next((r["loss"] for r in rows if r["loss"] == r["loss"]), float("nan"))
+    return out
+
+
+def gc_collect():
+    import gc
+    gc.collect()
+
+
+def lm_param_count_mib(size, args) -> float:
+    return common.lm_param_count(size, args.context_length) * 4 / 2**20
+
+
+def report_setup_memory(args):
+    """--setup-memory: the table of SETUP_MESHES x SETUP_METHODS at --model-size, then the
+    --big-size model on meta at fsdp 8, set up and trained --big-steps steps."""
+    rows, settings = [], {"backend": args.backend, "device": args.device, "context_length": args.context_length,
+                          "model_size": args.model_size, "big_size": args.big_size, "seed": args.seed}
+
+    def show(name, title, rows, headers, note):
+        if common.is_reporter():
+            table = common.save_results(args.out, name, rows, settings, headers=headers, title=title, note=note)
+            print(f"\n{title}\n{table}\nwrote {args.out}/{name}.json and .md", flush=True)
+    for shape in SETUP_MESHES:
+        for method in SETUP_METHODS:
+            try:
+                rows.append(common.launch(setup_memory, args, shape, method, args.model_size, 0,
+                                          world_size=math.prod(shape.values())))
+            except common.LaunchError as e:
+                print(f"setup-memory: SKIP {method} on {label(shape)}: {str(e).splitlines()[0]}")
+            show("10_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
+                 f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks",
+                 rows, SETUP_HEADERS, SETUP_NOTE)
+    if args.big_size != "none":
+        big = common.launch(setup_memory, args, mesh_of(fsdp=8), SETUP_METHODS[1], args.big_size, args.big_steps,
+                            world_size=8)
+        whole = lm_param_count_mib(args.big_size, args) / 1024
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        show("10_setup_big", f"The {args.big_size} LM ({whole:.1f} GiB of float32 weights; whole on each of 8 ranks: "
+             f"{8 * whole:.0f} GiB, on a machine of {ram:.0f} GiB) built on meta at fsdp 8, then trained "
+             f"{args.big_steps} step(s) (AdamW)", [big], SETUP_HEADERS + ["step_s", "step_peak_mib", "loss"],
+             SETUP_NOTE)
+
+
+SETUP_HEADERS = ["mesh", "setup", "held_mib", "setup_peak_mib", "above_start_mib", "after_mib", "ranks_peak_gib",
+                 "setup_s"]
+SETUP_NOTE = ("held_mib: the parameters the rank holds after the setup; setup_peak_mib: the peak resident memory of "
+              "the process from the start of its setup to its end (VmHWM, reset at the start; the largest rank); "
+              "above_start_mib: that peak less the process's resident memory at the start (torch imported, the "
+              "process group made); ranks_peak_gib: the ranks' peaks summed. Fresh processes for each row. Ours on "
+              "meta holds the rank's part plus one module's tensors whole at a time (common.initialized); torch's is "
+              "FSDP2's meta path (to_empty, each module's reset_parameters on its shards), with 08's baseline of "
+              "torch's tensor parallelism.")
+
+
 def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:
     """09's split by measured time for this mesh's pipeline: the LM's pieces (embeddings, each
     block, head with the loss; the whole model, as one process holds it) timed on a
@@ -1508,8 +1646,19 @@ def main(argv=None):
     p.add_argument("--recorder-cost", action="store_true",
                    help="instead of the verification and benchmark: ours on the mesh (pp 2 x dp 2 without one) with "
                         "the flight recorder off, on, and on with --check-collectives, steps alternating")
+    p.add_argument("--setup-memory", action="store_true",
+                   help="instead of the verification and benchmark: each rank's peak host memory while it sets "
+                        "--model-size up on pp 2 x fsdp 2 x tp 2 and on fsdp 8, built whole or on meta (ours, and "
+                        "torch's FSDP2), then --big-size built on meta at fsdp 8 and trained --big-steps steps")
+    p.add_argument("--big-size", choices=[*common.MODEL_SIZES, "none"], default="large",
+                   help="--setup-memory: the model too large to build whole on every rank (none: skip it)")
+    p.add_argument("--big-steps", type=common.COUNT, default=1, help="--setup-memory: --big-size's training steps")
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
+    if first.setup_memory:
+        first.model_size = first.model_size or "medium"
+        args = common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None)
+        return report_setup_memory(args)
     common.check_train_flags(first)
     first.experts = first.experts if first.experts is not None else (1 if first.plan else MOE_EXPERTS)
     if first.experts > 1 and first.top_k > first.experts:

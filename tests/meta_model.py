@@ -12,21 +12,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import common
 import llama
-from own_model import (MAX_NORM, TP_PLAN, batches, compare, ddp, embed, ep, everyone, fsdp, head, moe_loss, pp, tp,
-                       train_reference)
-
-
-def llama_init(m):
-    """The Llama's init, one module at a time: its norms' weights at one, the rest as torch
-    initialises them (nn.Linear's and nn.Embedding's reset_parameters)."""
-    if isinstance(m, llama.RMSNorm):
-        nn.init.ones_(m.weight)
-    elif hasattr(m, "reset_parameters"):
-        m.reset_parameters()
+from own_model import (MAX_NORM, TP_PLAN, batches, compare, ddp, embed, ep, everyone, fsdp, head, llama_init,  # noqa: F401
+                       moe_loss, pp, tp, train_reference)
 
 
 def on_meta(make):

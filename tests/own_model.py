@@ -340,6 +340,15 @@ nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
 fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
 
 
+def llama_init(m):
+    """The Llama's init, one module at a time (common.initialized): its norms' weights at
+    one, the rest as torch initialises them (nn.Linear's and nn.Embedding's reset_parameters)."""
+    if isinstance(m, llama.RMSNorm):
+        torch.nn.init.ones_(m.weight)
+    elif hasattr(m, "reset_parameters"):
+        m.reset_parameters()
+
+
 def compose(model, mesh, m):
     """The Llama on ``mesh`` by calls, innermost first, as a user writes it: tp (08's whole-
     model plan) -> pipeline stages (09's PipelineStage) -> fsdp (07, each layer a unit) ->
@@ -357,10 +366,7 @@ def compose(model, mesh, m):
         module = ddp.DDPBucketed(module, 1, process_group=mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp"))
     pipe = None
     if P > 1:
-        a, mb = model.args, 8 // (D * F_) // m
-        hd = a.dim // a.n_heads
-        pipe = pp.Pipeline(module, m, llama.loss_fn, "1f1b", mesh.group("pp"),
-                           activation_shape=[(mb, 16, a.dim), (16, hd // 2), (16, hd // 2)])
+        pipe = pp.Pipeline(module, m, llama.loss_fn, "1f1b", mesh.group("pp"))   # shapes found by the first step
     return stage, module, pipe
 
 
@@ -445,6 +451,22 @@ def composed(ctx, args):
         full = common.full_state_dict(stage, all_ranks=True)
         r.update(compare(full, ref_trained))
         out[f"{first}, then {then}"] = everyone(r)
+    # the same composition on a model built on the meta device: each rank's part made real,
+    # then the Llama's own init module by module (one process's values), trained every step
+    with torch.device("meta"):
+        model = llama.Transformer(llama.ModelArgs(n_layers=4))
+    blueprint = copy.deepcopy(model)
+    mesh = nd.Mesh(meshes["pp 2 x fsdp 2 x tp 2"])
+    stage, module, pipe = compose(model, mesh, 2)
+    common.materialize(module, "cpu", common.initialized(blueprint, llama_init, seed=0))
+    held = sum(t.numel() for t in module.parameters())
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-6)
+    norms = [other]
+    composed_steps(mesh, stage, module, pipe, opt, data, norms)
+    r = compare(common.full_state_dict(stage, all_ranks=True), ref_trained)
+    r["norms"] = max(abs(a - b) / b for a, b in zip(norms[1:], want)) < 1e-4
+    r["held"] = held / numel
+    out["pp 2 x fsdp 2 x tp 2, built on meta"] = everyone(r)
     counted = common._counted   # the control: every rank counts what it holds (the record ignored)
     common._counted = lambda *record: True
     try:

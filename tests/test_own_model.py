@@ -119,5 +119,14 @@ def test_llama_composed_by_calls_trains_clips_and_resumes_on_another_mesh(compos
         assert r[then] == {"count": True, "norms": True, "sharded": True}, (rank, then)   # sharded = full, bit for bit
 
 
+def test_the_composition_takes_a_llama_built_on_meta_each_rank_holding_its_part(composed):
+    """pp 2 x fsdp 2 x tp 2 on a Llama built under torch.device("meta"): materialize makes
+    each rank's part real (an eighth of the model and the replicated norms' and FSDP's
+    padding: under a fifth), the Llama's own init fills it, and it trains like one process."""
+    for rank, r in enumerate(composed["pp 2 x fsdp 2 x tp 2, built on meta"]):
+        assert r["ok"] and r["norms"], f"rank {rank}: max diff {r['max_diff']}"
+        assert r["held"] < 0.2, r["held"]
+
+
 def test_without_the_placement_record_the_count_is_wrong(composed):
     assert composed["control count"] > 1.2   # tp's whole weights (embedding, norms, head) counted twice
