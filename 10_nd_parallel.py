@@ -1014,8 +1014,8 @@ def setup_memory(ctx, args, shape, method, size, steps):
     row = {"mesh": label(shape), "setup": method, "model_size": size, "whole_mib": lm_param_count_mib(size, args),
            "held_mib": held, "start_mib": start, "setup_peak_mib": peak, "above_start_mib": peak - start,
            "after_mib": now, "setup_s": seconds}
-    if steps:
-        opt = make_optimizer(model)
+    if steps:   # plain SGD: no state beside the weights and their gradients (AdamW's would double them)
+        opt = torch.optim.SGD(model.module.parameters(), lr=1e-3)
         _reset_peak()
         began = time.perf_counter()
         for i in range(steps):
@@ -1072,7 +1072,7 @@ def report_setup_memory(args):
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         show("10_setup_big", f"The {args.big_size} LM ({whole:.1f} GiB of float32 weights; whole on each of 8 ranks: "
              f"{8 * whole:.0f} GiB, on a machine of {ram:.0f} GiB) built on meta at fsdp 8, then trained "
-             f"{args.big_steps} step(s) (AdamW)", [big], SETUP_HEADERS + ["step_s", "step_peak_mib", "loss"],
+             f"{args.big_steps} step(s) (SGD)", [big], SETUP_HEADERS + ["step_s", "step_peak_mib", "loss"],
              SETUP_NOTE)
 
 
@@ -1656,7 +1656,7 @@ def main(argv=None):
     p.set_defaults(context_length=32)
     first = p.parse_args(argv)
     if first.setup_memory:
-        first.model_size = first.model_size or "medium"
+        p.cpu_size = p.gpu_size = "medium"
         args = common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None)
         return report_setup_memory(args)
     common.check_train_flags(first)

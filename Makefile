@@ -12,6 +12,9 @@
 #            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 6 minutes)
 # make recorder-cost what the flight recorder (every job runs under it) and --check-collectives cost a step:
 #            05's DDPBucketed and 10's pp 2 x dp 2 mesh, steps alternating (about 1 minute; not in `all`)
+# make setup-memory each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
+#            or on the meta device (ours, FSDP2's), then the large LM (whole on 8 ranks: 22 GiB) built on
+#            meta and trained a step (about 6 minutes; not in `all`)
 # make test  runs the test suite
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
 # Each sets up .venv from requirements.txt first when it is missing or out of date.
@@ -21,7 +24,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints recorder-cost $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints recorder-cost setup-memory $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -76,6 +79,9 @@ clean-results:
 recorder-cost: $(STAMP)
 	$(PY) 05_bucketed_ddp.py --recorder-cost --bucket-mb 25 --no-verify --steps 40 --out results
 	$(PY) 10_nd_parallel.py --recorder-cost --no-verify --steps 40 --out results
+
+setup-memory: $(STAMP)
+	$(PY) 10_nd_parallel.py --setup-memory --out results
 
 checkpoints: $(STAMP)
 	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results
