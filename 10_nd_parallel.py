@@ -501,6 +501,7 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
     else:
         ref = build(ctx.device)
         model = ParallelLM(mesh, copy.deepcopy(ref), batch, levers)
+    same = meta or meta_twin(ctx, args, mesh, batch, levers, build)
     fp32 = copy.deepcopy(ref) if dtype == "bf16" else None
     opt, ref_opt = make_optimizer(model), make_optimizer(model, ref.parameters())
     fp32_opt = make_optimizer(model, fp32.parameters()) if fp32 is not None else None
@@ -542,12 +543,32 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
         dist.all_gather_object(everyone, sharded)
         sharded = all(everyone)
     out = compare(model, ref, norms, common.BF16_TOL if dtype == "bf16" else None,
-                  extra_ok=gap <= common.BF16_LOSS_BOUND and (action != "resume" or sharded))
+                  extra_ok=gap <= common.BF16_LOSS_BOUND and (action != "resume" or sharded) and same)
+    out["meta_same"] = same
     if action == "resume":
         out["sharded"] = sharded
     if fp32 is not None:
         out["loss_gap"] = gap
     return out
+
+
+def meta_twin(ctx, args, mesh, batch, levers, build) -> bool:
+    """Whether the mesh set up from a model built on meta (ParallelLM.materialize with the
+    LM's init) holds, on every rank, bit for bit what the same mesh set up from the whole
+    model with those values holds: every parameter and buffer of this rank's stage, FSDP's
+    padding included. Training from equal states is the same code on the same tensors; the
+    suite trains two meshes from meta outright (SUITE_META)."""
+    whole = build("meta")
+    blueprint = copy.deepcopy(whole)
+    twin = ParallelLM(mesh, whole, batch, levers).materialize(ctx.device, common.initialized(blueprint,
+                                                                                             seed=args.seed))
+    plain = ParallelLM(mesh, common.materialize(copy.deepcopy(blueprint), ctx.device,
+                                                common.initialized(blueprint, seed=args.seed)), batch, levers)
+    a, b = twin.stage.state_dict(), plain.stage.state_dict()
+    mine = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return all(everyone)
 
 
 # The suite: every 2-axis mesh at 4 ranks, the 3-axis ones at 8, an axis of 3 at 6; the tied
@@ -980,6 +1001,8 @@ def setup_memory(ctx, args, shape, method, size, steps):
     batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
     gc_collect()
     start = _status_mb("VmRSS")
+    if ctx.device.type == "cuda":   # on a GPU the device's peak too
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     _reset_peak()
     began = time.perf_counter()
     if method == SETUP_METHODS[0]:
@@ -1014,6 +1037,8 @@ def setup_memory(ctx, args, shape, method, size, steps):
     row = {"mesh": label(shape), "setup": method, "model_size": size, "whole_mib": lm_param_count_mib(size, args),
            "held_mib": held, "start_mib": start, "setup_peak_mib": peak, "above_start_mib": peak - start,
            "after_mib": now, "setup_s": seconds}
+    if ctx.device.type == "cuda":
+        row["device_peak_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
     if steps:   # plain SGD: no state beside the weights and their gradients (AdamW's would double them)
         opt = torch.optim.SGD(model.module.parameters(), lr=1e-3)
         _reset_peak()
@@ -1027,7 +1052,7 @@ def setup_memory(ctx, args, shape, method, size, steps):
     dist.all_gather_object(rows, row)
     out = dict(rows[0])
     for k in ("held_mib", "start_mib", "setup_peak_mib", "above_start_mib", "after_mib", "setup_s", "step_s",
-              "step_peak_mib"):
+              "step_peak_mib", "device_peak_mib"):
         if k in out:
             out[k] = max(r[k] for r in rows)
     out["ranks_peak_gib"] = sum(r["setup_peak_mib"] for r in rows) / 1024
@@ -1048,6 +1073,7 @@ def lm_param_count_mib(size, args) -> float:
 def report_setup_memory(args):
     """--setup-memory: the table of SETUP_MESHES x SETUP_METHODS at --model-size, then the
     --big-size model on meta at fsdp 8, set up and trained --big-steps steps."""
+    headers = SETUP_HEADERS + (["device_peak_mib"] if args.device == "cuda" else [])
     rows, settings = [], {"backend": args.backend, "device": args.device, "context_length": args.context_length,
                           "model_size": args.model_size, "big_size": args.big_size, "seed": args.seed}
 
@@ -1064,7 +1090,7 @@ def report_setup_memory(args):
                 print(f"setup-memory: SKIP {method} on {label(shape)}: {str(e).splitlines()[0]}")
             show("10_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
                  f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks",
-                 rows, SETUP_HEADERS, SETUP_NOTE)
+                 rows, headers, SETUP_NOTE)
     if args.big_size != "none":
         big = common.launch(setup_memory, args, mesh_of(fsdp=8), SETUP_METHODS[1], args.big_size, args.big_steps,
                             world_size=8)
@@ -1072,7 +1098,7 @@ def report_setup_memory(args):
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         show("10_setup_big", f"The {args.big_size} LM ({whole:.1f} GiB of float32 weights; whole on each of 8 ranks: "
              f"{8 * whole:.0f} GiB, on a machine of {ram:.0f} GiB) built on meta at fsdp 8, then trained "
-             f"{args.big_steps} step(s) (SGD)", [big], SETUP_HEADERS + ["step_s", "step_peak_mib", "loss"],
+             f"{args.big_steps} step(s) (SGD)", [big], headers + ["step_s", "step_peak_mib", "loss"],
              SETUP_NOTE)
 
 
@@ -1084,7 +1110,8 @@ SETUP_NOTE = ("held_mib: the parameters the rank holds after the setup; setup_pe
               "process group made); ranks_peak_gib: the ranks' peaks summed. Fresh processes for each row. Ours on "
               "meta holds the rank's part plus one module's tensors whole at a time (common.initialized); torch's is "
               "FSDP2's meta path (to_empty, each module's reset_parameters on its shards), with 08's baseline of "
-              "torch's tensor parallelism.")
+              "torch's tensor parallelism. On a GPU, device_peak_mib: the device's peak allocated memory during "
+              "the setup (max_memory_allocated, reset at its start).")
 
 
 def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:

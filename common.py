@@ -2807,9 +2807,10 @@ def materialize(module, device, source=None, strict=True):
         return module
     filled = set()
     for name, whole in (source.items() if isinstance(source, dict) else source):
+        if whole.is_meta and own.get(name):
+            raise ValueError(f"materialize: the source's {name} is on the meta device: it holds no values")
         for t in own.get(name, []):
-            t.copy_(local_tensor(whole.detach().to("cpu" if whole.device.type == "meta" else whole.device),
-                                 placements(t)).to(t.device, t.dtype))
+            t.copy_(local_tensor(whole.detach(), placements(t)).to(t.device, t.dtype))
             filled.add(id(t))
     missing = sorted({name for key, (name, _) in meta.items() if key not in filled})
     if strict and missing:

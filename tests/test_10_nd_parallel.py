@@ -41,6 +41,7 @@ CASES = [(w, nd.label(shape, tie, schedule, nd.SUITE_CHUNKS)) for w, cases in nd
 def test_every_mesh_trains_like_one_process(world_size, case):
     r = suite(world_size)[case]
     assert r["ok"], f"{case}: max diff {r['max_diff']}"
+    assert r["meta_same"]   # set up from a meta-built model, the same tensors on every rank, bit for bit
 
 
 def test_a_checkpoint_saved_on_one_mesh_resumes_on_another():
@@ -300,3 +301,18 @@ def test_torch_s_composition_is_left_out_with_its_reason_where_it_cannot_run():
     assert "context_parallel" in nd.torch_skip(nd.mesh_of(dp=2, cp=2), plain, 1, "nccl", "cuda")
     assert "no expert parallelism" in nd.torch_skip(nd.mesh_of(dp=2), plain, 2, "gloo", "cpu")
     assert "SequenceParallel" in nd.torch_skip(nd.mesh_of(pp=2, tp=2), sp, 1, "gloo", "cpu")
+
+
+def test_setup_memory_rows_hold_the_ranks_part_and_the_meta_path_trains():
+    """--setup-memory's worker on fsdp 2 (the script's table runs 8 ranks): each way of
+    setting up leaves each rank half the weights; ours from meta then trains a step."""
+    args = verify_args(2, context_length=16)
+    whole = common.lm_param_count("nano", 16) * 4 / 2**20
+    rows = [common.launch(nd.setup_memory, args, nd.mesh_of(fsdp=2), method, "nano", 1 if "ours" in method else 0,
+                          world_size=2) for method in nd.SETUP_METHODS]
+    for r in rows:
+        assert r["whole_mib"] == pytest.approx(whole)
+        assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r   # FSDP's padding aside
+        assert r["setup_peak_mib"] >= r["start_mib"] and r["above_start_mib"] >= 0
+    ours = rows[1]
+    assert ours["step_s"] > 0 and 8.0 < ours["loss"] < 10.5   # ln(10000) = 9.2: a fresh LM's loss
