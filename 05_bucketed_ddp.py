@@ -74,6 +74,8 @@ class DDPBucketed(nn.Module):
     experts, which differ from rank to rank (torch DDP's parameters to ignore). Every other
     parameter records a "replicate" placement over the group (common.py's placement record),
     so that a clip_grad_norm_ or a checkpoint over a composition of axes counts it once.
+    A model built on the meta device is not broadcast: common.materialize gives it storage
+    (the buckets built again there) and the same values on every rank (docs/10).
     """
 
     wraps_module = True   # its parameters' names are its module's (common.materialize)

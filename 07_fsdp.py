@@ -115,6 +115,11 @@ class FSDP(nn.Module):
     ``ignore``: parameters left out (never broadcast, sharded, gathered or reduced: a
     mixture of experts' experts, distinct on every rank); clip_grad_norm_ counts them as
     their own placement record says, and their gradients are the caller's to reduce.
+
+    A model built on the meta device: nothing is broadcast, the shards stay on meta, and
+    common.materialize(model, device, source) gives this rank's flat buffers storage (the
+    same shard Parameters) and fills them, from the model's init or a checkpoint (docs/10,
+    "A model larger than one rank").
     """
 
     wraps_module = True   # its parameters' names are its module's (common.materialize)
