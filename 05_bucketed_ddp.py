@@ -133,7 +133,7 @@ class DDPBucketed(nn.Module):
         has not made them so), and the buckets built again there."""
         for p in self._params:
             if p.is_meta:
-                make_real(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+                make_real(p, device=device)
         self._build(list(range(len(self._params)))[::-1])
 
     @property

@@ -436,7 +436,7 @@ class _Unit:
         for p, info in zip(self.params, self.infos):
             if info is None:
                 if p.is_meta:
-                    make_real(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+                    make_real(p, device=device)
             else:
                 make_real(p, self.flat[info.offset:info.offset + info.numel].view(info.shard_shape))
         self._make_full()

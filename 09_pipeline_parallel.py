@@ -465,7 +465,7 @@ class Pipeline:
     stage, ``module(x, chunk=j)`` runs the j-th; m a multiple of p), and "zb1" (ZB-H1: each
     linear's weight gradient is left out of backward and computed later, in W, from the
     input and output gradient it kept). What crosses each stage boundary (the tensors,
-    their shapes and dtypes) is found by the first step before it sends anything (_infer:
+    their shapes and dtypes) is found by the first step before it sends anything (infer:
     one no-grad forward of a micro-batch per chunk, once); ``activation_shape`` (a shape,
     or a list where several tensors cross) and ``activation_dtype`` may state it, and a
     statement that disagrees is a ValueError on every rank. If ``module`` has ``no_sync`` (a DDP wrapper over
@@ -524,10 +524,6 @@ class Pipeline:
         B the gradient of its output (its j-th tensor, where several cross)."""
         return (2 * (i * self.n_stages * self.chunks + virtual) + (kind == "B")) * self.width + j
 
-    def with_grad(self, v) -> list:
-        """Which of the tensors going into virtual stage ``v`` carry a gradient back."""
-        return [j for j, (_, dt) in enumerate(self.io[v]) if dt.is_floating_point]
-
     def _receive(self, k, wire, last_virtual):
         """The receives action k needs (its inputs from the previous chunk, or its outputs'
         gradients from the next): a list, empty if none."""
@@ -538,33 +534,31 @@ class Pipeline:
                     for j in range(len(self.io[v]))]
         if kind == "B" and v < last_virtual:
             return [dist.P2POp(dist.irecv, self._buffer(wire, v + 1, j), self.next, self.group,
-                               tag=self._tag("B", v, i, j)) for j in self.with_grad(v + 1)]
+                               tag=self._tag("B", v, i, j)) for j in self.with_grad[v + 1]]
         return []
 
     def _buffer(self, device, v, j=0):
         shape, dtype = self.io[v][j]
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def infer(self, inputs=None):
-        """Find what crosses each stage boundary now rather than in the first step (so that
-        step sends only the schedule's messages): ``inputs`` the first stage's global batch,
-        as step takes it (None on the others); a collective over the group; once."""
-        if self.io is None:
-            x0 = None
-            if self.first:
-                x0 = tuple(t.chunk(self.m)[0] for t in inputs) if isinstance(inputs, (tuple, list)) else \
-                    inputs.chunk(self.m)[0]
-            self._infer(x0, next(self.module.parameters()).device)
-
     @torch.no_grad()
-    def _infer(self, x0, device):
-        """What crosses each stage boundary (shapes and dtypes), found once, before the first
-        step sends anything: each chunk but the last runs the first micro-batch's forward
-        without autograd, in the model's order (its input received from the chunk before, its
-        output sent to the chunk after as a Python object), the generator states kept as they
-        were; then every rank of the group learns every boundary (one collective). A stated
-        activation_shape (and dtype) that disagrees is a ValueError on every rank. Costs one
-        forward of a micro-batch per chunk, once."""
+    def infer(self, inputs=None):
+        """What crosses each stage boundary (shapes and dtypes), found once, before anything
+        of the schedule is sent (the first step calls it; call it first yourself so that a
+        step you count sends only the schedule's messages): ``inputs`` the first stage's
+        global batch, as step takes it (None on the others); a collective over the group.
+        Each chunk but the last runs the first micro-batch's forward without autograd, in
+        the model's order (its input received from the chunk before, its output sent to the
+        chunk after as a Python object), the generator states kept as they were; then every
+        rank learns every boundary. A stated activation_shape (and dtype) that disagrees is
+        a ValueError on every rank. Costs one forward of a micro-batch per chunk, once."""
+        if self.io is not None:
+            return
+        x0 = None
+        if self.first:
+            x0 = tuple(t.chunk(self.m)[0] for t in inputs) if isinstance(inputs, (tuple, list)) else \
+                inputs.chunk(self.m)[0]
+        device = next(self.module.parameters()).device
         total, found = self.n_stages * self.chunks, {}
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -594,6 +588,8 @@ class Pipeline:
                                      f"[{show(io[v])}] there: leave activation_shape out, it is found by the "
                                      f"first step")
         self.io, self.width = io, max([len(x) for x in io.values()] + [1])
+        # which of the tensors going into virtual stage v carry a gradient back
+        self.with_grad = {v: [j for j, (_, dt) in enumerate(x) if dt.is_floating_point] for v, x in io.items()}
 
     def _wire(self, t):
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
@@ -609,8 +605,7 @@ class Pipeline:
         else:
             xs = [None] * m
         ys = targets.chunk(m) if self.last else [None] * m
-        if self.io is None:
-            self._infer(xs[0] if self.first else None, device)
+        self.infer(inputs)
         saved_in, saved_out, held, stashes, losses, sends, sent, posted = {}, {}, {}, {}, [], [], [], {}
         live, self.timeline, t0, self.overhead, self.waited, self.waits = 0, [], time.perf_counter(), {}, 0.0, {}
         self.began = t0   # (time.perf_counter: one clock for every process of a machine)
@@ -666,7 +661,7 @@ class Pipeline:
                 if v == 0:
                     x = list(xs[i]) if isinstance(xs[i], tuple) else [xs[i]]
                 else:
-                    x = [t.requires_grad_() if j in self.with_grad(v) else t for j, t in enumerate(saved_in[key])]
+                    x = [t.requires_grad_() if j in self.with_grad[v] else t for j, t in enumerate(saved_in[key])]
                 stashes[key] = []
                 defer = _DeferWeightGradients(stashes[key]) if self.deferred else contextlib.nullcontext()
                 with self._counting(held, key), defer:
@@ -689,7 +684,7 @@ class Pipeline:
                     roots, grads = [out], None
                 else:   # the outputs gradients came back for, those autograd can reach
                     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-                    pairs = [(outs[j], g) for j, g in zip(self.with_grad(v + 1), grad) if outs[j].requires_grad]
+                    pairs = [(outs[j], g) for j, g in zip(self.with_grad[v + 1], grad) if outs[j].requires_grad]
                     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 with sync:
                     torch.autograd.backward(roots, grads)
@@ -700,12 +695,12 @@ class Pipeline:
                                      for entry in stashes[key] for t in entry[2:]}.values())
                     live += held[key]
                 if v > 0:
-                    if all(x[j].grad is None for j in self.with_grad(v)):
+                    if all(x[j].grad is None for j in self.with_grad[v]):
                         raise RuntimeError(f"stage {self.stage}: backward gave its input no gradient (micro-batch "
                                            f"{i}): does the stage detach its input, or not use it?")
                     sends = [dist.P2POp(dist.isend, self._wire(x[j].grad if x[j].grad is not None else
                                                                torch.zeros_like(x[j])), self.prev, self.group,
-                                        tag=self._tag("B", v - 1, i, j)) for j in self.with_grad(v)]
+                                        tag=self._tag("B", v - 1, i, j)) for j in self.with_grad[v]]
             else:
                 with sync:
                     _weight_gradients(stashes.pop(key), hasattr(self.module, "no_sync"))

@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import os
 import shutil
 import sys
@@ -999,7 +1000,7 @@ def setup_memory(ctx, args, shape, method, size, steps):
     the stage, every module's reset_parameters. A row, from the mesh's first rank."""
     dims, levers = common.MODEL_SIZES[size], Levers()
     batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
-    gc_collect()
+    gc.collect()
     start = _status_mb("VmRSS")
     if ctx.device.type == "cuda":   # on a GPU the device's peak too
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -1030,7 +1031,7 @@ def setup_memory(ctx, args, shape, method, size, steps):
                 if hasattr(mod, "reset_parameters"):
                     mod.reset_parameters()
         del whole
-    gc_collect()
+    gc.collect()
     seconds, peak, now = time.perf_counter() - began, _status_mb("VmHWM"), _status_mb("VmRSS")
     params = model.stage.parameters() if isinstance(model, ParallelLM) else model.parameters()
     held = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in params) / 2**20
@@ -1059,11 +1060,6 @@ def setup_memory(ctx, args, shape, method, size, steps):
     if "loss" in out:
         out["loss"] = next((r["loss"] for r in rows if r["loss"] == r["loss"]), float("nan"))
     return out
-
-
-def gc_collect():
-    import gc
-    gc.collect()
 
 
 def lm_param_count_mib(size, args) -> float:

@@ -2728,11 +2728,14 @@ def hold_storage(tensor, holder):
     return tensor
 
 
-def make_real(t, data):
-    """Put ``data`` (a real tensor shaped like ``t``) in place of the meta tensor ``t`` (a
-    parameter or a buffer), keeping ``t``'s Python object: whatever holds it (a module, an
-    axis's lists) sees the real tensor, with its attributes (the placement record) and its
-    gradient hooks (registered again: they belong to the storage torch swaps out)."""
+def make_real(t, data=None, device=None):
+    """Put ``data`` (a real tensor shaped like ``t``; default: an uninitialised one on
+    ``device``) in place of the meta tensor ``t`` (a parameter or a buffer), keeping ``t``'s
+    Python object: whatever holds it (a module, an axis's lists) sees the real tensor, with
+    its attributes (the placement record) and its gradient hooks (registered again: they
+    belong to the storage torch swaps out)."""
+    if data is None:
+        data = torch.empty(t.shape, dtype=t.dtype, device=device)
     if isinstance(t, torch.nn.Parameter):
         data = torch.nn.Parameter(data, requires_grad=t.requires_grad)
     saved = dict(t.__dict__)
@@ -2802,7 +2805,7 @@ def materialize(module, device, source=None, strict=True):
         h.materialize_storage(device)
     for _, t in meta.values():
         if t.is_meta:
-            make_real(t, torch.empty(t.shape, dtype=t.dtype, device=device))
+            make_real(t, device=device)
     if source is None:
         return module
     filled = set()

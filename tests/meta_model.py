@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import common
 import llama
-from own_model import (MAX_NORM, TP_PLAN, batches, compare, ddp, embed, ep, everyone, fsdp, head, llama_init,  # noqa: F401
-                       moe_loss, pp, tp, train_reference)
+from own_model import (MAX_NORM, TP_PLAN, batches, compare, ddp, embed, ep, everyone, fsdp, head, llama_init,
+                       llama_moe, pp, tp, train_experts, train_reference)
 
 
 def on_meta(make):
@@ -133,35 +133,13 @@ def axes(ctx, args):
                            "meta left": sum(p.is_meta for p in model.parameters())}
 
         # -- experts split over every rank, the rest under DDPBucketed
-        def moe_llama():
-            a = llama.ModelArgs()
-            m = llama.Transformer(a)
-            for layer in m.layers:
-                layer.feed_forward = ep.MoE(a.dim, a.ffn_hidden, 4, top_k=2,
-                                            expert=lambda: llama.FeedForward(a.dim, a.ffn_hidden),
-                                            shared_experts=llama.FeedForward(a.dim, a.ffn_hidden))
-            return m
-        model, bp = on_meta(moe_llama)
+        model, bp = on_meta(llama_moe)
         ref = one_process(bp)
         for moe in (m for m in model.modules() if isinstance(m, ep.MoE)):
             moe.distribute()
         wrapped = ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
         common.materialize(wrapped, "cpu", common.initialized(bp, llama_init, seed=0))
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (wrapped, ref)]
-        norms, want_moe = [], []
-        for x, y in data:
-            for o in opts:
-                o.zero_grad(set_to_none=True)
-            parts = list(zip(x.chunk(W), y.chunk(W)))
-            moe_loss(wrapped, *parts[r]).backward()
-            wrapped.finish_gradient_synchronization()
-            ep.reduce_expert_gradients(model)
-            norms.append(ep.clip_grad_norm_(model, MAX_NORM).item())
-            (sum(moe_loss(ref, *part) for part in parts) / len(parts)).backward()
-            want_moe.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
-            for o in opts:
-                o.step()
-        out["experts"] = {**_result(ep.full_state_dict(model, all_ranks=True), ref, norms, want_moe),
+        out["experts"] = {**train_experts(ctx, model, wrapped, ref, data),
                           "local": sorted(model.layers[0].feed_forward.experts.keys())}
 
         # -- the checkpoint path: storage only, then a whole state dict, or a sharded checkpoint

@@ -152,6 +152,19 @@ def expert_parallel(ctx, args):
     for moe in (m for m in model.modules() if isinstance(m, ep.MoE)):
         moe.distribute()
     wrapped = ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
+    r = train_experts(ctx, model, wrapped, ref, data)
+    shared = {id(p) for p in model.layers[0].feed_forward.shared_experts.parameters()}
+    r["shared_replicated"] = not shared & {id(p) for p in ep.expert_parameters(model)}   # DDP's, not sent
+    r["local_experts"] = sorted(model.layers[0].feed_forward.experts.keys())
+    r["grouped"] = getattr(model.layers[0].feed_forward.grouped, "__name__", "loop")
+    return r
+
+
+def train_experts(ctx, model, wrapped, ref, data) -> dict:
+    """``model`` with its experts split over every rank, the rest under ``wrapped`` (a
+    DDPBucketed), and ``ref`` in one process, trained side by side (clipped AdamW): one
+    process routes each rank's part of the batch as that rank does and averages the parts'
+    losses. The comparison of the whole weights, and whether every step's norm agreed."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (wrapped, ref)]
     norms, want = [], []
     for x, y in data:
@@ -168,10 +181,6 @@ def expert_parallel(ctx, args):
             opt.step()
     r = compare(ep.full_state_dict(model, all_ranks=True), ref)
     r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
-    shared = {id(p) for p in model.layers[0].feed_forward.shared_experts.parameters()}
-    r["shared_replicated"] = not shared & {id(p) for p in ep.expert_parameters(model)}   # DDP's, not sent
-    r["local_experts"] = sorted(model.layers[0].feed_forward.experts.keys())
-    r["grouped"] = getattr(model.layers[0].feed_forward.grouped, "__name__", "loop")
     return r
 
 
