@@ -401,7 +401,11 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, = ctx.saved_tensors
-        ctx.stash.append((ctx.weight, ctx.bias, x, grad))
+        # the node lets go of the stash: x's graph leads back to the linears before it, whose
+        # nodes would otherwise hold the stash that holds x (a cycle only the garbage
+        # collector frees, a step's inputs and gradients at a time)
+        stash, ctx.stash = ctx.stash, None
+        stash.append((ctx.weight, ctx.bias, x, grad))
         return (grad.matmul(ctx.weight) if ctx.needs_input_grad[0] else None), None, None, None
 
 
@@ -442,6 +446,7 @@ def _weight_gradients(stash, through_autograd=False):
                 grads[p] = grads[p] + gp if p in grads else gp
             else:
                 p.grad = gp
+    stash.clear()   # W is done with the inputs and gradients: free them now
     if grads:
         torch.autograd.backward(list(grads), list(grads.values()))
 
@@ -1221,7 +1226,7 @@ def benchmark(ctx, args, microbatches, schedules, chunks):
         # tensors point to point, which gloo cannot carry (main says so)
         if (schedule != "1f1b" or m >= p) and torch_pipelining_runs(ctx.backend, ctx.device.type):
             methods[f"{schedule}, m {m} (torch)"] = lambda m=m, s=schedule: theirs(m, s)
-    rows = common.time_methods(ctx, args, methods, global_batch=True)
+    rows = common.time_methods(ctx, args, methods, global_batch=True, start_together=True)
     everyone = [None] * p
     dist.all_gather_object(everyone, {k: v[-args.steps:] for k, v in bubbles.items()})
     memory = activation_memory(ctx, args, cases, chunks, {m: split_costs(splits[0], measured, m) for m in measured})

@@ -142,6 +142,27 @@ def test_one_stage_counts_activations_held_gpipe_m_and_1f1b_one(one_rank):
     assert peaks["gpipe"] == pytest.approx(4 * peaks["1f1b"], rel=0.01)   # 4 micro-batches held against 1
 
 
+def test_zb1_frees_what_w_kept_once_w_has_run(one_rank, monkeypatch):
+    """Each deferred linear keeps its input and output gradient for W; once W has run and
+    the step is over, none of them is alive. (Each linear's node held the stash that held
+    the inputs whose graph leads back to those nodes: a cycle through autograd's C++ graph
+    that no garbage collection frees, a step's inputs and gradients leaked each step.)"""
+    import gc
+    import weakref
+    kept, weight_gradients = [], pp._weight_gradients
+
+    def spy(stash, through_autograd=False):
+        kept.extend(weakref.ref(t) for entry in stash for t in entry[2:])
+        return weight_gradients(stash, through_autograd)
+    monkeypatch.setattr(pp, "_weight_gradients", spy)
+    pipe = pp.Pipeline(pp.LMStage(common.build_lm("nano", 16, "cpu"), 0, 1), 2, pp.lm_loss, "zb1")
+    x, y = torch.randint(0, 100, (2, 2, 16))
+    pipe.step(x, y)
+    gc.collect()
+    # 2 micro-batches x (2 blocks x 4 linears + the head) x (input, output gradient)
+    assert len(kept) == 2 * (2 * 4 + 1) * 2 and not [r for r in kept if r() is not None]
+
+
 def test_a_failing_stage_ends_the_job_while_its_neighbour_waits_in_recv(tmp_path):
     t0 = time.time()
     p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), "pipeline_stage_fails", timeout=60)
