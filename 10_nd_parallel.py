@@ -1187,7 +1187,9 @@ def benchmark(ctx, args, shapes, dims, trace=None):
         methods = {f"{name} (ours)": ours}
         if torch_skip(shape, levers, args.ep, ctx.backend, ctx.device.type) is None:   # main says why not
             methods[f"{name} (torch)"] = theirs
-        got = common.time_methods(ctx, timing, methods, global_batch=True)
+        # with pp, the stages start each step together: the bubble is the schedule's, not the skew
+        # a previous step (the other composition's, an optimizer's) leaves
+        got = common.time_methods(ctx, timing, methods, global_batch=True, start_together=shape["pp"] > 1)
         tokens = batch * args.context_length
         for r in got:
             r.update(mesh=name, world_size=dist.get_world_size(), microbatches=m, batch=batch,

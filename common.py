@@ -1659,7 +1659,8 @@ def fit_line(xs, ys, weights=None) -> tuple[float, float]:
     return my - c * mx, c
 
 
-def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=False, time_box=None) -> list:
+def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=False, time_box=None,
+                 start_together=False) -> list:
     """Time training steps on the LM: one table row per method (plus its raw stats).
 
     ``methods`` maps a name to ``make()``, which builds that method's model and optimizer and
@@ -1670,7 +1671,10 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
     after another. Two warm-up steps, the second counting the collectives, then
     ``args.warmup - 2`` more; a measured step's time is the slowest rank's. ``time_box``:
     seconds after which, one after another, no further method starts (the ranks agree; the
-    first always runs): the rows are those that ran.
+    first always runs): the rows are those that ran. ``start_together``: every step begins
+    at a barrier, before its clock starts (a pipeline's stages start a step together, as the
+    schedule on paper has them: otherwise a stage still in the step before, the other
+    method's or its own optimizer's, is counted as the next step's bubble).
     """
     interleave = ctx.device.type == "cpu" if interleave is None else interleave
     if not interleave:
@@ -1678,7 +1682,7 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
         for i, (name, make) in enumerate(methods.items()):
             if i and time_box is not None and agreed_past(ctx, time.perf_counter() - started > time_box):
                 break
-            rows += time_methods(ctx, args, {name: make}, True, global_batch)
+            rows += time_methods(ctx, args, {name: make}, True, global_batch, start_together=start_together)
             gc.collect()   # a wrapper's hooks make reference cycles: free it before the next
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -1689,6 +1693,8 @@ def time_methods(ctx: Ctx, args, methods: dict, interleave=None, global_batch=Fa
     steps = {name: make() for name, make in methods.items()}
 
     def run(name, i):
+        if start_together:
+            dist.barrier()
         clock = StepClock(ctx.device)
         steps[name](batches[i % len(batches)], clock)
         return clock.total()
@@ -1748,6 +1754,7 @@ MODEL_SIZES = {   # name: (d_model, d_ff, n_layers, n_heads)
     "micro": (128, 512, 2, 4),
     "mini": (256, 1024, 4, 4),
     "mini8": (256, 1024, 8, 4),   # mini with enough blocks to balance a 4-stage pipeline
+    "micro32": (128, 512, 32, 4),   # thin blocks, many: pipeline stages that can balance within a few percent
     "small": (768, 3072, 12, 12),
     "medium": (1024, 4096, 24, 16),
     "large": (1280, 5120, 36, 20),

@@ -942,3 +942,25 @@ def _ddp_stop(ctx, args):
         model.finish_gradient_synchronization()
         opt.step()
     return 0.0
+
+
+def steps_start_together(ctx, args):
+    """time_methods with and without start_together, rank 1's steps 0.3 s longer than rank
+    0's: [(start, end) of every step] per rank and setting (perf_counter: one clock)."""
+    out = {}
+    for together in (True, False):
+        spans = []
+
+        def make():
+            def step(batch, clock):
+                t = time.perf_counter()
+                with clock.phase("comm"):
+                    if ctx.rank == 1:
+                        time.sleep(0.3)
+                spans.append((t, time.perf_counter()))
+            return step
+        common.time_methods(ctx, args, {"a": make}, global_batch=True, start_together=together)
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, spans)
+        out[together] = everyone
+    return out
