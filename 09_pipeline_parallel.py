@@ -126,6 +126,10 @@ def measure_costs(pieces, sample, repeats=5, process_group=None) -> list:
     return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(times))]
 
 
+MEASURE_ON_META = ('costs="measure" times real weights, and this model is on the meta device: give costs '
+                   "(measure_costs' list, measured on a model that fits) or cuts")
+
+
 def lm_pieces(model, loss_fn):
     """The kit's TransformerLM as measure_costs' pieces: the embeddings (tokens in), each
     block, the final norm and head with the loss (the targets ride along with the tokens)."""
@@ -168,8 +172,7 @@ class LMStage(nn.Module):
         elif cuts is None:
             if costs == "measure":
                 if model.head.weight.is_meta:
-                    raise ValueError('costs="measure" times real weights, and this model is on the meta device: '
-                                     'give costs (measure_costs\' list, measured on a model that fits) or cuts')
+                    raise ValueError(MEASURE_ON_META)
                 mb, tokens = microbatch or (1, t)
                 device = model.head.weight.device
                 g = torch.Generator().manual_seed(0)
@@ -243,8 +246,7 @@ class PipelineStage(nn.Module):
             raise ValueError("layers, first and last name the model's top-level modules (no dots)")
         if costs == "measure":
             if any(p.is_meta for p in model.parameters()):
-                raise ValueError('costs="measure" times real weights, and this model is on the meta device: give '
-                                 'costs (measure_costs\' list, measured on a model that fits) or cuts')
+                raise ValueError(MEASURE_ON_META)
             if sample is None or loss_fn is None:
                 raise ValueError('costs="measure" times the pieces on a micro-batch: give sample=(inputs, targets) '
                                  'and loss_fn')
@@ -402,8 +404,8 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, = ctx.saved_tensors
         # the node lets go of the stash: x's graph leads back to the linears before it, whose
-        # nodes would otherwise hold the stash that holds x (a cycle only the garbage
-        # collector frees, a step's inputs and gradients at a time)
+        # nodes would otherwise hold the stash that holds x (a cycle through autograd's C++
+        # graph, which no garbage collection sees: a step's inputs and gradients leaked)
         stash, ctx.stash = ctx.stash, None
         stash.append((ctx.weight, ctx.bias, x, grad))
         return (grad.matmul(ctx.weight) if ctx.needs_input_grad[0] else None), None, None, None
@@ -446,7 +448,6 @@ def _weight_gradients(stash, through_autograd=False):
                 grads[p] = grads[p] + gp if p in grads else gp
             else:
                 p.grad = gp
-    stash.clear()   # W is done with the inputs and gradients: free them now
     if grads:
         torch.autograd.backward(list(grads), list(grads.values()))
 
