@@ -22,6 +22,7 @@ import os
 import pickle
 import platform
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -431,6 +432,7 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+    _loopback_only(backend)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
         result = _run_worker(getattr(load_script(script), fn_name), ctx, args, job, options or _job_options(args, timeout),
@@ -444,6 +446,37 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
     if rank == 0:
         with open(result_path, "wb") as f:
             pickle.dump(result, f)
+
+
+def loopback_store(world_size, timeout):
+    """The spawned job's rendezvous store, held by the launching process: on loopback only,
+    on a port the OS picked (no race for a free port). TCPStore's own server listens on
+    every interface; handed a socket already bound to 127.0.0.1 it listens there alone
+    (the store carries each rank's gloo address, the flight recorder's states and
+    --check-collectives' signatures, and has no authentication)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, 2 * world_size))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    # the store owns the socket from here (it closes it when it goes)
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+def _loopback_only(backend):
+    """A spawned rank's own sockets on loopback too: gloo listens where the host name
+    resolves (a LAN address on many machines) and NCCL's bootstrap on the first interface
+    it likes, unless told the interface; one machine's job needs nothing else."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+        if backend == "nccl":
+            os.environ["NCCL_SOCKET_IFNAME"] = lo
 
 
 def _attempt_store(timeout):
@@ -485,9 +518,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
                                     dist.distributed_c10d._get_default_store())
         return _run_worker(worker, ctx, args, job, _job_options(args, timeout), fr_store, watch=True)
     script = Path(sys.modules[worker.__module__].__file__).resolve()
-    # The parent holds the rendezvous store on a port the OS picked: no race for a free port.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = loopback_store(world_size, timeout)
     fd, result_path = tempfile.mkstemp(prefix="ddp_result_", suffix=".pkl")
     os.close(fd)
     alive = Heartbeat(f"{worker.__name__} on {world_size} rank{'s' * (world_size > 1)}")
@@ -786,8 +817,12 @@ class DeviceAudit(torch.overrides.TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
+        import collections
         from torch.utils.weak import WeakIdKeyDictionary
         self.place = WeakIdKeyDictionary()   # tensor -> (HOST or DEVICE, where a HOST tensor was made)
+        # the torch.device objects ``t.device`` gave lately, with t's place: ``x.to(t.device)``
+        # goes where t is (on a CPU run every device object reads "cpu", host or not)
+        self.devices = collections.OrderedDict()
 
     def of(self, t):
         return self.place.get(t, (None, ""))
@@ -832,6 +867,9 @@ class DeviceAudit(torch.overrides.TorchFunctionMode):
                 return self.of(other)[0]
         if where is None:   # a factory with no device (or device=None) makes a host tensor, as on a GPU
             return HOST if (not method and name in _FACTORIES and not has_inputs) else None
+        seen = self.devices.get(id(where))
+        if seen is not None and seen[0] is where:   # some tensor's .device: where that tensor is
+            return seen[1]
         return HOST if isinstance(where, str) and where.startswith("cpu") else DEVICE
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -839,6 +877,12 @@ class DeviceAudit(torch.overrides.TorchFunctionMode):
         name = getattr(func, "__name__", "")
         method = getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
         inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+        if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "device":
+            out = func(*args, **kwargs)
+            self.devices[id(out)] = (out, self.of(args[0])[0])
+            if len(self.devices) > 256:
+                self.devices.popitem(last=False)
+            return out
         if name == "__set__":   # tensor.data = x (the tensor now lives where x does); tensor.grad = x
             attr, (obj, value) = getattr(getattr(func, "__self__", None), "__name__", ""), args[:2]
             if attr == "grad" and torch.is_tensor(value):
@@ -933,6 +977,15 @@ def device_audit():
             audit.place[p] = audit.place[data]
         return p
     nn.Parameter.__new__ = staticmethod(parameter)
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):   # (materialize): torch refuses to swap a tensor the audit's table holds weakly
+        p1, p2 = audit.place.pop(t1, None), audit.place.pop(t2, None)
+        swap(t1, t2)
+        for t, place in ((t1, p2), (t2, p1)):   # each object now holds the other's data, and its place
+            if place is not None:
+                audit.place[t] = place
+    torch.utils.swap_tensors = swap_tensors
     _AUDITS.append(audit)
     try:
         with traced_calls(audit):
@@ -945,6 +998,7 @@ def device_audit():
             setattr(dist, name, real)
         _AUDITS.remove(audit)
         nn.Parameter.__new__ = staticmethod(new)
+        torch.utils.swap_tensors = swap
 
 
 # ----------------------------------------------------------------------------------------

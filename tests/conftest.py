@@ -111,6 +111,62 @@ def workers_left(wait=10.0):
     return spawned_workers()
 
 
+def process_tree(pid: int) -> list:
+    """``pid`` and every process descended from it (a spawned job: the launcher, its fork
+    server, the ranks)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def listening_sockets(pids) -> set:
+    """(address, port) of every TCP socket the processes ``pids`` listen on, read from
+    /proc/net/tcp and tcp6 (state 0A) against the socket inodes of their open files."""
+    import ipaddress
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+        except OSError:   # gone meanwhile
+            continue
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:
+                    continue
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)
+                # the kernel writes each 32-bit word in the host's (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return out
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
 @pytest.fixture
 def one_rank():
     """A one-rank gloo group in the test process, for checks that need no peers."""

@@ -4,6 +4,7 @@ it) and the one-process reference compared with the method's weights across devi
 audit labels each tensor host or device as a GPU run would place it, so the tests catch both
 here; `make gpu-check`'s CPU dry run runs every smoke job under it."""
 import argparse
+import copy
 
 import pytest
 import torch
@@ -70,3 +71,25 @@ def test_the_gpu_runs_failures_fail_under_the_audit_on_the_cpu(monkeypatch):
                               warmup=0, steps=1)
     got = common.launch(workers.device_audit_regressions, args)
     assert got == {k: None for k in got} and len(got) == 4, got
+
+
+def test_a_meta_built_model_is_made_real_under_the_audit_where_its_sources_are(one_rank):
+    """materialize swaps each meta tensor for real storage (torch.utils.swap_tensors, which
+    refuses a tensor something holds a weak reference to: the audit's table did, and 10's
+    smoke jobs failed under it); the source's host tensors, cut by an order moved to their
+    own device (``order.to(whole.device)``), stay on the host as on a GPU."""
+    with common.device_audit() as audit:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        blueprint = copy.deepcopy(model)
+        weight = model[0].weight
+        common.materialize(model, torch.device("cpu"), common.initialized(blueprint, seed=0))
+        assert model[0].weight is weight and not weight.is_meta
+        assert audit.of(weight)[0] == common.DEVICE
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+        host, device = torch.arange(6.0), torch.arange(3, device=torch.device("cpu"))
+        moved = device.to(host.device)                 # where ``host`` is: the host
+        assert audit.of(moved)[0] == common.HOST and audit.of(host.index_select(0, moved))[0] == common.HOST
+        assert audit.of(host.to(device.device))[0] == common.DEVICE

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import common
-from conftest import ROOT, workers_left
+from conftest import ROOT, is_loopback, listening_sockets, process_tree, workers_left
 
 STALL, TIMEOUT, BUSY = 3.0, 15.0, 40.0
 # (mode, extra flags): the stall report names rank 1 within the window; the job fails at --timeout
@@ -34,16 +34,29 @@ def _run(mode, how, folder):
             str(TIMEOUT), *SCENARIOS[mode]]
     env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_VARS and k != common.CHECK_ENV}
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines, err = [], []
+    lines, err, sockets = [], [], set()
     reader = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
     reader.start()
+    sampler = threading.Thread(target=_sample_sockets, args=(p, sockets), daemon=True)
+    if how == "spawned":
+        sampler.start()
     for line in p.stdout:
         lines.append((time.time(), line.rstrip("\n")))
     p.wait(timeout=240)
     reader.join(10)
+    if how == "spawned":
+        sampler.join(10)
     bad = folder / "misbehaved"
-    return {"rc": p.returncode, "lines": lines, "stderr": err[0] if err else "",
+    return {"rc": p.returncode, "lines": lines, "stderr": err[0] if err else "", "sockets": sockets,
             "misbehaved": float(bad.read_text()) if bad.exists() else None}
+
+
+def _sample_sockets(p, sockets):
+    """Every TCP socket the job's processes (the launcher or torchrun's agent, the ranks)
+    listen on, looked at every 0.3 s while it runs."""
+    while p.poll() is None:
+        sockets |= listening_sockets(process_tree(p.pid))
+        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +155,19 @@ def test_a_failed_job_prints_the_launchers_lines_only_and_leaves_nothing_running
         err = jobs[(mode, "spawned")]["stderr"]
         assert "Terminating process" not in err and "torch.multiprocessing" not in err and "W1" not in err, err
     assert not workers_left()
+
+
+@pytest.mark.parametrize("mode", ["busy", "skip", "stop"])
+def test_a_spawned_job_listens_on_loopback_only_when_it_completes_fails_or_stalls(jobs, mode):
+    """The launcher's rendezvous store and the ranks' gloo sockets: nothing of a spawned job
+    listens on 0.0.0.0 or ::, whether it completes ("busy"), fails at once ("skip", refused
+    by --check-collectives) or stalls until its timeout ("stop": the report still comes)."""
+    job = jobs[(mode, "spawned")]
+    assert job["sockets"], "no listening socket seen: the sampler saw no process of the job"
+    assert all(is_loopback(addr) for addr, _ in job["sockets"]), sorted(job["sockets"])
+    assert (job["rc"] == 0) == (mode == "busy")
+    if mode == "stop":
+        assert _report(job)[1][0].startswith("stall: ")
 
 
 # ---- diagnose() on states made by hand: what the job's report reads
