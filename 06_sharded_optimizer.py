@@ -574,7 +574,7 @@ def resume_run(ctx, args, path, start, stop, save_at, batch, stage=1):
     opt = cls(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1, **(
         {"bucket_mb": BUCKET_MB} if stage == 2 else {}))
     if start:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
     ddp = model if stage == 2 else naive.NaiveDDP(model)

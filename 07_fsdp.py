@@ -832,7 +832,7 @@ def resume_run(ctx, args, path, start, stop, save_at, batch, replicate=None):
     model = FSDP(ref, replicate=REPLICATE.get(replicate))
     opt = make_optimizer(case, model.parameters())
     if start:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)
         model.load_full_state_dict(saved["model"])
         model.load_full_optim_state_dict(opt, saved["optim"])
     for step in range(start, stop):

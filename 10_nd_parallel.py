@@ -524,7 +524,7 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
         if action == "resume" and step < k:
             continue
         if action == "resume" and step == k:
-            model.load_full_checkpoint(torch.load(path, weights_only=False), opt)
+            model.load_full_checkpoint(torch.load(path, weights_only=True), opt)
             sharded = common.sharded_matches(model.stage, opt, common.latest_checkpoint(path + ".sharded"))
         loss = train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
         norms.append((model.last_norm, norm))

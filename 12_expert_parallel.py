@@ -636,7 +636,7 @@ def checkpoint_case(ctx, args, path, action, ep, saved_world=None, steps=4, k=2)
         if action == "resume" and step < k:
             continue
         if action == "resume" and step == k:
-            ckpt = torch.load(path, weights_only=False)
+            ckpt = torch.load(path, weights_only=True)
             load_full_state_dict(model.module, ckpt["model"])
             load_full_optim_state_dict(model.module, opts[1], ckpt["optim"])
         train_step(model, opts[1], tuple(common.shard(t, rank, world) for t in (x, y)), common.StepClock(ctx.device))

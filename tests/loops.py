@@ -114,7 +114,7 @@ def tp_cases(ctx, args, path):
                 (ref(xs, ys)[1] / 2).backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
             opts[1].step()
-        ckpt = torch.load(path, weights_only=False)
+        ckpt = torch.load(path, weights_only=True)
         tp.load_full_state_dict(model, ckpt["model"])
         tp.load_full_optim_state_dict(model, opts[0], ckpt["optim"])
         gpt_loop(model, ref, opts, data, (SAVE_AFTER, STEPS), group=group)
@@ -303,7 +303,7 @@ def pp_cases(ctx, args, path):
             ref(x, y).backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
             opts[1].step()
-        ckpt = torch.load(path + ".pp", weights_only=False)
+        ckpt = torch.load(path + ".pp", weights_only=True)
         pp.load_full_state_dict(stage, ckpt["model"])
         pp.load_full_optim_state_dict(stage, opts[0], ckpt["optim"])
         pipeline_loop(setup, data, (SAVE_AFTER, STEPS))
@@ -356,7 +356,7 @@ def gpt_three_axes(ctx, args, path):
         wrapped = ddp.DDPBucketed(sharded, 1, process_group=mesh.group("dp")) if shape["dp"] > 1 else sharded
         opt = model.configure_optimizers(0.1, 1e-3)   # the model's own groups, over its shards
         if steps[0]:
-            ckpt = torch.load(path, weights_only=False)
+            ckpt = torch.load(path, weights_only=True)
             common.load_full_state_dict(model, ckpt["model"])
             common.load_full_optim_state_dict(model, opt, ckpt["optim"])
             sharded = sharded_equals_full(model, opt, common.latest_checkpoint(path + ".sharded"))

@@ -428,7 +428,7 @@ def composed(ctx, args):
             opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-6)
             norms = [] if name == first else [other]
             if name == then:
-                ckpt = torch.load(path, weights_only=False)
+                ckpt = torch.load(path, weights_only=True)
                 common.load_full_state_dict(stage, ckpt["model"])
                 common.load_full_optim_state_dict(stage, opt, ckpt["optim"])
                 r[name] = {"sharded": sharded_equals_full(stage, opt, common.latest_checkpoint(folder))}

@@ -126,7 +126,7 @@ def test_a_consolidated_checkpoint_resumes_on_another_world_size(tmp_path, first
     run = getattr(sharded, worker)
     path = str(tmp_path / "checkpoint.pt")
     whole = common.launch(run, verify_args(first), path, 0, 6, 3, 16)
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     assert saved["optim"]["consolidated"] and len(saved["optim"]["state"]) == len(whole)   # every parameter's state
     resumed = common.launch(run, verify_args(then), path, 3, 6, None, 16)
     for k in whole:

@@ -127,7 +127,7 @@ def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then):
     whole = common.launch(workers.fsdp_resume_runs, verify_args(first), [(run, path, 0, 6, 3) for run, path in runs.items()])
     jobs = []
     for run, path in runs.items():
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)
         assert set(saved["model"]) == set(common.TransformerLM(32, 64, 2, 4, context_length=16).state_dict())
         saved["optim"]["state"] = {}   # the control: AdamW starts its moments again
         torch.save(saved, path + ".fresh")
@@ -290,7 +290,7 @@ def test_a_rank_dying_mid_save_leaves_the_last_checkpoint_and_ignores_the_partia
     assert "step-000000001" in names and "step-000000002" not in names, names
     assert any(n.startswith(".partial-step-000000002-") for n in names), names
     got = common.launch(workers.checkpoint_crash, verify_args(2), folder, "load", world_size=2)
-    saved = torch.load(os.path.join(folder, "saved-at-1.pt"))
+    saved = torch.load(os.path.join(folder, "saved-at-1.pt"), weights_only=True)
     assert got["latest"] == "step-000000001" and got["extra"] == {"step": 1}
     assert set(got["weights"]) == set(saved) and all(torch.equal(got["weights"][k], saved[k]) for k in saved)
 
