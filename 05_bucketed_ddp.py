@@ -29,14 +29,16 @@ import math
 import time
 
 import common
-from common import hold_storage, make_real, place   # the placement record (common.py's copy region of that name)
+import diagnostics
 
-# ---- begin copy: DDPBucketed (needs torch, the standard library and common.py's placement record) ----
+# ---- begin copy: DDPBucketed (needs torch, the standard library and placement.py) ----
 import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from placement import hold_storage, make_real, place
 
 
 class DDPBucketed(nn.Module):
@@ -72,13 +74,13 @@ class DDPBucketed(nn.Module):
     and its ``finish_gradient_synchronization`` runs before ours. ``ignore_parameters``:
     parameters left alone (neither broadcast nor reduced), such as a mixture of experts'
     experts, which differ from rank to rank (torch DDP's parameters to ignore). Every other
-    parameter records a "replicate" placement over the group (common.py's placement record),
+    parameter records a "replicate" placement over the group (placement.py),
     so that a clip_grad_norm_ or a checkpoint over a composition of axes counts it once.
-    A model built on the meta device is not broadcast: common.materialize gives it storage
+    A model built on the meta device is not broadcast: placement.materialize gives it storage
     (the buckets built again there) and the same values on every rank (docs/10).
     """
 
-    wraps_module = True   # its parameters' names are its module's (common.materialize)
+    wraps_module = True   # its parameters' names are its module's (placement.materialize)
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
                  first_bucket_mb: float = 1.0, ignore_parameters=()):
@@ -129,7 +131,7 @@ class DDPBucketed(nn.Module):
 
     @torch.no_grad()
     def materialize_storage(self, device):
-        """For common.materialize: the parameters real on ``device`` (where an axis inside
+        """For placement.materialize: the parameters real on ``device`` (where an axis inside
         has not made them so), and the buckets built again there."""
         for p in self._params:
             if p.is_meta:
@@ -478,7 +480,7 @@ def benchmark(ctx, args, model, cap, fit=False):
 
 def recorder_cost(ctx, args, cap):
     """--recorder-cost: DDPBucketed on the LM with the flight recorder off, on, and checking."""
-    return common.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
+    return diagnostics.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
 
 
 def benchmark_baselines(ctx, args):
@@ -603,7 +605,7 @@ def main(argv=None):
     if args.recorder_cost:
         rows = common.launch(recorder_cost, args, caps[0])
         return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "
-                                   f"({caps[0]:g} MB buckets)", rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
+                                   f"({caps[0]:g} MB buckets)", rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
 
     # One job (fresh processes) per bucket size; the table is rewritten after each, so a run
     # cut short keeps what it measured. The first size also fits the all-reduce cost.

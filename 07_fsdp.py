@@ -33,19 +33,21 @@ import tempfile
 import threading
 import time
 
-import torch.nn.functional as F
 
 import common
-from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, hold_storage,  # noqa: F401
-                    load_full_optim_state_dict, load_full_state_dict, make_real, place, placements, whole_tensor)   # the placement record (common.py's copy region)
+import sharded_checkpoint
 
-# ---- begin copy: FSDP (needs torch, the standard library and common.py's placement record) ----
+# ---- begin copy: FSDP (needs torch, the standard library and placement.py) ----
 import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, hold_storage,
+                       load_full_optim_state_dict, load_full_state_dict, make_real, place, placements,
+                       whole_tensor)   # noqa: F401 (what a loop needs, from here too)
 
 
 def _all_gather(out, inp, group, async_op=False):
@@ -109,7 +111,7 @@ class FSDP(nn.Module):
     whole-size gradients locally (no communication) until a synchronized backward.
     ``full_state_dict`` / ``load_full_state_dict`` and ``full_optim_state_dict`` /
     ``load_full_optim_state_dict`` save whole tensors and load them on any group size. These
-    are common.py's placement record's functions over this group: each shard records a
+    are placement.py's functions over this group: each shard records a
     "shard" placement (dim 0 over the group, after any the parameter had), each replicated
     parameter a "replicate" one, so the same functions serve FSDP inside other axes.
     ``ignore``: parameters left out (never broadcast, sharded, gathered or reduced: a
@@ -117,12 +119,12 @@ class FSDP(nn.Module):
     their own placement record says, and their gradients are the caller's to reduce.
 
     A model built on the meta device: nothing is broadcast, the shards stay on meta, and
-    common.materialize(model, device, source) gives this rank's flat buffers storage (the
+    placement.materialize(model, device, source) gives this rank's flat buffers storage (the
     same shard Parameters) and fills them, from the model's init or a checkpoint (docs/10,
     "A model larger than one rank").
     """
 
-    wraps_module = True   # its parameters' names are its module's (common.materialize)
+    wraps_module = True   # its parameters' names are its module's (placement.materialize)
 
     def __init__(self, module: nn.Module, compute_dtype=None, process_group=None, units=None, replicate=None,
                  ignore=(), reduce_dtype=None):
@@ -133,7 +135,7 @@ class FSDP(nn.Module):
         src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         ignored = {id(p) for p in ignore}
         self._ignored = {name: p for name, p in module.named_parameters() if id(p) in ignored}
-        with torch.no_grad():   # a model built on meta gets its values later (common.materialize)
+        with torch.no_grad():   # a model built on meta gets its values later (placement.materialize)
             for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
                 if not t.is_meta:
                     dist.broadcast(t, src=src, group=process_group)
@@ -171,7 +173,7 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def materialize_storage(self, device):
-        """For common.materialize (a model built on meta): each unit's flat buffer made on
+        """For placement.materialize (a model built on meta): each unit's flat buffer made on
         ``device``, its shards views of it again (the same Parameter objects)."""
         for unit in self._units:
             unit.materialize_storage(torch.device(device))
@@ -293,7 +295,7 @@ class FSDP(nn.Module):
             unit.reshard()              # a frozen unit a backward passed through (no gradient of its
             #                             own told it its backward was over)
 
-    # -- ordinary training-loop helpers: common.py's placement record, over the group -------
+    # -- ordinary training-loop helpers: placement.py's, over the group -------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the global norm over all ranks' shards and the replicated
         parameters (counted once): clip_grad_norm_ of the placement record over this
@@ -407,7 +409,7 @@ class _Unit:
                 view = self.flat[info.offset:info.offset + info.numel].view(info.shard_shape)
                 view.copy_(info.slice(p.detach()))
                 shard = place(nn.Parameter(view, requires_grad=p.requires_grad), "shard", self.group, 0, p.shape, like=p)
-                if shard.is_meta:   # built on meta: common.materialize asks the FSDP for its storage
+                if shard.is_meta:   # built on meta: placement.materialize asks the FSDP for its storage
                     hold_storage(shard, fsdp)
                 for mod, attr in uses[id(p)]:
                     mod._parameters[attr] = shard
@@ -429,7 +431,7 @@ class _Unit:
 
     def materialize_storage(self, device):
         """The flat buffer on ``device`` (uninitialised), the shards views of it (each keeps
-        its Parameter object: common.make_real), and the whole tensors' there."""
+        its Parameter object: placement.make_real), and the whole tensors' there."""
         if not self.flat.is_meta:
             return
         self.device, self.flat = device, torch.zeros(self.size, dtype=self.dtype, device=device)
@@ -999,7 +1001,7 @@ def checkpoint_benchmark(ctx, args, folder):
                 with HostPeak() as host:
                     t0 = time.perf_counter()
                     if owner == "ours":
-                        common.save_sharded(model.module, opt, path, k, async_save=mode == "async")
+                        sharded_checkpoint.save_sharded(model.module, opt, path, k, async_save=mode == "async")
                     else:
                         sd = dict(zip(("model", "optim"), get_state_dict(lm, opt)))
                         pending = (dcp.async_save if mode == "async" else dcp.save)(sd, checkpoint_id=path,
@@ -1010,7 +1012,7 @@ def checkpoint_benchmark(ctx, args, folder):
                         step()
                         after.append(time.perf_counter() - t1)
                         if owner == "ours":
-                            common.wait_for_saves()
+                            sharded_checkpoint.wait_for_saves()
                         else:
                             pending.result()
                     total.append(time.perf_counter() - t0)   # async: until on disk, the step beside it included

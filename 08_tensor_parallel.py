@@ -12,7 +12,7 @@ two in backward. Embeddings, norms and the output head stay whole on every rank.
 lecture's version splits every layer by columns and all-gathers its output (here with its
 backward): every rank then computes attention whole, and each layer costs a collective.
 
-In your own training loop (the copy region and common.py's placement record have all of it):
+In your own training loop (the copy region and placement.py have all of it):
     for block in gpt.transformer.h:                     # same weights on every tp rank
         parallelize(block.mlp, {"c_fc": "column", "c_proj": "row"}, tp_group)
     opt = gpt.configure_optimizers(...)                 # parameter groups as usual
@@ -47,10 +47,8 @@ Writes <out>/08_tensor_parallel.{json,md}.
 import copy
 
 import common
-from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
-                    load_full_state_dict, place, placements)   # the placement record (common.py's copy region)
 
-# ---- begin copy: tensor-parallel layers (need torch, the standard library and common.py's placement record) ----
+# ---- begin copy: tensor-parallel layers (need torch, the standard library and placement.py) ----
 import contextlib
 import fnmatch
 import math
@@ -60,6 +58,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                       load_full_state_dict, place, placements)   # noqa: F401 (what a loop needs, from here too)
 
 
 class _CopyToParallel(torch.autograd.Function):

@@ -17,7 +17,7 @@ p-1) when F, B and W take as long, a third of 1F1B's, holding no more than 1F1B'
 Gradients accumulate over the micro-batches; one optimizer step per global batch. With
 p = 2 and m = 1 this is plain model parallelism: the model in two halves on two devices.
 
-In your own training loop (the copy region and common.py's placement record have all of it):
+In your own training loop (the copy region and placement.py have all of it):
     stage = MyStage(model, rank, n_stages)             # its layers under the model's own names
     pipe = Pipeline(stage, 8, loss_fn, "1f1b", pp_group)   # what crosses the stages: found by step 1
     opt.zero_grad(); pipe.step(x if pipe.first else None, y if pipe.last else None)
@@ -53,16 +53,17 @@ import math
 import statistics
 
 import common
-from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
-                    load_full_state_dict, place)   # the placement record (common.py's copy region)
 
-# ---- begin copy: pipeline parallelism (needs torch, the standard library and common.py's placement record) ----
+# ---- begin copy: pipeline parallelism (needs torch, the standard library and placement.py) ----
 import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                       load_full_state_dict, place)   # noqa: F401 (what a loop needs, from here too)
 
 
 def balanced_split(costs: list, n_stages: int, first: float = 0.0, last: float = 0.0) -> list:

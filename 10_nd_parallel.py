@@ -59,9 +59,11 @@ import time
 import warnings
 
 import torch
-import torch.nn as nn
 
 import common
+import sharded_checkpoint
+import placement
+import diagnostics
 
 # ---- begin copy: Mesh (needs only torch and the standard library) ----
 import itertools
@@ -290,10 +292,10 @@ class ParallelLM:
 
     def materialize(self, device, source=None):
         """A model built on meta (``torch.device("meta")``, every axis applied): this rank's
-        part made real on ``device`` and filled from ``source`` (common.materialize: the
-        model's init, ``common.initialized(blueprint, seed=...)``, or whole tensors by name;
+        part made real on ``device`` and filled from ``source`` (placement.materialize: the
+        model's init, ``placement.initialized(blueprint, seed=...)``, or whole tensors by name;
         None: storage only, for load_full_checkpoint or a sharded checkpoint)."""
-        common.materialize(self.module, device, source)
+        placement.materialize(self.module, device, source)
         return self
 
     def _activation(self, t) -> bool:
@@ -323,7 +325,7 @@ class ParallelLM:
         """Clip every gradient by the global L2 norm over the whole mesh, each element once:
         the placement record's clip_grad_norm_ over the mesh's ranks (every axis recorded
         how it laid out each parameter)."""
-        total = common.clip_grad_norm_(self.stage, max_norm, process_group=self.mesh.group())
+        total = placement.clip_grad_norm_(self.stage, max_norm, process_group=self.mesh.group())
         self.last_norm = total.item()
         return total
 
@@ -331,19 +333,19 @@ class ParallelLM:
     @torch.no_grad()
     def full_parameters(self) -> dict:
         """This rank's stage's parameters whole, by name (collective over fsdp and tp)."""
-        return {n: common.whole_tensor(p, common.placements(p)) for n, p in self.params.items()}
+        return {n: placement.whole_tensor(p, placement.placements(p)) for n, p in self.params.items()}
 
     def full_checkpoint(self, optimizer) -> dict:
         """Whole parameters and optimizer state by name, with the optimizer's groups, on the
         mesh's first rank ({} in each on the others); every rank must call it."""
         group = self.mesh.group()
-        return {"model": common.full_state_dict(self.stage, group),
-                "optim": common.full_optim_state_dict(self.stage, optimizer, group)}
+        return {"model": placement.full_state_dict(self.stage, group),
+                "optim": placement.full_optim_state_dict(self.stage, optimizer, group)}
 
     def load_full_checkpoint(self, ckpt, optimizer):
         """Load a full_checkpoint saved on any mesh, or one process's (pass it on every rank)."""
-        common.load_full_state_dict(self.stage, ckpt["model"])
-        common.load_full_optim_state_dict(self.stage, optimizer, ckpt["optim"])
+        placement.load_full_state_dict(self.stage, ckpt["model"])
+        placement.load_full_optim_state_dict(self.stage, optimizer, ckpt["optim"])
 
 
 MAX_NORM = 0.4   # gradients clipped by the global norm (the verification LM's starts near 0.58: always clipped)
@@ -496,8 +498,8 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
     if meta:   # one process: the same init on the same seed (MoELM's constructor draws for the MLPs it drops)
         whole = build("meta")
         blueprint = copy.deepcopy(whole)   # the model as built (on meta: no memory)
-        ref = common.materialize(copy.deepcopy(blueprint), ctx.device, common.initialized(blueprint, seed=args.seed))
-        model = ParallelLM(mesh, whole, batch, levers).materialize(ctx.device, common.initialized(blueprint,
+        ref = placement.materialize(copy.deepcopy(blueprint), ctx.device, placement.initialized(blueprint, seed=args.seed))
+        model = ParallelLM(mesh, whole, batch, levers).materialize(ctx.device, placement.initialized(blueprint,
                                                                                                   seed=args.seed))
     else:
         ref = build(ctx.device)
@@ -525,7 +527,7 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
             continue
         if action == "resume" and step == k:
             model.load_full_checkpoint(torch.load(path, weights_only=True), opt)
-            sharded = common.sharded_matches(model.stage, opt, common.latest_checkpoint(path + ".sharded"))
+            sharded = common.sharded_matches(model.stage, opt, sharded_checkpoint.latest_checkpoint(path + ".sharded"))
         loss = train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
         norms.append((model.last_norm, norm))
         if fp32 is not None:   # the global batch's loss: the last stages' parts, averaged over the replicas
@@ -536,7 +538,7 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
             ckpt = model.full_checkpoint(opt)
             if dist.get_rank() == 0:
                 torch.save(ckpt, path)
-            common.save_sharded(model.stage, opt, path + ".sharded", k)   # each rank its part: must load alike
+            sharded_checkpoint.save_sharded(model.stage, opt, path + ".sharded", k)   # each rank its part: must load alike
             dist.barrier()
             return {"ok": True, "max_diff": 0.0, "saved": path}
     if action == "resume":   # the sharded checkpoint of the same step loaded bit for bit as the full one
@@ -561,10 +563,10 @@ def meta_twin(ctx, args, mesh, batch, levers, build) -> bool:
     suite trains two meshes from meta outright (SUITE_META)."""
     whole = build("meta")
     blueprint = copy.deepcopy(whole)
-    twin = ParallelLM(mesh, whole, batch, levers).materialize(ctx.device, common.initialized(blueprint,
+    twin = ParallelLM(mesh, whole, batch, levers).materialize(ctx.device, placement.initialized(blueprint,
                                                                                              seed=args.seed))
-    plain = ParallelLM(mesh, common.materialize(copy.deepcopy(blueprint), ctx.device,
-                                                common.initialized(blueprint, seed=args.seed)), batch, levers)
+    plain = ParallelLM(mesh, placement.materialize(copy.deepcopy(blueprint), ctx.device,
+                                                placement.initialized(blueprint, seed=args.seed)), batch, levers)
     a, b = twin.stage.state_dict(), plain.stage.state_dict()
     mine = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     everyone = [None] * dist.get_world_size()
@@ -967,7 +969,7 @@ def recorder_cost(ctx, args, shape, dims):
         model = ParallelLM(Mesh(shape), whole, batch, levers)
         opt = make_optimizer(model)
         return lambda b, clock: train_step(model, opt, model.part(b), clock)
-    return common.recorder_modes(ctx, argparse.Namespace(**{**vars(args), "batch_size": batch}), make,
+    return diagnostics.recorder_modes(ctx, argparse.Namespace(**{**vars(args), "batch_size": batch}), make,
                                  global_batch=True)
 
 
@@ -1012,7 +1014,7 @@ def setup_memory(ctx, args, shape, method, size, steps):
         whole = lm(dims, args.context_length, False, args.seed, "meta")
         blueprint = copy.deepcopy(whole)   # the model as built: its init's order and shapes
         model = ParallelLM(Mesh(shape), whole, batch, levers).materialize(
-            ctx.device, common.initialized(blueprint, seed=args.seed))
+            ctx.device, placement.initialized(blueprint, seed=args.seed))
         del whole, blueprint
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -1104,7 +1106,7 @@ SETUP_NOTE = ("held_mib: the parameters the rank holds after the setup; setup_pe
               "the process from the start of its setup to its end (VmHWM, reset at the start; the largest rank); "
               "above_start_mib: that peak less the process's resident memory at the start (torch imported, the "
               "process group made); ranks_peak_gib: the ranks' peaks summed. Fresh processes for each row. Ours on "
-              "meta holds the rank's part plus one module's tensors whole at a time (common.initialized); torch's is "
+              "meta holds the rank's part plus one module's tensors whole at a time (placement.initialized); torch's is "
               "FSDP2's meta path (to_empty, each module's reset_parameters on its shards), with 08's baseline of "
               "torch's tensor parallelism. On a GPU, device_peak_mib: the device's peak allocated memory during "
               "the setup (max_memory_allocated, reset at its start).")
@@ -1754,7 +1756,7 @@ def main(argv=None):
         args.batch_size = args.batch_size or 2 * levers_of(args).m(shape) * shape["dp"] * shape["fsdp"]
         rows = common.launch(recorder_cost, args, shape, dims)
         return common.report_table(args, "10_recorder_cost", f"The flight recorder's cost on {label(shape)} (ours)",
-                                   rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
+                                   rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
     if not args.no_verify:
         if single and args.ep > 1:
             jobs = [(args.world_size, [], ("ep", args.ep, shape, args.tie))]

@@ -41,10 +41,8 @@ import copy
 import statistics
 
 import common
-from common import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,  # noqa: F401
-                    load_full_state_dict, place)   # the placement record (common.py's copy region)
 
-# ---- begin copy: mixture of experts (needs torch, the standard library and common.py's placement record) ----
+# ---- begin copy: mixture of experts (needs torch, the standard library and placement.py) ----
 import math
 import time
 
@@ -52,6 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                       load_full_state_dict, place)   # noqa: F401 (what a loop needs, from here too)
 
 
 class _AllToAllV(torch.autograd.Function):

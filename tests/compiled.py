@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-import common
+import placement
 import llama
 from own_model import MAX_NORM, TP_PLAN, batches, compare, cpm, ddp, embed, ep, fsdp, head, pp, tp
 
@@ -96,10 +96,10 @@ def classes(ctx, args):
         model = compiled_layers(copy.deepcopy(base))
         return fsdp.FSDP(model, units=list(model.layers))   # each compiled layer a unit (prefetching)
     case("FSDP", fsdp_build, lambda m, x, y: llama.loss_fn(m(mine(x)), mine(y)).backward(),
-         lambda m: m.clip_grad_norm_(MAX_NORM), lambda m: common.full_state_dict(m.module, all_ranks=True))
+         lambda m: m.clip_grad_norm_(MAX_NORM), lambda m: placement.full_state_dict(m.module, all_ranks=True))
     case("parallelize", lambda: compiled_layers(tp.parallelize(copy.deepcopy(base), TP_PLAN)),
          lambda m, x, y: llama.loss_fn(m(x), y).backward(),
-         lambda m: tp.clip_grad_norm_(m, MAX_NORM), lambda m: common.full_state_dict(m, all_ranks=True))
+         lambda m: tp.clip_grad_norm_(m, MAX_NORM), lambda m: placement.full_state_dict(m, all_ranks=True))
 
     def stage_of():
         stage = pp.PipelineStage(copy.deepcopy(base), "layers", r, W, embed, head, first=["tok_embeddings"],

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import diagnostics
 
 
 def load(script: str):
@@ -73,7 +74,7 @@ def refused(script: str, *argv) -> str:
 # each its own session). A process started by a session keeps its tag.
 # Every job the tests launch compares each collective across its ranks before it runs
 # (--check-collectives): a rank calling another op, shape or group fails the test at once
-os.environ.setdefault(common.CHECK_ENV, "1")
+os.environ.setdefault(diagnostics.CHECK_ENV, "1")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if "KIT_TEST_SESSION" not in os.environ or os.environ.get("KIT_TEST_WORKER") != _WORKER:
     os.environ["KIT_TEST_SESSION"], os.environ["KIT_TEST_WORKER"] = str(os.getpid()), _WORKER

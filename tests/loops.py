@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import sharded_checkpoint
+import placement
 from gpt import GPT, GPTConfig
 
 tp = common.load_script(os.path.join(common.ROOT, "08_tensor_parallel.py"))
@@ -320,7 +322,7 @@ def real_loops(ctx, args, path):
 def sharded_equals_full(stage, opt, folder) -> bool:
     """common.sharded_matches (the sharded checkpoint gives back what the full one loaded,
     bit for bit), and its extra came back."""
-    return common.sharded_matches(stage, opt, folder) and set(common.load_sharded(stage, None, folder)) == {"mesh"}
+    return common.sharded_matches(stage, opt, folder) and set(sharded_checkpoint.load_sharded(stage, None, folder)) == {"mesh"}
 
 
 # ----------------------------------------------------------------------------------------
@@ -357,9 +359,9 @@ def gpt_three_axes(ctx, args, path):
         opt = model.configure_optimizers(0.1, 1e-3)   # the model's own groups, over its shards
         if steps[0]:
             ckpt = torch.load(path, weights_only=True)
-            common.load_full_state_dict(model, ckpt["model"])
-            common.load_full_optim_state_dict(model, opt, ckpt["optim"])
-            sharded = sharded_equals_full(model, opt, common.latest_checkpoint(path + ".sharded"))
+            placement.load_full_state_dict(model, ckpt["model"])
+            placement.load_full_optim_state_dict(model, opt, ckpt["optim"])
+            sharded = sharded_equals_full(model, opt, sharded_checkpoint.latest_checkpoint(path + ".sharded"))
         replicas, replica = shape["dp"] * shape["fsdp"], mesh.coord("dp") * shape["fsdp"] + mesh.coord("fsdp")
         norms = []
         for x, y in data[steps[0]:steps[1]]:
@@ -369,16 +371,16 @@ def gpt_three_axes(ctx, args, path):
                 (wrapped(x[:1], y[:1])[1] / 2).backward()
             (wrapped(x[1:], y[1:])[1] / 2).backward()
             wrapped.finish_gradient_synchronization()
-            norms.append(common.clip_grad_norm_(model, MAX_NORM).item())
+            norms.append(placement.clip_grad_norm_(model, MAX_NORM).item())
             opt.step()
         r = {"norms": list(zip(norms, want[steps[0]:steps[1]]))}
         if steps[0] == 0:
-            ckpt = {"model": common.full_state_dict(model), "optim": common.full_optim_state_dict(model, opt)}
+            ckpt = {"model": placement.full_state_dict(model), "optim": placement.full_optim_state_dict(model, opt)}
             if ctx.rank == 0:
                 torch.save(ckpt, path)
-            common.save_sharded(model, opt, path + ".sharded", steps[1], extra={"mesh": name})
+            sharded_checkpoint.save_sharded(model, opt, path + ".sharded", steps[1], extra={"mesh": name})
             dist.barrier()
         else:
-            r.update(compare(common.full_state_dict(model, all_ranks=True), ref), sharded=sharded)
+            r.update(compare(placement.full_state_dict(model, all_ranks=True), ref), sharded=sharded)
         out[name] = everyone(r)
     return out

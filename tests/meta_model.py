@@ -1,7 +1,7 @@
 """Workers for "a model larger than one rank": the tests' Llama (and the kit's LM) built under
 torch.device("meta"), put on each axis with documented calls, given real storage for this
-rank's part only by common.materialize, filled either by the model's own init module by
-module (common.initialized: one process's values, bit for bit) or from a checkpoint
+rank's part only by placement.materialize, filled either by the model's own init module by
+module (placement.initialized: one process's values, bit for bit) or from a checkpoint
 (load_full_state_dict, load_sharded), then trained against one process."""
 import copy
 import os
@@ -13,7 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-import common
+import sharded_checkpoint
+import placement
+import diagnostics
 import llama
 from own_model import (MAX_NORM, TP_PLAN, batches, compare, ddp, embed, ep, everyone, fsdp, head, llama_init,
                        llama_moe, pp, tp, train_experts, train_reference)
@@ -32,7 +34,7 @@ class NoMetaCollectives:
 
     def enter(self, op, args, kwargs, group, async_op):
         self.seen += 1
-        bad = [tuple(t.shape) for t in common.call_tensors(op, args, kwargs) if t.is_meta]
+        bad = [tuple(t.shape) for t in diagnostics.call_tensors(op, args, kwargs) if t.is_meta]
         if bad:
             raise AssertionError(f"{op} was given meta tensors {bad}")
 
@@ -43,7 +45,7 @@ class NoMetaCollectives:
 def one_process(blueprint, seed=0):
     """The reference: one process's model from the same blueprint, init and seed."""
     model = copy.deepcopy(blueprint)
-    return common.materialize(model, "cpu", common.initialized(blueprint, llama_init, seed=seed))
+    return placement.materialize(model, "cpu", placement.initialized(blueprint, llama_init, seed=seed))
 
 
 def train(module, opt, data, step, clip):
@@ -73,7 +75,7 @@ def axes(ctx, args):
     load_full_state_dict, and by load_sharded. No collective is given a meta tensor."""
     out, data, W, r = {}, batches(), ctx.world_size, ctx.rank
     watch = NoMetaCollectives()
-    with common.traced_calls(watch):
+    with diagnostics.traced_calls(watch):
         # -- DDPBucketed
         model, bp = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
         ref = one_process(bp)
@@ -81,7 +83,7 @@ def axes(ctx, args):
         trained = copy.deepcopy(ref)
         train_reference(trained, data)
         wrapped = ddp.DDPBucketed(model, 1)
-        common.materialize(wrapped, "cpu", common.initialized(bp, llama_init, seed=0))
+        placement.materialize(wrapped, "cpu", placement.initialized(bp, llama_init, seed=0))
         out["same init on every rank"] = everyone(float(sum(p.detach().double().sum() for p in model.parameters())))
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-6)
         norms = train(wrapped, opt, data, lambda x, y: llama.loss_fn(wrapped(x.chunk(W)[r]), y.chunk(W)[r]).backward(),
@@ -91,12 +93,12 @@ def axes(ctx, args):
         # -- FSDP, each layer a unit
         model, bp = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
         wrapped = fsdp.FSDP(model, units=list(model.layers))
-        common.materialize(wrapped, "cpu", common.initialized(bp, llama_init, seed=0))
+        placement.materialize(wrapped, "cpu", placement.initialized(bp, llama_init, seed=0))
         out["fsdp held"] = sum(p.numel() for p in wrapped.parameters())
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-6)
         norms = train(wrapped, opt, data, lambda x, y: llama.loss_fn(wrapped(x.chunk(W)[r]), y.chunk(W)[r]).backward(),
                       lambda: wrapped.clip_grad_norm_(MAX_NORM))
-        out["fsdp"] = _result(common.full_state_dict(model, all_ranks=True), trained, norms, want)
+        out["fsdp"] = _result(placement.full_state_dict(model, all_ranks=True), trained, norms, want)
 
         # -- tensor parallel (with DDPBucketed over the data ranks at 4)
         model, bp = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
@@ -106,12 +108,12 @@ def axes(ctx, args):
         tp_group, dp_group = tp_groups[r // t], dp_groups[r % t]
         tp.parallelize(model, TP_PLAN, tp_group)
         wrapped = ddp.DDPBucketed(model, 1, process_group=dp_group) if dp > 1 else model
-        common.materialize(wrapped, "cpu", common.initialized(bp, llama_init, seed=0))
+        placement.materialize(wrapped, "cpu", placement.initialized(bp, llama_init, seed=0))
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-6)
         norms = train(wrapped, opt, data,
                       lambda x, y: llama.loss_fn(wrapped(x.chunk(dp)[r // t]), y.chunk(dp)[r // t]).backward(),
                       lambda: tp.clip_grad_norm_(model, MAX_NORM, process_group=tp_group))
-        out[f"dp {dp} x tp {t}"] = _result(common.full_state_dict(model, all_ranks=True), trained, norms, want)
+        out[f"dp {dp} x tp {t}"] = _result(placement.full_state_dict(model, all_ranks=True), trained, norms, want)
 
         # -- pipeline: a stage a rank, 1F1B, nothing said of the activations
         args4 = llama.ModelArgs(n_layers=4)
@@ -122,7 +124,7 @@ def axes(ctx, args):
         train_reference(trained4, data)
         stage = pp.PipelineStage(model, "layers", r, W, embed, head, first=["tok_embeddings"], last=["norm", "output"])
         pipe = pp.Pipeline(stage, 2, llama.loss_fn, "1f1b")
-        common.materialize(stage, "cpu", common.initialized(bp, llama_init, seed=0))
+        placement.materialize(stage, "cpu", placement.initialized(bp, llama_init, seed=0))
         held = sum(p.numel() for p in stage.parameters())
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-6)
         norms = train(stage, opt, data, lambda x, y: pipe.step(x if pipe.first else None, y if pipe.last else None),
@@ -138,7 +140,7 @@ def axes(ctx, args):
         for moe in (m for m in model.modules() if isinstance(m, ep.MoE)):
             moe.distribute()
         wrapped = ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
-        common.materialize(wrapped, "cpu", common.initialized(bp, llama_init, seed=0))
+        placement.materialize(wrapped, "cpu", placement.initialized(bp, llama_init, seed=0))
         out["experts"] = {**train_experts(ctx, model, wrapped, ref, data),
                           "local": sorted(model.layers[0].feed_forward.experts.keys())}
 
@@ -146,21 +148,21 @@ def axes(ctx, args):
         model, bp = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
         saved = one_process(bp, seed=7)
         wrapped = fsdp.FSDP(model, units=list(model.layers))
-        common.materialize(wrapped, "cpu")
-        common.load_full_state_dict(model, saved.state_dict())
-        out["load_full_state_dict"] = compare(common.full_state_dict(model, all_ranks=True), saved)
+        placement.materialize(wrapped, "cpu")
+        placement.load_full_state_dict(model, saved.state_dict())
+        out["load_full_state_dict"] = compare(placement.full_state_dict(model, all_ranks=True), saved)
         folder = os.path.join(args.out, "meta-sharded")
-        common.save_sharded(copy.deepcopy(saved), None, folder, 1)
+        sharded_checkpoint.save_sharded(copy.deepcopy(saved), None, folder, 1)
         dist.barrier()
         model, _ = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
         if W == 4:   # tp 2 x fsdp 2; at 2 ranks FSDP alone
             tp.parallelize(model, TP_PLAN, tp_group)
         wrapped = fsdp.FSDP(model, units=list(model.layers), process_group=None if W == 2 else dp_group)
-        common.materialize(wrapped, "cpu")
-        common.load_sharded(model, None, common.latest_checkpoint(folder))
-        out["load_sharded"] = compare(common.full_state_dict(model, all_ranks=True), saved)
+        placement.materialize(wrapped, "cpu")
+        sharded_checkpoint.load_sharded(model, None, sharded_checkpoint.latest_checkpoint(folder))
+        out["load_sharded"] = compare(placement.full_state_dict(model, all_ranks=True), saved)
         out["load_sharded"]["exact"] = all(torch.equal(v, saved.state_dict()[k])
-                                           for k, v in common.full_state_dict(model, all_ranks=True).items())
+                                           for k, v in placement.full_state_dict(model, all_ranks=True).items())
     out["collectives seen"] = watch.seen
     return out
 
@@ -173,7 +175,7 @@ def refusals(ctx, args):
     model, bp = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
     stage = pp.PipelineStage(model, "layers", ctx.rank, ctx.world_size, embed, head, first=["tok_embeddings"],
                              last=["norm", "output"])
-    common.materialize(stage, "cpu", common.initialized(bp, llama_init, seed=0))
+    placement.materialize(stage, "cpu", placement.initialized(bp, llama_init, seed=0))
     pipe = pp.Pipeline(stage, 2, llama.loss_fn, "1f1b", activation_shape=(4, 16, 32))   # dim is 64; and rotary
     try:
         x, y = data[0]
@@ -191,7 +193,7 @@ def refusals(ctx, args):
     for label, init in (("other module", meddling), ("no reset", None)):
         _, bp = on_meta(lambda: llama.Transformer(llama.ModelArgs()))
         try:
-            for _ in common.initialized(bp, init, seed=0):
+            for _ in placement.initialized(bp, init, seed=0):
                 pass
             out[label] = "not refused"
         except ValueError as e:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 import common
+import sharded_checkpoint
+import placement
 import llama
 from loops import sharded_equals_full
 
@@ -350,7 +352,7 @@ fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
 
 
 def llama_init(m):
-    """The Llama's init, one module at a time (common.initialized): its norms' weights at
+    """The Llama's init, one module at a time (placement.initialized): its norms' weights at
     one, the rest as torch initialises them (nn.Linear's and nn.Embedding's reset_parameters)."""
     if isinstance(m, llama.RMSNorm):
         torch.nn.init.ones_(m.weight)
@@ -396,8 +398,8 @@ def composed_steps(mesh, stage, module, pipe, opt, data, norms):
         if hasattr(module, "finish_gradient_synchronization"):
             module.finish_gradient_synchronization()
         if not norms:   # first step: the inf and 1-norms, clipping nothing
-            norms.append([common.clip_grad_norm_(stage, 1e9, norm_type=p).item() for p in (float("inf"), 1)])
-        norms.append(common.clip_grad_norm_(stage, MAX_NORM).item())   # one norm over every axis
+            norms.append([placement.clip_grad_norm_(stage, 1e9, norm_type=p).item() for p in (float("inf"), 1)])
+        norms.append(placement.clip_grad_norm_(stage, MAX_NORM).item())   # one norm over every axis
         opt.step()
 
 
@@ -429,35 +431,35 @@ def composed(ctx, args):
             norms = [] if name == first else [other]
             if name == then:
                 ckpt = torch.load(path, weights_only=True)
-                common.load_full_state_dict(stage, ckpt["model"])
-                common.load_full_optim_state_dict(stage, opt, ckpt["optim"])
-                r[name] = {"sharded": sharded_equals_full(stage, opt, common.latest_checkpoint(folder))}
+                placement.load_full_state_dict(stage, ckpt["model"])
+                placement.load_full_optim_state_dict(stage, opt, ckpt["optim"])
+                r[name] = {"sharded": sharded_equals_full(stage, opt, sharded_checkpoint.latest_checkpoint(folder))}
                 plain = llama.Transformer(llama.ModelArgs(n_layers=4))   # and into the model of one process
-                common.load_sharded(plain, None, common.latest_checkpoint(folder))
+                sharded_checkpoint.load_sharded(plain, None, sharded_checkpoint.latest_checkpoint(folder))
                 r["one process"] = all(torch.equal(v, ckpt["model"][k]) for k, v in plain.state_dict().items())
             composed_steps(mesh, stage, module, pipe, opt, steps, norms)
-            r[name] = {**r.get(name, {}), "count": common.count_parameters(stage) == numel}
+            r[name] = {**r.get(name, {}), "count": placement.count_parameters(stage) == numel}
             if name == first:
                 folder = os.path.join(args.out, f"sharded {first}")   # each rank writes what it holds
-                common.save_sharded(stage, opt, folder, half, extra={"mesh": first}, async_save=first == tuple(meshes)[0])
-                common.wait_for_saves()
+                sharded_checkpoint.save_sharded(stage, opt, folder, half, extra={"mesh": first}, async_save=first == tuple(meshes)[0])
+                sharded_checkpoint.wait_for_saves()
                 dist.barrier()
-                with open(os.path.join(common.latest_checkpoint(folder), "metadata.json")) as f:
+                with open(os.path.join(sharded_checkpoint.latest_checkpoint(folder), "metadata.json")) as f:
                     saved = json.load(f)["tensors"]
                 r["scalars once"] = sorted({len(v) for k, v in saved.items() if k.endswith("/step")})
                 r["inf and 1-norm"] = all(abs(a - b) <= 1e-5 * b for a, b in zip(norms[0], other))
                 try:   # a norm over tp alone: a stage's part is refused; data ranks' copies clip alike
-                    common.clip_grad_norm_(stage, 1e9, process_group=mesh.group("tp"))
+                    placement.clip_grad_norm_(stage, 1e9, process_group=mesh.group("tp"))
                     r["refused"] = "not refused"
                 except ValueError as e:
                     r["refused"] = str(e)
-                ckpt = {"model": common.full_state_dict(stage), "optim": common.full_optim_state_dict(stage, opt)}
+                ckpt = {"model": placement.full_state_dict(stage), "optim": placement.full_optim_state_dict(stage, opt)}
                 if ctx.rank == 0:
                     torch.save(ckpt, path)
                 dist.barrier()
             r[name]["norms"] = max(abs(a - b) / b for a, b in zip(norms[1:], want[:half] if name == first
                                                                    else want[half:])) < 1e-4
-        full = common.full_state_dict(stage, all_ranks=True)
+        full = placement.full_state_dict(stage, all_ranks=True)
         r.update(compare(full, ref_trained))
         out[f"{first}, then {then}"] = everyone(r)
     # the same composition on a model built on the meta device: each rank's part made real,
@@ -467,19 +469,19 @@ def composed(ctx, args):
     blueprint = copy.deepcopy(model)
     mesh = nd.Mesh(meshes["pp 2 x fsdp 2 x tp 2"])
     stage, module, pipe = compose(model, mesh, 2)
-    common.materialize(module, "cpu", common.initialized(blueprint, llama_init, seed=0))
+    placement.materialize(module, "cpu", placement.initialized(blueprint, llama_init, seed=0))
     held = sum(t.numel() for t in module.parameters())
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-6)
     norms = [other]
     composed_steps(mesh, stage, module, pipe, opt, data, norms)
-    r = compare(common.full_state_dict(stage, all_ranks=True), ref_trained)
+    r = compare(placement.full_state_dict(stage, all_ranks=True), ref_trained)
     r["norms"] = max(abs(a - b) / b for a, b in zip(norms[1:], want)) < 1e-4
     r["held"] = held / numel
     out["pp 2 x fsdp 2 x tp 2, built on meta"] = everyone(r)
-    counted = common._counted   # the control: every rank counts what it holds (the record ignored)
-    common._counted = lambda *record: True
+    counted = placement._counted   # the control: every rank counts what it holds (the record ignored)
+    placement._counted = lambda *record: True
     try:
-        out["control count"] = common.count_parameters(stage) / numel
+        out["control count"] = placement.count_parameters(stage) / numel
     finally:
-        common._counted = counted
+        placement._counted = counted
     return out

@@ -2,7 +2,6 @@ import json
 import os
 
 import pytest
-import torch
 
 import common
 from conftest import load, refused, run_inline, verify_args

@@ -1,4 +1,4 @@
-"""The device audit: a GPU's device rules on a CPU run (common.DeviceAudit). A GPU run
+"""The device audit: a GPU's device rules on a CPU run (diagnostics.DeviceAudit). A GPU run
 found two classes of bug no CPU run could: a collective given a host tensor (NCCL refuses
 it) and the one-process reference compared with the method's weights across devices. The
 audit labels each tensor host or device as a GPU run would place it, so the tests catch both
@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 
 import common
+import placement
+import diagnostics
 import workers
 
 
 def test_audit_refuses_a_host_tensor_in_a_collective_and_names_where_it_was_made(one_rank):
-    with common.device_audit():
+    with diagnostics.device_audit():
         fine = torch.zeros(3, device=torch.device("cpu"))      # made on the job's device
         dist.all_reduce(fine)
         moved = torch.ones(2).to(torch.device("cpu"))          # moved there: a copy, as on a GPU
@@ -30,12 +32,12 @@ def test_audit_refuses_a_host_tensor_in_a_collective_and_names_where_it_was_made
 
 
 def test_audit_refuses_mixing_host_and_device_as_cuda_does_and_allows_what_cuda_allows(one_rank):
-    with common.device_audit() as audit:
+    with diagnostics.device_audit() as audit:
         model = torch.nn.Linear(4, 4).to(torch.device("cpu"))
-        assert audit.of(model.weight)[0] == common.DEVICE
-        assert audit.of(torch.nn.Linear(2, 2).weight)[0] == common.HOST   # built, never moved
+        assert audit.of(model.weight)[0] == diagnostics.DEVICE
+        assert audit.of(torch.nn.Linear(2, 2).weight)[0] == diagnostics.HOST   # built, never moved
         gathered = model.weight.detach().cpu()                            # a copy on the host
-        assert gathered is not model.weight and audit.of(gathered)[0] == common.HOST
+        assert gathered is not model.weight and audit.of(gathered)[0] == diagnostics.HOST
         with pytest.raises(RuntimeError, match="sub mixes a host tensor"):
             gathered - model.weight.detach()
         with pytest.raises(RuntimeError) as e:   # (assert_close wraps what its comparison raised)
@@ -43,7 +45,7 @@ def test_audit_refuses_mixing_host_and_device_as_cuda_does_and_allows_what_cuda_
         assert "mixes a host tensor" in f"{e.value} {e.value.__cause__}"
         torch.testing.assert_close(gathered, model.weight.detach().cpu())   # both on the host
         scale = torch.tensor(0.5)                                            # a host scalar: CUDA takes it
-        assert audit.of(model.weight * scale)[0] == common.DEVICE
+        assert audit.of(model.weight * scale)[0] == diagnostics.DEVICE
         model(torch.randn(3, 4).to(torch.device("cpu"))).sum().backward()
         torch.optim.AdamW(model.parameters()).step()                         # its step counter stays on the host
         with pytest.raises(RuntimeError, match="assigning .grad"):
@@ -51,21 +53,21 @@ def test_audit_refuses_mixing_host_and_device_as_cuda_does_and_allows_what_cuda_
 
 
 def test_audit_keeps_where_a_tensor_was_through_an_object_collective(one_rank):
-    with common.device_audit() as audit:
+    with diagnostics.device_audit() as audit:
         device = torch.ones(3, device=torch.device("cpu"))
         got = [None]
         dist.all_gather_object(got, {"host": torch.ones(3), "device": device, "n": 1})
-        assert audit.of(got[0]["host"])[0] == common.HOST and audit.of(got[0]["device"])[0] == common.DEVICE
+        assert audit.of(got[0]["host"])[0] == diagnostics.HOST and audit.of(got[0]["device"])[0] == diagnostics.DEVICE
         box = [torch.zeros(2)]
         dist.broadcast_object_list(box, src=0)
-        assert torch.is_tensor(box[0]) and audit.of(box[0])[0] == common.HOST
+        assert torch.is_tensor(box[0]) and audit.of(box[0])[0] == diagnostics.HOST
 
 
 def test_the_gpu_runs_failures_fail_under_the_audit_on_the_cpu(monkeypatch):
     """08's comparison across devices, 12's and 11's host tensors on NCCL groups: each of
     them failed on the H200 at 8b1762b; under the audit each fails here on the old code,
     and none does now."""
-    monkeypatch.setenv(common.AUDIT_ENV, "1")
+    monkeypatch.setenv(diagnostics.AUDIT_ENV, "1")
     args = argparse.Namespace(world_size=2, backend="gloo", device="cpu", timeout=60.0, seed=0, model_size="nano",
                               context_length=16, batch_size=4, experts=4, top_k=2, aux_coef=0.01, moe_every=1,
                               warmup=0, steps=1)
@@ -78,18 +80,18 @@ def test_a_meta_built_model_is_made_real_under_the_audit_where_its_sources_are(o
     refuses a tensor something holds a weak reference to: the audit's table did, and 10's
     smoke jobs failed under it); the source's host tensors, cut by an order moved to their
     own device (``order.to(whole.device)``), stay on the host as on a GPU."""
-    with common.device_audit() as audit:
+    with diagnostics.device_audit() as audit:
         with torch.device("meta"):
             model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
         blueprint = copy.deepcopy(model)
         weight = model[0].weight
-        common.materialize(model, torch.device("cpu"), common.initialized(blueprint, seed=0))
+        placement.materialize(model, torch.device("cpu"), placement.initialized(blueprint, seed=0))
         assert model[0].weight is weight and not weight.is_meta
-        assert audit.of(weight)[0] == common.DEVICE
+        assert audit.of(weight)[0] == diagnostics.DEVICE
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
         host, device = torch.arange(6.0), torch.arange(3, device=torch.device("cpu"))
         moved = device.to(host.device)                 # where ``host`` is: the host
-        assert audit.of(moved)[0] == common.HOST and audit.of(host.index_select(0, moved))[0] == common.HOST
-        assert audit.of(host.to(device.device))[0] == common.DEVICE
+        assert audit.of(moved)[0] == diagnostics.HOST and audit.of(host.index_select(0, moved))[0] == diagnostics.HOST
+        assert audit.of(host.to(device.device))[0] == diagnostics.DEVICE

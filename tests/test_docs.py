@@ -8,7 +8,6 @@ import shutil
 import stat
 import sys
 
-import pytest
 
 from conftest import ROOT
 

@@ -17,10 +17,10 @@ CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp
            "10_nd_parallel": "Mesh", "11_context_parallel": "context-parallel attention",
            "12_expert_parallel": "mixture of experts"}
 MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline",   # several classes
-              "context-parallel attention": "_RingAttention", "mixture of experts": "MoE",
-              "placement record": "Placement"}
-REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point",   # 01's are functions
-           "common": "placement record"}                        # what 05, 07, 08, 09 and 12's regions need
+              "context-parallel attention": "_RingAttention", "mixture of experts": "MoE"}
+# (script or library file, region name; None: the whole file is the copy)
+REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point", "placement": None, "sharded_checkpoint": None}
+LIBRARY_MAIN = {"placement": "Placement", "sharded_checkpoint": "save_sharded"}
 
 
 def undefined_names(src: str) -> set:
@@ -40,18 +40,33 @@ def undefined_names(src: str) -> set:
     return missing
 
 
-@pytest.mark.parametrize("script, name", REGIONS.items())
-def test_the_copy_region_needs_only_torch_and_the_standard_library(script, name):
-    import workers
-    src = workers.copied_region(script, name)
-    main = MAIN_CLASS.get(name, name)
-    assert f"class {main}(" in src or f"class {main}:" in src or "def ring_all_reduce(" in src
+def imported_modules(src: str) -> set:
     imported = set()
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.Import):
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
+    return imported
+
+
+@pytest.mark.parametrize("script, name", REGIONS.items())
+def test_the_copy_region_needs_only_torch_the_standard_library_and_the_files_it_names(script, name):
+    """A copy is the region and the kit's files its first line names (placement.py), each
+    of which needs only torch, the standard library and files named there too."""
+    import workers
+    src = workers.copied_region(script, name)
+    main = LIBRARY_MAIN.get(script) or MAIN_CLASS.get(name, name)
+    assert f"class {main}(" in src or f"class {main}:" in src or f"def {main}(" in src or "def ring_all_reduce(" in src
+    named = workers.kit_files(src)
+    header = workers.region_header(script, name)
+    for f in named:
+        assert f"{f}.py" in header, f"{script}'s region imports {f}.py but its first line does not name it: {header}"
+    assert "common.py" not in header and "common" not in named
+    kit = set(named)
+    for f in named:   # what a named file needs is named too
+        assert set(workers.kit_files(workers.copied_region(f, None))) <= kit
+    imported = imported_modules(src) - kit
     assert imported and all(m == "torch" or m in sys.stdlib_module_names for m in imported), imported
     assert undefined_names(src) == set()   # nothing from the rest of the script (common, helpers)
 

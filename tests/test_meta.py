@@ -1,6 +1,6 @@
 """A model larger than one rank: built on the meta device, each axis applied, then each rank
-given real storage for its part only (common.materialize), filled by the model's own init
-module by module (common.initialized) or from a checkpoint; trained against one process."""
+given real storage for its part only (placement.materialize), filled by the model's own init
+module by module (placement.initialized) or from a checkpoint; trained against one process."""
 import copy
 import sys
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import common
+import placement
 from conftest import ROOT, verify_args
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -43,14 +44,14 @@ def test_the_init_module_by_module_gives_one_processs_constructor_values_bit_for
         model = llama.Transformer(llama.ModelArgs())
     blueprint = copy.deepcopy(model)
     before = torch.get_rng_state()
-    common.materialize(model, "cpu", common.initialized(blueprint, _llama_init, seed=4))
+    placement.materialize(model, "cpu", placement.initialized(blueprint, _llama_init, seed=4))
     assert torch.equal(torch.get_rng_state(), before)   # the caller's generator untouched
     for name, t in want.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
     lm = common.build_lm("nano", 16, "cpu", seed=2)      # the kit's LM: every module's reset_parameters
     with torch.device("meta"):
         meta = common.TransformerLM(*common.MODEL_SIZES["nano"], context_length=16)
-    common.materialize(meta, "cpu", common.initialized(copy.deepcopy(meta), seed=2))
+    placement.materialize(meta, "cpu", placement.initialized(copy.deepcopy(meta), seed=2))
     assert all(torch.equal(a, b) for a, b in zip(lm.state_dict().values(), meta.state_dict().values()))
 
 
@@ -63,7 +64,7 @@ def test_a_tied_weight_keeps_its_first_modules_values_and_the_later_init_still_d
     want = build()
     with torch.device("meta"):
         model = build()
-    common.materialize(model, "cpu", common.initialized(copy.deepcopy(model), _llama_init, seed=1))
+    placement.materialize(model, "cpu", placement.initialized(copy.deepcopy(model), _llama_init, seed=1))
     assert model.output.weight is model.tok_embeddings.weight
     for name, t in want.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
@@ -72,14 +73,14 @@ def test_a_tied_weight_keeps_its_first_modules_values_and_the_later_init_still_d
 def test_materialize_without_a_source_leaves_storage_for_a_checkpoint_and_a_missing_tensor_is_named():
     with torch.device("meta"):
         model = llama.Transformer(llama.ModelArgs())
-    common.materialize(model, "cpu")
+    placement.materialize(model, "cpu")
     assert not any(t.is_meta for t in model.state_dict().values())
     with torch.device("meta"):
         model = llama.Transformer(llama.ModelArgs())
     state = llama.Transformer(llama.ModelArgs()).state_dict()
     del state["norm.weight"]
     with pytest.raises(KeyError, match="norm.weight"):
-        common.materialize(model, "cpu", state)
+        placement.materialize(model, "cpu", state)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

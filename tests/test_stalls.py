@@ -1,8 +1,7 @@
 """A stuck rank named in seconds, not waited out: the flight recorder every job runs under
-(common.FlightRecorder), the stall report (diagnose, StallWatch) and --check-collectives, on
+(diagnostics.FlightRecorder), the stall report (diagnose, StallWatch) and --check-collectives, on
 spawned ranks and under torchrun. Each scenario is tests/stall_job.py, whose rank 1
 misbehaves at its fourth all_reduce; the jobs run side by side, each asserted on alone."""
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import common
+import diagnostics
 from conftest import ROOT, is_loopback, listening_sockets, process_tree, workers_left
 
 STALL, TIMEOUT, BUSY = 3.0, 15.0, 40.0
@@ -32,7 +32,7 @@ def _run(mode, how, folder):
                               if how == "torchrun" else [])
     cmd += [str(ROOT / "tests" / "stall_job.py"), mode, str(folder), "--stall-report", str(STALL), "--timeout",
             str(TIMEOUT), *SCENARIOS[mode]]
-    env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_VARS and k != common.CHECK_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_VARS and k != diagnostics.CHECK_ENV}
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines, err, sockets = [], [], set()
     reader = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
@@ -235,4 +235,4 @@ def test_diagnose_waits_out_the_window_and_names_a_finished_rank():
 
 
 def diagnose(states, now, alive=lambda pid, host: None):
-    return common.diagnose(states, now, world=len(states), stall_after=30.0, alive=alive)
+    return diagnostics.diagnose(states, now, world=len(states), stall_after=30.0, alive=alive)

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 import common
+import placement
+import sharded_checkpoint
 
 
 class NoCommDDP(torch.nn.Module):
@@ -137,23 +139,67 @@ def world_ddp_on_subgroups(ctx, args, layout):
     return run.compare(model.module)
 
 
-def copied_region(script: str, name: str) -> str:
-    """Exactly the text between a script's begin-copy and end-copy marks for ``name``."""
+def copied_region(script: str, name: str | None) -> str:
+    """Exactly the text between a script's begin-copy and end-copy marks for ``name``; a
+    library file's whole text where ``name`` is None (placement.py: a copy is the file)."""
     with open(os.path.join(common.ROOT, script + ".py")) as f:
         text = f.read()
+    if name is None:
+        return text
     begin = text.index(f"# ---- begin copy: {name} ")
     start = text.index("\n", begin) + 1
-    region = text[start:text.index(f"# ---- end copy: {name} ----")]
-    if "placement record" in text[begin:start] and name != "placement record":   # copied with it, first
-        region = copied_region("common", "placement record") + region
-    return region
+    return text[start:text.index(f"# ---- end copy: {name} ----")]
 
 
-def load_copy(script: str, name: str):
-    """The copied region as a fresh module: nothing in it but what the region imports."""
+def region_header(script: str, name: str | None) -> str:
+    """What a region's first line (a library file's docstring) says a copy needs."""
+    text = copied_region(script, None)
+    if name is None:
+        return text.split('"""')[1]
+    begin = text.index(f"# ---- begin copy: {name} ")
+    return text[begin:text.index("\n", begin)]
+
+
+def kit_files(src: str) -> list:
+    """The kit's own files (top-level .py beside the scripts) that ``src`` imports."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(src)):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        found |= {m.split(".")[0] for m in mods if os.path.exists(os.path.join(common.ROOT, m.split(".")[0] + ".py"))}
+    return sorted(found)
+
+
+def load_copy(script: str, name: str | None):
+    """The copied region as a fresh module: nothing in it but what the region imports, and
+    the kit's files it names (placement.py) loaded from copies of their own, as in a
+    project of the user's that holds the region and those files alone."""
+    import importlib.util
+    import shutil
+    import tempfile
     import types
-    mod = types.ModuleType(f"copy_of_{name}")
-    exec(compile(copied_region(script, name), f"<copy of {name} from {script}.py>", "exec"), mod.__dict__)
+    src = copied_region(script, name)
+    files = kit_files(src)
+    saved = {m: sys.modules.pop(m) for m in files if m in sys.modules}
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            for m in files:   # (a named file's own imports are named files too: test_layout checks)
+                shutil.copy(os.path.join(common.ROOT, m + ".py"), folder)
+            sys.path.insert(0, folder)   # a named file importing another finds its copy
+            for m in files:
+                if m not in sys.modules:
+                    spec = importlib.util.spec_from_file_location(m, os.path.join(folder, m + ".py"))
+                    sys.modules[m] = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(sys.modules[m])
+            mod = types.ModuleType(f"copy_of_{name or script}")
+            exec(compile(src, f"<copy of {name or script} from {script}.py>", "exec"), mod.__dict__)
+        finally:
+            if sys.path and sys.path[0] == folder:
+                sys.path.pop(0)
+            for m in files:
+                sys.modules.pop(m, None)
+            sys.modules.update(saved)
     return mod
 
 
@@ -616,7 +662,7 @@ def nd_controls(ctx, args):
     not summed (pp 4), a replicated parameter's gradient counted in the norm on every tp
     rank (tp 2 x pp 2); and clipping must be active in the check."""
     nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
-    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, common._counted
+    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, placement._counted
     clipped, real_clip = [], nd.ParallelLM.clip_grad_norm_
 
     def clip(self, max_norm):
@@ -628,10 +674,10 @@ def nd_controls(ctx, args):
         nd.ParallelLM.finish_gradient_synchronization = lambda self: None   # no DP, no FSDP here: only the sum
         out["untied sum"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=4), nd.Levers(tie=True))
         nd.ParallelLM.finish_gradient_synchronization = real_finish
-        common._counted = lambda *record: True   # the placement record ignored
+        placement._counted = lambda *record: True   # the placement record ignored
         out["norm counted on every tp rank"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=2, tp=2))
     finally:
-        nd.ParallelLM.finish_gradient_synchronization, common._counted = real_finish, real_counts
+        nd.ParallelLM.finish_gradient_synchronization, placement._counted = real_finish, real_counts
         nd.ParallelLM.clip_grad_norm_ = real_clip
     out["clipped"] = all(clipped)
     return out
@@ -722,24 +768,24 @@ def checkpoint_crash(ctx, args, folder, phase):
         model.finish_gradient_synchronization()
         opt.step()
     if phase == "load":
-        latest = common.latest_checkpoint(folder)
-        extra = common.load_sharded(model.module, opt, latest)
+        latest = sharded_checkpoint.latest_checkpoint(folder)
+        extra = sharded_checkpoint.load_sharded(model.module, opt, latest)
         return {"latest": os.path.basename(latest), "extra": extra, "weights": model.full_state_dict()}
     step()
-    common.save_sharded(model.module, opt, folder, 1, extra={"step": 1})
+    sharded_checkpoint.save_sharded(model.module, opt, folder, 1, extra={"step": 1})
     saved = model.full_state_dict()
     dist.barrier()
     step()
     if ctx.rank == 1:
-        real = common._write
+        real = sharded_checkpoint._write
 
         def dying(path, write):
             real(path, write)
             if os.path.basename(path).startswith("shard-"):
                 os._exit(9)
-        common._write = dying
+        sharded_checkpoint._write = dying
     torch.save(saved, os.path.join(folder, "saved-at-1.pt")) if ctx.rank == 0 else None
-    common.save_sharded(model.module, opt, folder, 2, extra={"step": 2}, timeout=5.0)
+    sharded_checkpoint.save_sharded(model.module, opt, folder, 2, extra={"step": 2}, timeout=5.0)
     dist.barrier()   # rank 1 never gets here
     return None
 
@@ -773,7 +819,7 @@ def expert_buckets(ctx, args):
 
 
 def background_save_fails(ctx, args):
-    """common.save_sharded with async_save, its file writes failing (a full disk, say): the
+    """sharded_checkpoint.save_sharded with async_save, its file writes failing (a full disk, say): the
     error the next wait_for_saves raises (None: none raised), and what the folder holds."""
     folder = args.out
     model = torch.nn.Linear(4, 4)
@@ -783,14 +829,14 @@ def background_save_fails(ctx, args):
 
     def full(path, write):
         raise OSError(28, "No space left on device")
-    common._write = full
-    common.save_sharded(model, opt, folder, 1, async_save=True)
+    sharded_checkpoint._write = full
+    sharded_checkpoint.save_sharded(model, opt, folder, 1, async_save=True)
     try:
-        common.wait_for_saves()
+        sharded_checkpoint.wait_for_saves()
         error = None
     except RuntimeError as e:
         error = (str(e), type(e.__cause__).__name__)
-    common.wait_for_saves()   # the error is raised once
+    sharded_checkpoint.wait_for_saves()   # the error is raised once
     return error, sorted(os.listdir(folder))
 
 

@@ -19,7 +19,7 @@ Three parts, in this order (the most wanted first: a cut run keeps what finished
 verdict, its seconds and what it measured; each job's log lies beside it. No job starts
 once --budget seconds have passed (it is listed as not started), and no job outlives its
 box or the budget. On a CPU (--device cpu, the dry run) the smoke jobs run under the device
-audit (common.DeviceAudit): a GPU's device rules, so what would fail on the GPU for a
+audit (diagnostics.DeviceAudit): a GPU's device rules, so what would fail on the GPU for a
 tensor on the wrong device fails here. Exit status 1 if a row failed or did not start.
 """
 
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = [f"{n:02d}" for n in range(1, 13)]
 PARTS = ("kernels", "measure", "smoke")
-AUDIT_ENV = "KIT_DEVICE_AUDIT"   # common.AUDIT_ENV (this file imports no torch: it only starts jobs)
+AUDIT_ENV = "KIT_DEVICE_AUDIT"   # diagnostics.AUDIT_ENV (this file imports no torch: it only starts jobs)
 
 
 def script(n: str) -> str:

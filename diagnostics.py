@@ -1,0 +1,901 @@
+"""Diagnostics every job runs under, put in place by the launch (common.launch), never by
+the methods: the traced torch.distributed calls (every collective and point-to-point call a
+rank's main thread makes, seen by the observers below); the device audit (``DeviceAudit``,
+``KIT_DEVICE_AUDIT=1``: a GPU's device rules on a CPU run, so a host tensor given to a
+collective or mixed with a device one fails here as on a GPU); the flight recorder
+(``FlightRecorder``: each rank's calls, published to the job's store every second); the
+stall report (``diagnose``, ``StallWatch``: the rank the others wait for, named in
+seconds); and --check-collectives (each collective compared across its group before it
+runs, ``CollectiveMismatch``). Used by common.py's launcher, by the tests and by
+``make recorder-cost``; the copyable classes never import it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+_RECORDER = []   # the flight recorder of the job this process runs now
+
+
+# torch.distributed's functions a rank may wait in: wrapped in each worker by the launch
+# (never by the methods), so that every observer sees each call, whoever makes it (a script,
+# a copied class, torch's own classes that call them by these names). Calls from threads
+# other than the main one pass straight through.
+COLLECTIVE_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
+P2P_CALLS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+OBJECT_CALLS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
+TRACED_CALLS = COLLECTIVE_CALLS + P2P_CALLS + OBJECT_CALLS
+# calls whose every rank gives tensors of the same shape (the others: a root's list, uneven splits)
+SAME_SHAPES = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
+               "reduce_scatter"}
+
+
+def call_tensors(op, args, kwargs) -> list:
+    """The tensors a torch.distributed call was given (a P2POp's included)."""
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if torch.is_tensor(a):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for x in a for t in ([x] if torch.is_tensor(x) else [getattr(x, "tensor", None)])
+                    if torch.is_tensor(t)]
+    return out
+
+
+class _P2POp(dist.P2POp):
+    """dist.P2POp taking a wrapped isend/irecv (torch checks the op by identity; the op stays
+    the wrapped one, so code comparing it with dist.isend still finds it)."""
+
+    def __new__(cls, op, *args, **kwargs):
+        return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+
+def _unwrapped_ops(ops):
+    """batch_isend_irecv's list with torch's own isend/irecv (it tells them apart by identity)."""
+    out = []
+    for p in ops:
+        q = object.__new__(type(p))
+        q.__dict__.update(p.__dict__, op=getattr(p.op, "__wrapped__", p.op))
+        out.append(q)
+    return out
+
+
+_OBSERVERS = []   # what watches the calls in this process (the device audit, the flight recorder)
+
+
+def _traced(name, fn):
+    import inspect
+    params = list(inspect.signature(fn).parameters)
+    where = {k: params.index(k) for k in ("group", "async_op") if k in params}
+
+    def traced(*args, **kwargs):
+        if not _OBSERVERS or threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
+        async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
+            kwargs.get("async_op", args[where["async_op"]] if len(args) > where.get("async_op", 1 << 30) else False)
+        tokens = [o.enter(name, args, kwargs, group, async_op) for o in list(_OBSERVERS)]
+        result = fn(_unwrapped_ops(args[0]), *args[1:], **kwargs) if name == "batch_isend_irecv" else \
+            fn(*args, **kwargs)
+        for o, token in zip(list(_OBSERVERS), tokens):
+            o.exit(token, result)
+        return result
+    traced.__wrapped__, traced.__name__, traced.__doc__ = fn, fn.__name__, fn.__doc__
+    return traced
+
+
+@contextlib.contextmanager
+def traced_calls(observer):
+    """Inside the block, ``observer.enter(op, args, kwargs, group, async_op)`` runs before
+    every call of TRACED_CALLS this process's main thread makes (it may raise: the call does
+    not run) and ``observer.exit(its token, the call's result)`` after it returns. The first
+    observer puts the wrappers in place, the last one out takes them away."""
+    if not _OBSERVERS:
+        _traced_calls_real.update({name: getattr(dist, name) for name in TRACED_CALLS if hasattr(dist, name)})
+        for name, fn in _traced_calls_real.items():
+            setattr(dist, name, _traced(name, fn))
+        _traced_calls_real["P2POp"] = dist.P2POp
+        dist.P2POp = _P2POp
+    _OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVERS.remove(observer)
+        if not _OBSERVERS:
+            for name, fn in _traced_calls_real.items():
+                setattr(dist, name, fn)
+            _traced_calls_real.clear()
+
+
+_traced_calls_real = {}
+
+
+# ----------------------------------------------------------------------------------------
+# The device audit: a GPU's device rules on a CPU run
+# ----------------------------------------------------------------------------------------
+AUDIT_ENV = "KIT_DEVICE_AUDIT"   # =1: a CPU job runs under DeviceAudit (the tests' way to see GPU-only bugs)
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+# where a GPU would put a tensor: HOST (made without a device, or by .cpu()), DEVICE (made on
+# the job's device, or moved there); a tensor made by neither rule (autograd's gradients, a
+# tensor unpickled from the parent) is not known and never blamed
+HOST, DEVICE = "host", "device"
+_FACTORIES = {"tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "arange", "linspace", "logspace",
+              "rand", "randn", "randint", "randperm", "eye", "scalar_tensor", "empty_strided", "normal",
+              "tril_indices", "triu_indices"}
+# calls that may take tensors of both kinds on a GPU (a copy across, host indices, moving)
+_MAY_MIX = {"copy_", "__setitem__", "__getitem__", "index_put_", "index_put", "to", "cpu", "cuda", "set_", "__set__",
+            "__get__", "_has_compatible_shallow_copy_type", "is_floating_point", "is_complex", "size", "dim", "numel",
+            "stride", "element_size", "data_ptr", "untyped_storage", "backward", "grad", "__repr__", "__format__"}
+
+
+_FILES = {}   # a frame's file -> its name, or None where the walk skips it (torch's; the kit's library, if asked)
+# the kit's library: a call made inside it is blamed on the line that called into it (a
+# script's, a test's, a user's), not on the library's own line
+_LIBRARY = {str(Path(__file__).resolve().parent / f) for f in ("common.py", "diagnostics.py", "placement.py",
+                                                                 "sharded_checkpoint.py")}
+
+
+def _caller(depth: int, skip_library: bool) -> str:
+    """file:line of the first frame from ``depth`` up (as the calling function's
+    sys._getframe counts) outside torch (and the kit's library files, with
+    ``skip_library``): where a tensor was made, or a collective called."""
+    f = sys._getframe(depth + 1)
+    while f is not None:
+        path = f.f_code.co_filename
+        key = (path, skip_library)
+        name = _FILES.get(key, 0)
+        if name == 0:
+            skip = path.startswith(_TORCH_DIR) or (skip_library and str(Path(path).resolve()) in _LIBRARY)
+            name = _FILES[key] = None if skip else os.path.basename(path)
+        if name is not None:
+            return f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+class DeviceAudit(torch.overrides.TorchFunctionMode):
+    """A GPU's device rules on a CPU run. Each tensor gets the place a GPU run would give
+    it: HOST when made without a device (``torch.tensor(x)``, a factory with no ``device=``
+    or with ``device="cpu"``) or by ``.cpu()``; DEVICE when made with ``device=`` the job's
+    device, moved there (``.to(device)``) or computed from a DEVICE tensor. Then, as on a
+    GPU: an op that mixes a HOST tensor of one or more dimensions with a DEVICE tensor
+    raises ("Expected all tensors to be on the same device"), and so does a collective
+    given a HOST tensor (NCCL refuses it), each naming where the host tensor was made. A
+    move between the two copies, as on a GPU. Tests run jobs under it (``KIT_DEVICE_AUDIT=1``):
+    the two classes of bug that only a GPU run showed, on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        import collections
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.place = WeakIdKeyDictionary()   # tensor -> (HOST or DEVICE, where a HOST tensor was made)
+        # the torch.device objects ``t.device`` gave lately, with t's place: ``x.to(t.device)``
+        # goes where t is (on a CPU run every device object reads "cpu", host or not)
+        self.devices = collections.OrderedDict()
+
+    def of(self, t):
+        return self.place.get(t, (None, ""))
+
+    def _check_mix(self, name, tensors):
+        host = [t for t in tensors if self.of(t)[0] == HOST and t.dim() > 0]
+        if host and any(self.of(t)[0] == DEVICE for t in tensors):
+            raise RuntimeError(f"device audit: {name} mixes a host tensor (made at {self.of(host[0])[1]}) with a "
+                               f"tensor on the job's device: on a GPU this raises 'Expected all tensors to be on "
+                               f"the same device'")
+
+    def enter(self, op, args, kwargs, group=None, async_op=False):   # (an observer of traced_calls)
+        self.check_call(op, args, kwargs)
+
+    def exit(self, token, result):
+        pass
+
+    def check_call(self, op, args, kwargs):
+        """A collective's tensors: a HOST one is what NCCL refuses (an object collective
+        pickles its objects to the device itself)."""
+        if op in OBJECT_CALLS:
+            return
+        for t in call_tensors(op, args, kwargs):
+            place, made = self.of(t)
+            if place == HOST:
+                raise RuntimeError(f"device audit: dist.{op} was given a host tensor (made at {made}): on a GPU, "
+                                   f"NCCL refuses it ('No backend type associated with device type cpu'); make it "
+                                   f"on the job's device")
+
+    def _target(self, name, method, args, kwargs, has_inputs):
+        """HOST or DEVICE where the call says where its result goes, else None (inherited)."""
+        if method and name == "cpu":
+            return HOST
+        if method and name == "cuda":
+            return DEVICE
+        where = kwargs.get("device")
+        if method and name == "to" and where is None:
+            where = next((a for a in args[1:] if isinstance(a, (str, torch.device, int)) and not isinstance(a, bool)),
+                         None)
+            other = next((a for a in args[1:] if torch.is_tensor(a)), None)
+            if where is None and other is not None:
+                return self.of(other)[0]
+        if where is None:   # a factory with no device (or device=None) makes a host tensor, as on a GPU
+            return HOST if (not method and name in _FACTORIES and not has_inputs) else None
+        seen = self.devices.get(id(where))
+        if seen is not None and seen[0] is where:   # some tensor's .device: where that tensor is
+            return seen[1]
+        return HOST if isinstance(where, str) and where.startswith("cpu") else DEVICE
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        method = getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+        if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "device":
+            out = func(*args, **kwargs)
+            self.devices[id(out)] = (out, self.of(args[0])[0])
+            if len(self.devices) > 256:
+                self.devices.popitem(last=False)
+            return out
+        if name == "__set__":   # tensor.data = x (the tensor now lives where x does); tensor.grad = x
+            attr, (obj, value) = getattr(getattr(func, "__self__", None), "__name__", ""), args[:2]
+            if attr == "grad" and torch.is_tensor(value):
+                self._check_mix("assigning .grad", [obj, value])
+            out = func(*args, **kwargs)
+            if attr == "data" and torch.is_tensor(value) and value in self.place:
+                self.place[obj] = self.place[value]
+            return out
+        if name not in _MAY_MIX:
+            self._check_mix(name, inputs)
+        target = self._target(name, method, args, kwargs, bool(inputs))
+        out = func(*args, **kwargs)
+        if target is not None and method and name in ("to", "cpu", "cuda") and out is args[0] \
+                and self.of(out)[0] != target:
+            out = out.clone()   # a move between host and device copies, as on a GPU
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t)]
+        if target is None:   # inherited: from the inputs of one or more dimensions first, then the scalars
+            wide = [t for t in inputs if t.dim() > 0] or inputs
+            kinds = [self.of(t)[0] for t in wide]
+            target = DEVICE if DEVICE in kinds else (HOST if kinds and all(k == HOST for k in kinds) else None)
+            made = next((self.of(t)[1] for t in wide if self.of(t)[0] == HOST), "")
+        else:
+            made = _caller(1, skip_library=False) if target == HOST else ""
+        if target is not None:
+            for t in outs:
+                if not any(t is i for i in inputs):
+                    self.place[t] = (target, made)
+        return out
+
+
+class _Shipped:
+    """A tensor sent through an object collective with its place: it arrives with it (a
+    pickled tensor arrives on a GPU where it was, host or device)."""
+
+    def __init__(self, tensor, place):
+        self.tensor, self.place = tensor, place
+
+    def __reduce__(self):
+        return _arrive, (self.tensor, self.place)
+
+
+def _arrive(tensor, place):
+    if _AUDITS:
+        _AUDITS[-1].place[tensor] = place
+    return tensor
+
+
+_AUDITS = []   # the audit this process runs under (device_audit)
+_SENT_ARG = {"all_gather_object": 1, "gather_object": 0, "broadcast_object_list": 0}   # which argument is sent
+
+
+@contextlib.contextmanager
+def device_audit():
+    """Run the block under DeviceAudit, its collectives checked (see DeviceAudit)."""
+    audit = DeviceAudit()
+
+    def ship(obj):
+        if torch.is_tensor(obj):
+            return _Shipped(obj, audit.place[obj]) if obj in audit.place else obj
+        if isinstance(obj, dict):
+            return {k: ship(v) for k, v in obj.items()}
+        return type(obj)(ship(v) for v in obj) if type(obj) in (list, tuple) else obj
+
+    def unship(obj):
+        if isinstance(obj, _Shipped):
+            return obj.tensor
+        if isinstance(obj, dict):
+            return {k: unship(v) for k, v in obj.items()}
+        return type(obj)(unship(v) for v in obj) if type(obj) in (list, tuple) else obj
+
+    def shipping(name, real):   # an object collective whose tensors keep their place on arrival
+        which = _SENT_ARG[name]
+
+        def call(*args, **kwargs):
+            args = list(args)
+            if name == "broadcast_object_list":   # the list is sent from one rank, filled on the others
+                listed = args[0]
+                sent = [ship(o) for o in listed]
+                out = real(sent, *args[1:], **kwargs)
+                listed[:] = [unship(o) for o in sent]
+                return out
+            args[which] = ship(args[which])
+            return real(*args, **kwargs)
+        call.__wrapped__ = real
+        return call
+    saved = {name: getattr(dist, name) for name in _SENT_ARG}
+    new = nn.Parameter.__new__
+
+    def parameter(cls, data=None, requires_grad=True):   # a Parameter lives where its data does
+        p = new(cls, data, requires_grad)
+        if data is not None and data in audit.place:
+            audit.place[p] = audit.place[data]
+        return p
+    nn.Parameter.__new__ = staticmethod(parameter)
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):   # (materialize): torch refuses to swap a tensor the audit's table holds weakly
+        p1, p2 = audit.place.pop(t1, None), audit.place.pop(t2, None)
+        swap(t1, t2)
+        for t, place in ((t1, p2), (t2, p1)):   # each object now holds the other's data, and its place
+            if place is not None:
+                audit.place[t] = place
+    torch.utils.swap_tensors = swap_tensors
+    _AUDITS.append(audit)
+    try:
+        with traced_calls(audit):
+            for name, real in saved.items():
+                setattr(dist, name, shipping(name, getattr(dist, name)))
+            with audit:
+                yield audit
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+        _AUDITS.remove(audit)
+        nn.Parameter.__new__ = staticmethod(new)
+        torch.utils.swap_tensors = swap
+
+
+# ----------------------------------------------------------------------------------------
+# The flight recorder: every call a rank enters and completes, stalls named, mismatches refused
+# ----------------------------------------------------------------------------------------
+CHECK_ENV = "KIT_CHECK_COLLECTIVES"   # =1: --check-collectives in every job (the tests set it)
+RECORDER_SIZE = 4096                  # calls a rank remembers
+BEAT = 1.0                            # seconds between a rank's published states
+_POST = 0.02                          # seconds a compared call waits before posting its whole signature
+_SLICE = 1.0                          # seconds between looks at where the missing ranks are
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives at the same place of a group (--check-collectives)."""
+
+
+def _stack(frame, limit=6) -> list:
+    """The last ``limit`` frames of a thread's Python stack, outside torch, as file:line func: code."""
+    lines = []
+    for fs in traceback.extract_stack(frame)[::-1]:
+        if fs.filename.startswith(_TORCH_DIR) or fs.filename == threading.__file__:
+            continue
+        lines.append(f"{Path(fs.filename).name}:{fs.lineno} {fs.name}: {(fs.line or '').strip()}")
+        if len(lines) == limit:
+            break
+    return lines
+
+
+class FlightRecorder:
+    """One rank's record of the torch.distributed calls its main thread makes (a ring of
+    RECORDER_SIZE): for each, its sequence number on its group (a point-to-point call: on
+    the pair, each direction apart), the op, the group, shapes and dtype, where it was
+    called, and when it was entered and completed (an async call: when its work was seen
+    done). A thread publishes the rank's state to the job's store every BEAT seconds: its
+    calls in flight, the last it completed, how far it is on each group, and, while it is in
+    no call, its Python stack. The launcher (or, under torchrun, the first rank still
+    beating) reads every rank's state and names a stall (``diagnose``). With ``check``,
+    every collective's signature (op, group, shapes, dtype, place) is compared with the
+    other ranks' before it runs: a rank calling something else is refused at once
+    (CollectiveMismatch, on every rank that sees it, naming each rank's call and line)."""
+
+    def __init__(self, ctx, store, check=False, stall_report=30.0, timeout=300.0):
+        import collections
+        self.rank, self.world, self.store, self.check = ctx.rank, ctx.world_size, store, check
+        self.stall_report, self.timeout = stall_report, timeout
+        self.calls = collections.deque(maxlen=RECORDER_SIZE)
+        self.seq, self.groups, self.flight, self.done, self.on, self._by_id = {}, {}, [], None, True, {}
+        self.unsettled = []   # --check-collectives: async collectives whose comparison is not settled yet
+        self.entered, self.stopped = 0, threading.Event()
+        self.main = threading.main_thread()
+        self.watch = None   # under torchrun: this rank's StallWatch (the first rank still beating reports)
+        self._publish(stack=False)
+        self.thread = threading.Thread(target=self._beat, name="kit-flight-recorder", daemon=True)
+        self.thread.start()
+
+    # -- the calls
+    def _group(self, group):
+        """(name, global ranks) of a process group (None: the world), cached by the object."""
+        got = self._by_id.get(id(group))
+        if got is None or got[2] is not group:
+            pg = group or dist.group.WORLD
+            self.groups[pg.group_name] = dist.get_process_group_ranks(pg)
+            got = self._by_id[id(group)] = (pg.group_name, self.groups[pg.group_name], group)
+        return got[0], got[1]
+
+    def enter(self, op, args, kwargs, group, async_op):
+        if not self.on:
+            return None
+        name, ranks = self._group(group)
+        tensors = call_tensors(op, args, kwargs)
+        if op in P2P_CALLS:
+            pairs = self._pairs(op, args, kwargs, group, name)
+        else:
+            pairs = [name]
+        seqs = []
+        for key in pairs:
+            self.seq[key] = self.seq.get(key, 0) + 1
+            seqs.append(self.seq[key])
+        rec = {"op": op, "group": name, "ranks": ranks, "keys": pairs, "seqs": seqs,
+               "shapes": [list(t.shape) for t in tensors[:4]], "dtype": str(tensors[0].dtype)[6:] if tensors else "",
+               "site": _caller(2, skip_library=True), "t0": time.time(), "t1": None, "async": bool(async_op), "works": []}
+        self.calls.append(rec)   # (appends and removes of lists are atomic: the beat thread copies them)
+        self.entered += 1
+        self.flight.append(rec)
+        if self.check and op not in P2P_CALLS:   # (before the call: a mismatch is refused, not run)
+            self._settle()
+            self._compare(rec, wait=not async_op)
+        return rec
+
+    def _pairs(self, op, args, kwargs, group, name) -> list:
+        """The sequence keys of a point-to-point call: "group:src>dst" for each message."""
+        ops = args[0] if op == "batch_isend_irecv" else [None]
+        keys = []
+        for p in ops:
+            if p is not None:
+                kind = "send" if getattr(p.op, "__name__", "") == "isend" else "recv"
+                g, peer = p.group, p.peer
+            else:
+                kind = "send" if op in ("send", "isend") else "recv"
+                g = group
+                peer = kwargs.get("dst" if kind == "send" else "src", args[1] if len(args) > 1 else None)
+                gp = kwargs.get("group_dst" if kind == "send" else "group_src")
+                if peer is None and gp is not None:
+                    peer = dist.get_global_rank(g or dist.group.WORLD, gp)
+            gname = self._group(g)[0]
+            keys.append(f"{gname}:{self.rank}>{peer}" if kind == "send" else f"{gname}:{peer}>{self.rank}")
+        return keys
+
+    def exit(self, rec, result):
+        if rec is None:
+            return
+        if rec["async"] and result is not None:
+            import weakref
+            works = result if isinstance(result, (list, tuple)) else [result]
+            rec["works"] = [weakref.ref(w) for w in works if w is not None]
+        if not rec["works"]:
+            self._complete(rec)
+
+    def _complete(self, rec):
+        rec["t1"], rec["works"] = time.time(), []
+        flight = self.flight
+        if flight and flight[-1] is rec:
+            flight.pop()
+        else:
+            for i, r in enumerate(flight):
+                if r is rec:
+                    del flight[i]
+                    break
+        self.done = rec
+
+    # -- --check-collectives: every rank's signature of each collective, before it runs
+    def _compare(self, rec, wait=True):
+        """Every rank of the call's group adds one to a counter named by the call's place and
+        signature (op, group, shapes where they must match, dtype): where all agree it
+        reaches the group's size, one store round trip for the last to come. A rank still
+        waiting after _POST seconds posts its whole call (and where it is) and compares it
+        with those the others posted: a rank at that place with another call, or one waiting
+        in another group's call that this rank has not reached, is a mismatch. An async call
+        (``wait`` False) does not wait: its comparison is settled at this rank's next calls
+        (_settle), so a timed wait on its work (08's evaluation guard) still times out."""
+        key, seq, ranks = rec["keys"][0], rec["seqs"][0], rec["ranks"]
+        if len(ranks) == 1:
+            return
+        mine = {"op": rec["op"], "shapes": rec["shapes"], "dtype": rec["dtype"], "site": rec["site"],
+                "group": key, "seq": seq, "ranks": ranks}
+        sign = _signature(mine, rec["op"])
+        count = f"n/{key}/{seq}/{zlib.crc32(json.dumps(sign).encode()):08x}"
+        if self.store.add(count, 1) == len(ranks):
+            return
+        if not wait:
+            self.unsettled.append((count, mine, sign, time.time(), [False]))
+            return
+        others = [r for r in ranks if r != self.rank]
+        start, pause, posted, look = time.time(), 5e-5, False, 0.0
+        while self.store.add(count, 0) < len(ranks):   # (polled: a store's wait that times out logs warnings)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+            now = time.time()
+            if now > start + self.timeout:
+                raise RuntimeError(f"--check-collectives: the other ranks did not call #{seq} on "
+                                   f"{_label(key, ranks, self.world)} within --timeout {self.timeout:g} s")
+            if now < start + _POST:
+                continue
+            if not posted:
+                self.store.set(f"now/{self.rank}", json.dumps(mine))
+            self._posted_mismatch(mine, sign, posted)
+            posted = True
+            if now < look:
+                continue
+            look = now + _SLICE
+            for r in others:   # a rank that waits in another group's call we have not entered
+                if not self.store.check([f"now/{r}"]):
+                    continue
+                theirs = json.loads(self.store.get(f"now/{r}"))
+                g = theirs["group"]
+                if g != key and self.rank in theirs["ranks"] and self.seq.get(g, 0) < theirs["seq"]:
+                    raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+
+    def _settle(self):
+        """The comparisons of this rank's earlier async collectives: those every rank has
+        reached are done; one still short after _POST seconds posts its call and compares it
+        with what the others posted there (a mismatch raises now, refusing the next call)."""
+        now = time.time()
+        for item in list(self.unsettled):
+            count, mine, sign, t0, posted = item
+            if self.store.add(count, 0) == len(mine["ranks"]):
+                self.unsettled.remove(item)
+                continue
+            if now < t0 + _POST:
+                continue
+            try:
+                self._posted_mismatch(mine, sign, posted[0])
+            except CollectiveMismatch:
+                self.unsettled.clear()
+                raise
+            posted[0] = True
+
+    def _posted_mismatch(self, mine, sign, posted):
+        """Post this rank's call at its place (unless ``posted``) and compare it with what the
+        group's other ranks posted there: one with another signature is a mismatch."""
+        key, seq = mine["group"], mine["seq"]
+        if not posted:
+            self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
+        for r in mine["ranks"]:
+            k = f"sig/{key}/{seq}/{r}"
+            if r != self.rank and self.store.check([k]):
+                theirs = json.loads(self.store.get(k))
+                if _signature(theirs, mine["op"]) != sign:
+                    raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+
+    # -- the published state
+    def _state(self, stack=True) -> dict:
+        for rec in list(self.flight):   # async calls whose work is done (or dropped)
+            if rec["works"] and all(w() is None or w().is_completed() for w in rec["works"]):
+                rec["t1"], rec["works"] = time.time(), []
+                with contextlib.suppress(ValueError):
+                    self.flight.remove(rec)
+                self.done = rec
+        flight = [_brief(r) for r in list(self.flight)]
+        done = _brief(self.done) if self.done else None
+        seq = dict(self.seq)
+        blocked = any(r["t1"] is None and not r["async"] for r in self.flight)
+        frame = sys._current_frames().get(self.main.ident)
+        return {"rank": self.rank, "pid": os.getpid(), "host": platform.node(), "t": time.time(),
+                "flight": flight, "done": done, "seq": seq, "groups": self.groups,
+                "stack": _stack(frame) if stack and frame is not None and not blocked else []}
+
+    def _publish(self, stack=True):
+        self.store.set(f"state/{self.rank}", json.dumps(self._state(stack)))
+
+    def _beat(self):
+        while not self.stopped.wait(BEAT):
+            try:
+                self._publish()
+                if self.watch is not None:
+                    self.watch.tick()
+            except Exception:   # the store went away: the job is ending
+                return
+
+    def finish(self):
+        """The worker returned or raised: its last state says so; the beat stops."""
+        self.stopped.set()
+        self.thread.join(2 * BEAT)
+        with contextlib.suppress(Exception):
+            state = self._state()
+            state["finished"] = True
+            self.store.set(f"state/{self.rank}", json.dumps(state))
+
+
+def _brief(rec) -> dict:
+    return {k: rec[k] for k in ("op", "group", "ranks", "keys", "seqs", "shapes", "dtype", "site", "t0", "t1", "async")}
+
+
+def _signature(s, op) -> tuple:
+    shapes = s["shapes"] if op in SAME_SHAPES else [sh[1:] for sh in s["shapes"]] if op == "all_to_all_single" else []
+    return s["op"], s["group"], json.dumps(shapes), s["dtype"] if op not in OBJECT_CALLS else ""
+
+
+def _mismatch_text(key, seq, calls, world) -> str:
+    first = calls[min(calls)]
+    lines = [f"ranks {', '.join(map(str, sorted(calls)))} called different collectives as call #{seq} on "
+             f"{_label(key, first['ranks'], world)}; refused before it ran (--check-collectives):"]
+    for r in sorted(calls):
+        c = calls[r]
+        shapes = " ".join(f"[{','.join(map(str, sh))}]" for sh in c["shapes"][:2])
+        lines.append(f"  rank {r}: {c['op']} #{c['seq']} on {_label(c['group'], c['ranks'], world)} "
+                     f"({c['dtype']} {shapes}) at {c['site']}")
+    return "\n".join(lines)
+
+
+def _label(group, ranks, world) -> str:
+    """"the world" (the default group, named "0"), or the group and its ranks."""
+    return "the world" if group == "0" and len(ranks) == world else \
+        f"group {group} (ranks {','.join(map(str, ranks))})"
+
+
+def _call_text(c, world, now=None) -> str:
+    """all_reduce #57 on the world (float32 [1024]) at 05_bucketed_ddp.py:238[, for 31 s]"""
+    where = _label(c["group"], c["ranks"], world)
+    if ":" in c["keys"][0]:   # point-to-point: the messages
+        msgs = ", ".join(f"{k.split(':')[1].replace('>', ' to ')} #{s}" for k, s in zip(c["keys"], c["seqs"]))
+        text = f"{c['op']} ({msgs}) on {where}"
+    else:
+        text = f"{c['op']} #{c['seqs'][0]} on {where}"
+    shapes = " ".join(f"[{','.join(map(str, s))}]" for s in c["shapes"][:2])
+    text += f" ({c['dtype']} {shapes})" if c["dtype"] else ""
+    text += f" at {c['site']}"
+    return text + (f", for {now - c['t0']:.0f} s" if now is not None else "")
+
+
+def _process_state(pid, host) -> str | None:
+    """"stopped" (SIGSTOP, a debugger), "gone", or None (running) for a process of this host."""
+    if host != platform.node():
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+    return {"T": "stopped", "t": "stopped (traced)", "Z": "gone", "X": "gone", "D": "in uninterruptible I/O"}.get(state)
+
+
+def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_process_state) -> dict | None:
+    """A stall from every rank's published state (FlightRecorder), or None: some rank has
+    waited ``stall_after`` seconds or more in a call. Each waiting rank's oldest call is
+    followed to the ranks that have not entered it (by its sequence number on its group,
+    or on its pair for a point-to-point message), and from those to the ones they wait for
+    in turn: the first named are the ranks the others wait for at the end of that chain
+    (busy in no call, not responding, finished, or waiting on a call nobody else reached)
+    and the ranks that entered the same place of a group with another call. A rank whose
+    recorder has gone silent is not taken at its last word: it is the one not responding,
+    in whatever call it last said it was (a stopped process holds up a collective it had
+    entered too). Returns {"culprits": [rank, ...], "text": the report, "first": one line
+    naming the first, "stuck": the failure's first line, "kind", "silent": the ranks not
+    responding}."""
+    # a process this host sees stopped or gone is silent at once: its last state, published
+    # up to a beat before it stopped, may still look fresh
+    proc = {r: alive(s["pid"], s["host"]) for r, s in states.items() if not s.get("finished")}
+    silent = {r for r in range(world) if r not in states or
+              (not states[r].get("finished") and (now - states[r]["t"] > 3 * BEAT
+                                                   or proc[r] in ("stopped", "stopped (traced)", "gone")))}
+    flight = {r: s["flight"] for r, s in states.items() if s.get("flight") and r not in silent}
+    waiting = {r: min(f, key=lambda c: c["t0"]) for r, f in flight.items()}
+    stalled = {r: c for r, c in waiting.items() if now - c["t0"] >= stall_after}
+    if not stalled:
+        return None
+
+    def status(r):
+        s = states.get(r)
+        if s is None:
+            return "not responding: never started its recorder"
+        if s.get("finished"):
+            return "finished its work"
+        if r in silent:
+            how = proc[r]
+            return (f"not responding: {how}" if how else "not responding (alive, its recorder silent)") + \
+                f"; its last state is {now - s['t']:.0f} s old"
+        if r in waiting:
+            c = waiting[r]
+            return f"waits {'for its async' if c['async'] else 'in'} {_call_text(c, world, now)}"
+        return "busy in no call" + (f", at {s['stack'][0]}" if s.get("stack") else "")
+
+    def same_place(m, key, seq):
+        """Rank m's call in flight at ``seq`` of ``key``, if any."""
+        return next((x for x in states.get(m, {}).get("flight", []) if key in x["keys"]
+                     and x["seqs"][x["keys"].index(key)] == seq), None)
+
+    def behind(r, c):
+        """The ranks that have not entered ``c`` (rank r's call), and those at its place with
+        another call: [(rank, their call)]."""
+        late, other = [], []
+        for key, seq in zip(c["keys"], c["seqs"]):
+            members = [int(x) for x in key.split(":")[1].split(">")] if ":" in key else c["ranks"]
+            for m in members:
+                if m == r:
+                    continue
+                if m in silent or states.get(m, {}).get("seq", {}).get(key, 0) < seq:
+                    late.append(m)
+                    continue
+                theirs = same_place(m, key, seq)
+                if theirs and (theirs["op"], theirs["shapes"], theirs["dtype"]) != (c["op"], c["shapes"], c["dtype"]):
+                    other.append((m, theirs))
+        return sorted(set(late)), other
+
+    culprits, notes, kind = [], {}, "late"
+    for r in sorted(stalled):
+        seen, chain = {r}, [r]
+        while True:
+            here = chain[-1]
+            late, other = behind(here, waiting[here])
+            if other:
+                kind = "mismatch"
+                for m, theirs in other:
+                    pair = tuple(sorted((here, m)))
+                    calls = {here: waiting[here], m: theirs}
+                    notes[pair] = "; ".join(f"rank {k} calls {_call_text(calls[k], world)}" for k in pair)
+                culprits += [m for m in [here] + [m for m, _ in other] if m not in culprits]
+                break
+            roots = [m for m in late if m not in waiting]
+            if roots:
+                culprits += [m for m in roots if m not in culprits]
+                break
+            nxt = [m for m in late if m not in seen]
+            if not nxt:
+                if late:   # every late rank waits on a call this chain already holds: a cycle
+                    kind = "cycle" if kind == "late" else kind
+                    culprits += [m for m in chain if m not in culprits]
+                    notes[tuple(chain)] = ("ranks " + ", ".join(map(str, chain)) + " wait for each other, each in a "
+                                           "call another has not entered")
+                break
+            seen.add(nxt[0])
+            chain.append(nxt[0])
+    rows = []
+    for r in range(world):
+        s = states.get(r, {})
+        done = s.get("done")
+        fresh = s and now - s["t"] <= 3 * BEAT
+        where = s.get("stack", [])[:3] if fresh and (r not in waiting or waiting[r]["async"]) else []
+        rows.append(f"| {r}{' *' if r in culprits else ''} | {status(r)} | "
+                    f"{_call_text(done, world) if done else '-'} | {' <- '.join(where) or '-'} |")
+    culprits = culprits or [min(stalled)]
+    first, who = culprits[0], ", ".join(map(str, culprits))
+    waiters = sorted(r for r in stalled if r not in culprits)
+    waited = (f"; rank{'s' * (len(waiters) > 1)} {', '.join(map(str, waiters))} waited "
+              f"{now - min(stalled[w]['t0'] for w in waiters):.0f} s") if waiters else ""
+    if kind == "mismatch":
+        head = f"stall: ranks {who} are in different calls at the same place of a group{waited}"
+        stuck = f"ranks {who} called different collectives at the same place: " + " / ".join(notes.values())
+    elif kind == "cycle":
+        head = f"stall: ranks {who} wait for each other{waited}"
+        stuck = f"ranks {who} stuck first, waiting for each other: " + "; ".join(
+            f"rank {r} {status(r)}" for r in culprits)
+    else:
+        head = f"stall: the ranks wait for rank{'s' * (len(culprits) > 1)} {who} ({status(first)}){waited}"
+        stuck = f"rank {first} stuck first: {status(first)} (the rank the others waited for)"
+    text = "\n".join([head, *[f"  {n}" for n in notes.values()],
+                      "| rank | state | last call completed | where (innermost first) |", "|---|---|---|---|", *rows])
+    return {"culprits": culprits, "text": text, "first": f"rank {first} {status(first)}", "stuck": stuck,
+            "kind": kind, "silent": sorted(silent)}
+
+
+class StallWatch:
+    """Every rank's published state, read from the job's store; when a rank has waited in a
+    call for ``stall_report`` seconds, ``tick()`` prints one table (``diagnose``) naming the
+    ranks the others wait for, again at most every ``stall_report`` seconds while the stall
+    lasts; ``diagnosis`` keeps the last one, for the failure report. Under torchrun every
+    rank watches and the first rank still beating prints (``me``)."""
+
+    def __init__(self, store, world, stall_report, me=None, out=None):
+        self.store, self.world, self.stall_report, self.me = store, world, stall_report, me
+        self.out, self.diagnosis, self.shown = out or sys.stdout, None, 0.0
+
+    def states(self) -> dict:
+        keys = [f"state/{r}" for r in range(self.world)]
+        got = {}
+        for r, k in enumerate(keys):
+            if self.store.check([k]):
+                got[r] = json.loads(self.store.get(k))
+        return got
+
+    def tick(self):
+        now = time.time()
+        states = self.states()
+        d = diagnose(states, now, self.world, self.stall_report)
+        self.diagnosis = d or (self.diagnosis if self.diagnosis and any(s.get("flight") for s in states.values())
+                               else None)
+        if d is None or now - self.shown < self.stall_report:
+            return
+        if self.me is not None:   # under torchrun: the first rank whose state is fresh prints
+            fresh = [r for r, s in states.items() if r not in d["silent"] and not s.get("finished")]
+            if not fresh or self.me != min(fresh):
+                return
+        self.shown = now
+        print(d["text"], file=self.out, flush=True)
+
+
+def recorder_modes(ctx, args, make, global_batch=False) -> list:
+    """What the flight recorder costs one method's step: ``make()`` (as time_methods takes
+    it) built three times and stepped alternately with the recorder off, on, and on with
+    --check-collectives (the paired ratios over off), beside each traced call's own cost
+    (the recorder's bookkeeping per call, timed alone; the check's store round trips, from
+    a 1-element all-reduce on the world with and without it) times the traced calls a step
+    makes. Rows for a table; collective on the world."""
+    import common   # (the timing harness: imported here, as common imports this file)
+    rec = _RECORDER[0]
+
+    def mode(on, check):
+        def build():
+            step = make()
+
+            def timed(batch, clock):
+                rec.on, rec.check = on, check
+                try:
+                    step(batch, clock)
+                finally:
+                    rec.on, rec.check = True, False
+            return timed
+        return build
+    names = {"recorder off": (False, False), "recorder on": (True, False),
+             "recorder on, --check-collectives": (True, True)}
+    rows = common.time_methods(ctx, args, {n: mode(*m) for n, m in names.items()}, global_batch=global_batch)
+    before = rec.entered
+    mode(True, False)()(*_first_batch(ctx, args, global_batch))
+    per_step = rec.entered - before
+    x = torch.zeros(1, device=ctx.device)
+    scratch = FlightRecorder(ctx, dist.HashStore())   # its sequence numbers are its own: the job's stay in step
+    traced = _traced("all_reduce", lambda *a, **k: None)
+    saved = _OBSERVERS[:]
+
+    def bookkeeping(observers, n=20000):
+        _OBSERVERS[:] = observers
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                traced(x)
+            return (time.perf_counter() - t0) / n
+        finally:
+            _OBSERVERS[:] = saved
+    recorder = min(bookkeeping([scratch]) for _ in range(3)) - min(bookkeeping([]) for _ in range(3))
+    scratch.finish()
+
+    def world_calls(check, n=50):   # the check's store round trips on the world, 8 blocks each way
+        rec.check = check
+        try:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            return (time.perf_counter() - t0) / n
+        finally:
+            rec.check = False
+    blocks = [(world_calls(False), world_calls(True)) for _ in range(8)]
+    check = statistics.median(b - a for a, b in blocks)
+    cost = {"recorder off": 0.0, "recorder on": recorder, "recorder on, --check-collectives": recorder + check}
+    base = rows[0]
+    for r in rows:
+        r.update(common.vs_paired(r, base, "vs_off"), traced_calls_per_step=per_step, call_cost_us=cost[r["method"]] * 1e6,
+                 calls_share_of_step=cost[r["method"]] * per_step / (base["step_ms"] / 1e3))
+    return rows
+
+
+def _first_batch(ctx, args, global_batch):
+    import common
+    batch = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
+    return (batch if global_batch else tuple(common.shard(t, ctx.rank, ctx.world_size) for t in batch)), \
+        common.StepClock(ctx.device)
+
+
+RECORDER_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_off", "vs_off_min", "vs_off_max",
+                    "traced_calls_per_step", "call_cost_us", "calls_share_of_step"]
+RECORDER_NOTE = ("The flight recorder (every job runs under it) off, on, and on with --check-collectives, the same "
+                 "method's steps alternating: vs_off is the median of the paired steps' ratios over the recorder off "
+                 "[min, max]; call_cost_us: what one traced call costs more: the recorder's bookkeeping (its wrapper, "
+                 "entry and exit, timed 20000 times against the bare wrapper) and the check's store round trips (a "
+                 "1-element all-reduce on the world with and without it, 8 blocks of 50 each way, the median "
+                 "difference); calls_share_of_step: that cost times the traced calls of one step, over the step "
+                 "(the paired ratio's spread is the machine's noise; this share is the recorder's own cost).")
