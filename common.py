@@ -401,6 +401,21 @@ def _job_options(args, timeout) -> dict:
             "timeout": timeout}
 
 
+@contextlib.contextmanager
+def _groups_time_out_at(timeout):
+    """Inside the block, a process group made without a timeout of its own (dist.new_group
+    by a script, a copied Mesh, torch's DeviceMesh or pipelining) times out at the job's
+    --timeout, as the world does, not at torch's default (30 minutes: a stuck rank on a
+    subgroup held the job that long)."""
+    c10d = dist.distributed_c10d
+    real = c10d._get_default_timeout
+    c10d._get_default_timeout = lambda backend: timedelta(seconds=timeout)
+    try:
+        yield
+    finally:
+        c10d._get_default_timeout = real
+
+
 def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
     """``worker(ctx, args, *job)`` with its flight recorder publishing to ``store`` (and
     comparing collectives with --check-collectives), under the device audit where asked (a
@@ -411,7 +426,7 @@ def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
     if watch:
         recorder.watch = diagnostics.StallWatch(store, ctx.world_size, options["stall_report"], me=ctx.rank)
     try:
-        with diagnostics.traced_calls(recorder):
+        with diagnostics.traced_calls(recorder), _groups_time_out_at(options["timeout"]):
             if options["audit"] and ctx.device.type == "cpu":
                 with diagnostics.device_audit():
                     return worker(ctx, args, *job)

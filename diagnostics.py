@@ -12,6 +12,7 @@ runs, ``CollectiveMismatch``). Used by common.py's launcher, by the tests and by
 from __future__ import annotations
 
 import contextlib
+import dis
 import json
 import os
 import platform
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 _RECORDER = []   # the flight recorder of the job this process runs now
+# the opcodes a thread blocked in C is found at (the call that blocks), on Pythons 3.10 to 3.13
+_CALL_OPS = {"CALL", "PRECALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_KW"}
 
 
 # torch.distributed's functions a rank may wait in: wrapped in each worker by the launch
@@ -83,7 +86,9 @@ def _traced(name, fn):
     where = {k: params.index(k) for k in ("group", "async_op") if k in params}
 
     def traced(*args, **kwargs):
-        if not _OBSERVERS or threading.current_thread() is not threading.main_thread():
+        # inside a graph torch.compile traces, the call is torch's own (dynamo turns it into
+        # its functional collective): the recorder sees it where the graph runs it, not here
+        if torch.compiler.is_compiling() or not _OBSERVERS or threading.current_thread() is not threading.main_thread():
             return fn(*args, **kwargs)
         group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
         async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
@@ -410,12 +415,13 @@ class FlightRecorder:
         self.calls = collections.deque(maxlen=RECORDER_SIZE)
         self.seq, self.groups, self.flight, self.done, self.on, self._by_id = {}, {}, [], None, True, {}
         self.unsettled = []   # --check-collectives: async collectives whose comparison is not settled yet
-        self.entered, self.stopped = 0, threading.Event()
+        self.entered, self.completed, self.stopped = 0, 0, threading.Event()
         self.main = threading.main_thread()
         self.watch = None   # under torchrun: this rank's StallWatch (the first rank still beating reports)
         self._publish(stack=False)
         self.thread = threading.Thread(target=self._beat, name="kit-flight-recorder", daemon=True)
         self.thread.start()
+        _stop_when(self.rank, self.main, self.stopped)
 
     # -- the calls
     def _group(self, group):
@@ -482,6 +488,7 @@ class FlightRecorder:
 
     def _complete(self, rec):
         rec["t1"], rec["works"] = time.time(), []
+        self.completed += 1
         flight = self.flight
         if flight and flight[-1] is rec:
             flight.pop()
@@ -580,6 +587,7 @@ class FlightRecorder:
                 with contextlib.suppress(ValueError):
                     self.flight.remove(rec)
                 self.done = rec
+                self.completed += 1
         flight = [_brief(r) for r in list(self.flight)]
         done = _brief(self.done) if self.done else None
         seq = dict(self.seq)
@@ -587,7 +595,39 @@ class FlightRecorder:
         frame = sys._current_frames().get(self.main.ident)
         return {"rank": self.rank, "pid": os.getpid(), "host": platform.node(), "t": time.time(),
                 "flight": flight, "done": done, "seq": seq, "groups": self.groups,
-                "stack": _stack(frame) if stack and frame is not None and not blocked else []}
+                "stack": _stack(frame) if stack and frame is not None and not blocked else [],
+                "entered": self.entered, "completed": self.completed, "cpu": self._cpu(),
+                "frames": self._frames() if stack and not blocked else None}
+
+    def _frames(self, samples=32) -> dict:
+        """Where the main thread is, looked at ``samples`` times half a millisecond apart:
+        each look its innermost three frames (torch's included) as file:line:bytecode
+        offset, and whether any look found it between calls ("running": it executes Python
+        bytecode; a thread blocked in C, waiting or computing, is always found in the call
+        that blocks). A thread running Python is only seen where it lets the GIL go (mostly
+        at one call of a tight loop), hence many looks."""
+        seen, running = set(), False
+        for i in range(samples):
+            f = sys._current_frames().get(self.main.ident)
+            if f is None:
+                break
+            code = f.f_code.co_code
+            running |= 0 <= f.f_lasti < len(code) and dis.opname[code[f.f_lasti]] not in _CALL_OPS
+            where = []
+            while f is not None and len(where) < 3:
+                where.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:{f.f_lasti}")
+                f = f.f_back
+            seen.add(" <- ".join(where))
+            if i + 1 < samples:
+                time.sleep(0.0005)
+        return {"at": sorted(seen), "running": running}
+
+    def _cpu(self) -> float | None:
+        """Seconds of CPU the main thread has used (None where the OS does not say)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.main.ident))
+        except (AttributeError, OSError):
+            return None
 
     def _publish(self, stack=True):
         self.store.set(f"state/{self.rank}", json.dumps(self._state(stack)))
@@ -609,6 +649,32 @@ class FlightRecorder:
             state = self._state()
             state["finished"] = True
             self.store.set(f"state/{self.rank}", json.dumps(state))
+
+
+# Fault injection for the stall tests: {"rank": R, "in": TEXT, "file": PATH} makes rank R of a
+# job stop itself (SIGSTOP) as soon as its main thread's stack holds a frame whose
+# "file:function" contains TEXT (torch's frames included: "distributed.py:forward" is inside
+# torch DDP's forward), after writing the time to PATH
+STOP_ENV = "KIT_STOP_WHEN"
+
+
+def _stop_when(rank, main, stopped):
+    spec = json.loads(os.environ.get(STOP_ENV) or "null")
+    if not spec or spec["rank"] != rank:
+        return
+
+    def look():
+        import signal
+        while not stopped.wait(0.001):
+            f = sys._current_frames().get(main.ident)
+            while f is not None:
+                if spec["in"] in f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}":
+                    with open(spec["file"], "w") as out:
+                        out.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    return
+                f = f.f_back
+    threading.Thread(target=look, name="kit-stop-when", daemon=True).start()
 
 
 def _brief(rec) -> dict:
@@ -664,19 +730,29 @@ def _process_state(pid, host) -> str | None:
     return {"T": "stopped", "t": "stopped (traced)", "Z": "gone", "X": "gone", "D": "in uninterruptible I/O"}.get(state)
 
 
-def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_process_state) -> dict | None:
-    """A stall from every rank's published state (FlightRecorder), or None: some rank has
-    waited ``stall_after`` seconds or more in a call. Each waiting rank's oldest call is
-    followed to the ranks that have not entered it (by its sequence number on its group,
-    or on its pair for a point-to-point message), and from those to the ones they wait for
-    in turn: the first named are the ranks the others wait for at the end of that chain
-    (busy in no call, not responding, finished, or waiting on a call nobody else reached)
-    and the ranks that entered the same place of a group with another call. A rank whose
-    recorder has gone silent is not taken at its last word: it is the one not responding,
-    in whatever call it last said it was (a stopped process holds up a collective it had
-    entered too). Returns {"culprits": [rank, ...], "text": the report, "first": one line
-    naming the first, "stuck": the failure's first line, "kind", "silent": the ranks not
-    responding}."""
+def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_process_state,
+             history: dict | None = None) -> dict | None:
+    """A stall from every rank's published state (FlightRecorder), or None. Three kinds, the
+    first that applies:
+
+    - some rank has waited ``stall_after`` seconds or more in a recorded call: each waiting
+      rank's oldest call is followed to the ranks that have not entered it (by its sequence
+      number on its group, or on its pair for a point-to-point message), and from those to
+      the ones they wait for in turn; the first named are the ranks the others wait for at
+      the end of that chain (busy in no call, not responding, finished, or waiting on a call
+      nobody else reached) and the ranks that entered the same place of a group with
+      another call (``_chain``). A rank whose recorder has gone silent is not taken at its
+      last word: it is the one not responding, in whatever call it last said it was;
+    - some rank has not responded for ``stall_after`` seconds (its process stopped or gone,
+      or its recorder silent), whatever the others do: they may wait for it where the
+      recorder cannot see (torch DDP's C++ reducer, a CUDA synchronize);
+    - ``history`` (StallWatch's: when any rank last entered or completed a recorded call,
+      and since when each rank's innermost frames have not moved) says that no rank has made
+      progress for ``stall_after`` seconds while some rank in no recorded call has not
+      moved: it may wait in a call the recorder cannot see.
+
+    Returns {"culprits": [rank, ...], "text": the report, "first": one line naming the
+    first, "stuck": the failure's first line, "kind", "silent": the ranks not responding}."""
     # a process this host sees stopped or gone is silent at once: its last state, published
     # up to a beat before it stopped, may still look fresh
     proc = {r: alive(s["pid"], s["host"]) for r, s in states.items() if not s.get("finished")}
@@ -686,23 +762,85 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
     flight = {r: s["flight"] for r, s in states.items() if s.get("flight") and r not in silent}
     waiting = {r: min(f, key=lambda c: c["t0"]) for r, f in flight.items()}
     stalled = {r: c for r, c in waiting.items() if now - c["t0"] >= stall_after}
-    if not stalled:
+    view = _View(states, now, world, silent, proc, waiting, history, stall_after)
+    if stalled:
+        return _chain(view, stalled)
+    # a rank never seen: counted from the first state any rank published (they all publish
+    # right after the same rendezvous), never while none has
+    started = (history or {}).get("first") or min((s["t"] for s in states.values()), default=now)
+    gone = [r for r in sorted(silent) if now - states.get(r, {}).get("t", started) >= stall_after]
+    if gone and waiting:   # the others wait in recorded calls: where the chain leads, if to a silent rank
+        d = _chain(view, waiting)
+        if any(r in gone for r in d["culprits"]):
+            return d
+    if gone:
+        plural = len(gone) > 1
+        return view.report("silent", gone, f"stall: rank{'s' * plural} {', '.join(map(str, gone))} "
+                                           f"{'are' if plural else 'is'} {view.status(gone[0])}",
+                           f"rank {gone[0]} stuck first: {view.status(gone[0])}")
+    if history is None or now - history["progress"] < stall_after:
         return None
+    still = [r for r in range(world) if r in states and r not in silent and r not in waiting
+             and not states[r].get("finished") and now - history["still"].get(r, now) >= stall_after]
+    if not still:
+        return None
+    quiet = now - history["progress"]
+    head = (f"stall: no rank entered or completed a recorded call for {quiet:.0f} s, and "
+            f"rank{'s' * (len(still) > 1)} {', '.join(map(str, still))} {'have' if len(still) > 1 else 'has'} not "
+            f"moved: {view.status(still[0])}")
+    return view.report("still", still, head, f"rank {still[0]} stuck first: {view.status(still[0])}", notes=[
+        "a rank whose stack does not move in no recorded call may wait in a call the recorder cannot see: "
+        "torch's C++ reducer (torch DDP's buckets), a collective issued from another thread, a CUDA synchronize "
+        "or .item() after an enqueued NCCL collective; or compute in one long operation"])
 
-    def status(r):
-        s = states.get(r)
+
+class _View:
+    """What diagnose knows of every rank, and the report's table."""
+
+    def __init__(self, states, now, world, silent, proc, waiting, history, stall_after):
+        self.states, self.now, self.world, self.silent, self.proc = states, now, world, silent, proc
+        self.waiting, self.history, self.stall_after = waiting, history or {}, stall_after
+
+    def status(self, r) -> str:
+        s, now = self.states.get(r), self.now
         if s is None:
             return "not responding: never started its recorder"
         if s.get("finished"):
             return "finished its work"
-        if r in silent:
-            how = proc[r]
+        if r in self.silent:
+            how = self.proc[r]
             return (f"not responding: {how}" if how else "not responding (alive, its recorder silent)") + \
                 f"; its last state is {now - s['t']:.0f} s old"
-        if r in waiting:
-            c = waiting[r]
-            return f"waits {'for its async' if c['async'] else 'in'} {_call_text(c, world, now)}"
+        if r in self.waiting:
+            c = self.waiting[r]
+            return f"waits {'for its async' if c['async'] else 'in'} {_call_text(c, self.world, now)}"
+        since = self.history.get("still", {}).get(r)
+        if since is not None and now - since >= self.stall_after:
+            cpu = self.history.get("cpu", {}).get(r)
+            used = f", {cpu:.1f} s of CPU meanwhile" if cpu is not None else ""
+            where = f" at {s['stack'][0]}" if s.get("stack") else ""
+            return f"in no recorded call, its stack unmoved for {now - since:.0f} s{where}{used}"
         return "busy in no call" + (f", at {s['stack'][0]}" if s.get("stack") else "")
+
+    def report(self, kind, culprits, head, stuck, notes=(), waited=None) -> dict:
+        rows = []
+        for r in range(self.world):
+            s = self.states.get(r, {})
+            done = s.get("done")
+            fresh = s and self.now - s["t"] <= 3 * BEAT
+            where = s.get("stack", [])[:3] if fresh and (r not in self.waiting or self.waiting[r]["async"]) else []
+            rows.append(f"| {r}{' *' if r in culprits else ''} | {self.status(r)} | "
+                        f"{_call_text(done, self.world) if done else '-'} | {' <- '.join(where) or '-'} |")
+        text = "\n".join([head + (waited or ""), *[f"  {n}" for n in notes],
+                          "| rank | state | last call completed | where (innermost first) |", "|---|---|---|---|",
+                          *rows])
+        return {"culprits": culprits, "text": text, "first": f"rank {culprits[0]} {self.status(culprits[0])}",
+                "stuck": stuck, "kind": kind, "silent": sorted(self.silent)}
+
+
+def _chain(view, stalled) -> dict:
+    """The stall of ranks waiting in recorded calls (diagnose's first kind)."""
+    states, waiting, silent, world, now = view.states, view.waiting, view.silent, view.world, view.now
 
     def same_place(m, key, seq):
         """Rank m's call in flight at ``seq`` of ``key``, if any."""
@@ -754,45 +892,41 @@ def diagnose(states: dict, now: float, world: int, stall_after: float, alive=_pr
                 break
             seen.add(nxt[0])
             chain.append(nxt[0])
-    rows = []
-    for r in range(world):
-        s = states.get(r, {})
-        done = s.get("done")
-        fresh = s and now - s["t"] <= 3 * BEAT
-        where = s.get("stack", [])[:3] if fresh and (r not in waiting or waiting[r]["async"]) else []
-        rows.append(f"| {r}{' *' if r in culprits else ''} | {status(r)} | "
-                    f"{_call_text(done, world) if done else '-'} | {' <- '.join(where) or '-'} |")
     culprits = culprits or [min(stalled)]
     first, who = culprits[0], ", ".join(map(str, culprits))
     waiters = sorted(r for r in stalled if r not in culprits)
     waited = (f"; rank{'s' * (len(waiters) > 1)} {', '.join(map(str, waiters))} waited "
               f"{now - min(stalled[w]['t0'] for w in waiters):.0f} s") if waiters else ""
     if kind == "mismatch":
-        head = f"stall: ranks {who} are in different calls at the same place of a group{waited}"
+        head = f"stall: ranks {who} are in different calls at the same place of a group"
         stuck = f"ranks {who} called different collectives at the same place: " + " / ".join(notes.values())
     elif kind == "cycle":
-        head = f"stall: ranks {who} wait for each other{waited}"
+        head = f"stall: ranks {who} wait for each other"
         stuck = f"ranks {who} stuck first, waiting for each other: " + "; ".join(
-            f"rank {r} {status(r)}" for r in culprits)
+            f"rank {r} {view.status(r)}" for r in culprits)
     else:
-        head = f"stall: the ranks wait for rank{'s' * (len(culprits) > 1)} {who} ({status(first)}){waited}"
-        stuck = f"rank {first} stuck first: {status(first)} (the rank the others waited for)"
-    text = "\n".join([head, *[f"  {n}" for n in notes.values()],
-                      "| rank | state | last call completed | where (innermost first) |", "|---|---|---|---|", *rows])
-    return {"culprits": culprits, "text": text, "first": f"rank {first} {status(first)}", "stuck": stuck,
-            "kind": kind, "silent": sorted(silent)}
+        head = f"stall: the ranks wait for rank{'s' * (len(culprits) > 1)} {who} ({view.status(first)})"
+        stuck = f"rank {first} stuck first: {view.status(first)} (the rank the others waited for)"
+    return view.report(kind, culprits, head, stuck, notes.values(), waited)
 
 
 class StallWatch:
-    """Every rank's published state, read from the job's store; when a rank has waited in a
-    call for ``stall_report`` seconds, ``tick()`` prints one table (``diagnose``) naming the
-    ranks the others wait for, again at most every ``stall_report`` seconds while the stall
-    lasts; ``diagnosis`` keeps the last one, for the failure report. Under torchrun every
-    rank watches and the first rank still beating prints (``me``)."""
+    """Every rank's published state, read from the job's store; on a stall (``diagnose``:
+    a rank waiting ``stall_report`` seconds in a recorded call, a rank not responding for
+    that long, or no progress for that long with a rank whose stack does not move),
+    ``tick()`` prints one table naming the ranks the others wait for, again at most every
+    ``stall_report`` seconds while the stall lasts; ``diagnosis`` keeps the last one, for
+    the failure report, until some rank makes progress again. Its history: when any rank
+    last entered or completed a recorded call, and since when each rank's innermost frames
+    (torch's included) have not moved. Under torchrun every rank watches and the first rank
+    still beating prints (``me``)."""
 
     def __init__(self, store, world, stall_report, me=None, out=None):
         self.store, self.world, self.stall_report, self.me = store, world, stall_report, me
         self.out, self.diagnosis, self.shown = out or sys.stdout, None, 0.0
+        now = time.time()
+        self.history = {"progress": now, "still": {}, "cpu": {}}
+        self._seen = {}   # rank -> (calls entered, completed, its innermost frames, CPU seconds then)
 
     def states(self) -> dict:
         keys = [f"state/{r}" for r in range(self.world)]
@@ -802,12 +936,36 @@ class StallWatch:
                 got[r] = json.loads(self.store.get(k))
         return got
 
+    def _track(self, states, now):
+        """The history from the states of this tick and the last one."""
+        h = self.history
+        if states and "first" not in h:
+            h["first"] = now
+        for r, s in states.items():
+            calls = (s.get("entered", 0), s.get("completed", 0))
+            frames = s.get("frames")
+            before = self._seen.get(r)
+            if before is None or calls != before[0]:
+                h["progress"] = now if before is not None else h["progress"]
+            moving = frames is None or frames["running"] or len(frames["at"]) != 1
+            if before is None or frames != before[1] or moving or s.get("flight") or s.get("finished"):
+                h["still"][r] = now
+                h["cpu"].pop(r, None)
+                self._seen[r] = (calls, frames, s.get("cpu"))
+            else:
+                self._seen[r] = (calls, frames, before[2])
+                if s.get("cpu") is not None and before[2] is not None:
+                    h["cpu"][r] = s["cpu"] - before[2]
+
     def tick(self):
         now = time.time()
         states = self.states()
-        d = diagnose(states, now, self.world, self.stall_report)
-        self.diagnosis = d or (self.diagnosis if self.diagnosis and any(s.get("flight") for s in states.values())
-                               else None)
+        progress = self.history["progress"]
+        self._track(states, now)
+        d = diagnose(states, now, self.world, self.stall_report, history=self.history)
+        keep = self.diagnosis is not None and self.history["progress"] == progress and (
+            any(s.get("flight") for s in states.values()) or self.diagnosis["kind"] in ("silent", "still"))
+        self.diagnosis = d or (self.diagnosis if keep else None)
         if d is None or now - self.shown < self.stall_report:
             return
         if self.me is not None:   # under torchrun: the first rank whose state is fresh prints

@@ -2,7 +2,9 @@
 (diagnostics.FlightRecorder), the stall report (diagnose, StallWatch) and --check-collectives, on
 spawned ranks and under torchrun. Each scenario is tests/stall_job.py, whose rank 1
 misbehaves at its fourth all_reduce; the jobs run side by side, each asserted on alone."""
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,27 +17,61 @@ import common
 import diagnostics
 from conftest import ROOT, is_loopback, listening_sockets, process_tree, workers_left
 
-STALL, TIMEOUT, BUSY = 3.0, 15.0, 40.0
+STALL, TIMEOUT, BUSY = 3.0, 10.0, 10.0
 # (mode, extra flags): the stall report names rank 1 within the window; the job fails at --timeout
-# (the mismatches at once, refused by --check-collectives); "busy" computes 40 s and completes
+# (the mismatches at once, refused by --check-collectives); "busy" computes BUSY s and completes;
+# "thread": rank 0 waits for an all_reduce issued from another thread, where the recorder cannot see
 SCENARIOS = {"stop": [], "loop": [], "ddp_stop": [], "skip": ["--check-collectives"], "op": ["--check-collectives"],
-             "shape": ["--check-collectives"], "group": ["--check-collectives"], "busy": ["--stall-report", "5", "--timeout", "60", "--busy", str(BUSY)]}
+             "shape": ["--check-collectives"], "group": ["--check-collectives"], "thread": [],
+             "busy": ["--stall-report", "5", "--timeout", "60", "--busy", str(BUSY)]}
+# The scripts' own command lines, one rank stopped (SIGSTOP, by diagnostics.STOP_ENV) as soon
+# as its stack is inside the named method's step; the others wait for it wherever that method
+# waits (torch DDP: in its C++ reducer, which the recorder does not see). name: (ranks, argv,
+# where the rank stops: "file:function", which rank)
+NATURAL = {
+    "05 torch DDP": (2, ["05_bucketed_ddp.py", "--model-size", "nano", "--steps", "400", "--no-verify",
+                         "--bucket-mb", "1", "--models", "lm"], "distributed.py:forward", 1),
+    "05 DDPBucketed": (2, ["05_bucketed_ddp.py", "--model-size", "nano", "--steps", "400", "--no-verify",
+                           "--bucket-mb", "1", "--models", "lm"], "05_bucketed_ddp.py:hook", 1),
+    "06 ZeroRedundancyOptimizer": (2, ["06_sharded_optimizer.py", "--model-size", "nano", "--steps", "400",
+                                       "--no-verify"], "zero_redundancy_optimizer.py:step", 1),
+    "07 FSDP2": (2, ["07_fsdp.py", "--model-size", "nano", "--steps", "400", "--no-verify", "--methods", "fsdp"],
+                 "_fsdp_state.py:_pre_forward", 1),
+    "09 torch pipelining": (2, ["09_pipeline_parallel.py", "--model-size", "nano", "--steps", "400", "--no-verify",
+                                "--stages", "2", "--schedule", "1f1b", "--microbatches", "2"],
+                            "schedules.py:_step_microbatches", 1),
+    "10 pp 2 x dp 2": (4, ["10_nd_parallel.py", "--model-size", "nano", "--steps", "400", "--no-verify", "--pp", "2",
+                           "--dp", "2"], "10_nd_parallel.py:train_step", 3),
+}
 LAUNCHES = ("spawned", "torchrun")
 _jobs = {}
 
 
-def _run(mode, how, folder):
-    """One scenario's job: exit status, stdout lines with the second each arrived, stderr,
-    and when rank 1 misbehaved."""
+def _command(case, how, folder):
+    """(command line, environment) of a scenario or a natural command."""
+    ranks, env = 2, {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_VARS and k != diagnostics.CHECK_ENV}
+    if case in SCENARIOS:
+        argv = [str(ROOT / "tests" / "stall_job.py"), case, str(folder), "--stall-report", str(STALL), "--timeout",
+                str(TIMEOUT), *SCENARIOS[case]]
+    else:
+        ranks, script, where, rank = NATURAL[case]
+        argv = [*script, "--stall-report", str(STALL), "--timeout", str(TIMEOUT), "--out", str(folder / "out")]
+        if how == "spawned":
+            argv += ["--world-size", str(ranks)] if "--pp" not in script else []
+        env[diagnostics.STOP_ENV] = json.dumps({"rank": rank, "in": where, "file": str(folder / "misbehaved")})
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if how == "torchrun" else []
+    return [sys.executable, *launcher, *argv], env
+
+
+def _run(case, how, folder):
+    """One job: exit status, stdout lines with the second each arrived, stderr, when its rank
+    misbehaved, and (spawned) every socket its processes listened on."""
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-                              if how == "torchrun" else [])
-    cmd += [str(ROOT / "tests" / "stall_job.py"), mode, str(folder), "--stall-report", str(STALL), "--timeout",
-            str(TIMEOUT), *SCENARIOS[mode]]
-    env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_VARS and k != diagnostics.CHECK_ENV}
+    cmd, env = _command(case, how, folder)
+    began = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines, err, sockets = [], [], set()
-    reader = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
+    reader = threading.Thread(target=_read_errors, args=(p, err, how), daemon=True)
     reader.start()
     sampler = threading.Thread(target=_sample_sockets, args=(p, sockets), daemon=True)
     if how == "spawned":
@@ -44,11 +80,57 @@ def _run(mode, how, folder):
         lines.append((time.time(), line.rstrip("\n")))
     p.wait(timeout=240)
     reader.join(10)
+    err = ["".join(err)]
     if how == "spawned":
         sampler.join(10)
     bad = folder / "misbehaved"
     return {"rc": p.returncode, "lines": lines, "stderr": err[0] if err else "", "sockets": sockets,
+            "began": began, "seconds": time.time() - began,
             "misbehaved": float(bad.read_text()) if bad.exists() else None}
+
+
+def start_jobs(base):
+    """Every scenario and natural command, spawned and under torchrun, six at a time, in a
+    thread of their own (they mostly wait: the suite starts them first and goes on);
+    returns the thread. The fixture below waits for it."""
+    def run_all():
+        cases = [(c, h) for c in [*SCENARIOS, *NATURAL] for h in LAUNCHES]
+        cases.sort(key=lambda c: c[0] != "busy")   # the longest first
+        with ThreadPoolExecutor(6) as pool:
+            for case, got in zip(cases, pool.map(lambda c: _run(*c, base / f"{c[0]}_{c[1]}".replace(" ", "_")),
+                                                 cases)):
+                _jobs[case] = got
+    thread = threading.Thread(target=run_all, name="stall-jobs", daemon=True)
+    thread.start()
+    return thread
+
+
+_started = []
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    if not _started:
+        _started.append(start_jobs(tmp_path_factory.mktemp("stalls")))
+    _started[0].join()
+    return _jobs
+
+
+def _read_errors(p, err, how):
+    """The job's stderr, line by line. Under torchrun, once a rank has failed, a rank stopped
+    by SIGSTOP is continued: torchrun's agent ends the others with SIGTERM, which a stopped
+    process acts on only when continued (else the agent waits out its 30 s grace period
+    before SIGKILL), as whoever stopped it would do."""
+    for line in p.stderr:
+        err.append(line)
+        if how == "torchrun" and ("fails after a stall" in line or "Traceback" in line):
+            for pid in process_tree(p.pid):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                            os.kill(pid, signal.SIGCONT)
+                except (OSError, IndexError):   # gone meanwhile
+                    continue
 
 
 def _sample_sockets(p, sockets):
@@ -59,25 +141,12 @@ def _sample_sockets(p, sockets):
         time.sleep(0.3)
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Every scenario, spawned and under torchrun, four at a time."""
-    if not _jobs:
-        base = tmp_path_factory.mktemp("stalls")
-        cases = [(m, h) for m in SCENARIOS for h in LAUNCHES]
-        cases.sort(key=lambda c: c[0] != "busy")   # the longest first
-        with ThreadPoolExecutor(4) as pool:
-            got = pool.map(lambda c: _run(*c, base / f"{c[0]}_{c[1]}"), cases)
-            _jobs.update(zip(cases, got))
-    return _jobs
-
-
 def _report(job):
     """The first stall report: (the second it was printed, its lines)."""
     lines = job["lines"]
     i = next((i for i, (_, ln) in enumerate(lines) if ln.startswith("stall: ")), None)
     assert i is not None, "no stall report:\n" + "\n".join(ln for _, ln in lines) + job["stderr"]
-    block = [lines[i][1]] + [ln for _, ln in lines[i + 1:i + 8] if ln.startswith(("|", "  "))]
+    block = [lines[i][1]] + [ln for _, ln in lines[i + 1:i + 12] if ln.startswith(("|", "  "))]
     return lines[i][0], block
 
 
@@ -148,10 +217,58 @@ def test_a_rank_computing_between_collectives_is_reported_busy_and_the_run_compl
     assert "fail" not in " ".join(ln for _, ln in job["lines"]) + job["stderr"]
 
 
+@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize("case", NATURAL)
+def test_a_rank_stopped_in_a_scripts_step_is_named_within_the_window_wherever_the_others_wait(jobs, case, how):
+    """The scripts' own command lines: a rank stopped inside torch DDP's step (the other rank
+    then waits in torch's C++ reducer, which no recorded call shows), DDPBucketed's backward,
+    ZeroRedundancyOptimizer's step, FSDP2's forward, torch's pipelining schedule, or a 4-rank
+    mesh's step is named within the window (plus 5 s); the job ends at --timeout naming it
+    first; nothing is left running (test_a_failed_job_... below)."""
+    job = jobs[(case, how)]
+    ranks, argv, where, rank = NATURAL[case]
+    assert job["misbehaved"] is not None, f"rank {rank} never reached {where}:\n{job['stderr'][-3000:]}"
+    when, report = _report(job)
+    assert f"rank {rank}" in report[0] and "not responding: stopped" in report[0], report
+    if case == "05 torch DDP":   # no rank waits in a recorded call: the silent rank is a stall on its own
+        assert report[0].startswith(f"stall: rank {rank} is not responding: stopped"), report
+    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stop"
+    assert any(ln.startswith(f"| {rank} * |") for ln in report), report
+    assert job["rc"] != 0
+    stuck = f"rank {rank} stuck first: not responding: stopped"
+    if how == "spawned":
+        assert job["stderr"].startswith(f"{argv[0]}: error: {stuck}"), job["stderr"][-3000:]
+    else:
+        assert f"fails after a stall: {stuck}" in job["stderr"], job["stderr"][-3000:]
+        assert job["stderr"].index("fails after a stall") < job["stderr"].index("Traceback")
+
+
+@pytest.mark.parametrize("how", LAUNCHES)
+def test_a_wait_the_recorder_cannot_see_is_reported_as_no_progress_and_named_at_the_timeout(jobs, how):
+    """Rank 0 waits in join() for an all_reduce issued from another thread (a C++ wait no
+    recorded call shows) while rank 1 computes on: no rank enters or completes a recorded
+    call, and rank 0's stack does not move: the report names it and where it sits; rank 1,
+    whose stack moves, is busy; the failure at --timeout names rank 0 first."""
+    job = jobs[("thread", how)]
+    when, report = _report(job)
+    assert report[0].startswith("stall: no rank entered or completed a recorded call for ") and \
+        "rank 0 has not moved: in no recorded call, its stack unmoved for" in report[0], report
+    assert "cannot see" in report[1]
+    rows = {ln.split("|")[1].strip(): ln for ln in report if ln.startswith("| ") and ln[2].isdigit()}
+    assert "_all_reduce_in_a_thread: t.join()" in rows["0 *"], rows
+    assert "busy in no call, at workers.py" in rows["1"] and "stall_scenario: _spin()" in rows["1"], rows
+    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
+    assert job["rc"] != 0
+    if how == "spawned":
+        assert job["stderr"].startswith("stall_job.py: error: rank 0 stuck first: in no recorded call"), job["stderr"]
+    else:
+        assert "rank 0 fails after a stall: rank 0 stuck first: in no recorded call" in job["stderr"], job["stderr"]
+
+
 def test_a_failed_job_prints_the_launchers_lines_only_and_leaves_nothing_running(jobs):
     """Spawned: no warning of torch's process launcher ("Terminating process ...") on the
-    console, and no rank left behind by any scenario."""
-    for mode in SCENARIOS:
+    console, and no rank left behind by any scenario or script."""
+    for mode in [*SCENARIOS, *NATURAL]:
         err = jobs[(mode, "spawned")]["stderr"]
         assert "Terminating process" not in err and "torch.multiprocessing" not in err and "W1" not in err, err
     assert not workers_left()
@@ -232,6 +349,38 @@ def test_diagnose_waits_out_the_window_and_names_a_finished_rank():
     waiting[0]["t"] = now + 30                                # still beating 30 s on
     d = diagnose(waiting, now + 30)
     assert d["culprits"] == [1] and "finished its work" in d["text"]
+
+
+def test_diagnose_names_a_silent_rank_on_its_own_once_the_window_has_passed():
+    """Rank 0 waits where the recorder cannot see (no call in flight); rank 1 stopped: named
+    once its last state is a window old, not before."""
+    now = 100.0
+    states = {0: _state(0, now, {"0": 7}, stack=["05.py:285 train_step: loss.backward()"]),
+              1: _state(1, now - 10, {"0": 7})}
+    stopped = lambda pid, host: "stopped" if pid == 1001 else None   # noqa: E731
+    assert diagnose(states, now, alive=stopped) is None   # 10 s: within the window
+    states[0]["t"] = now + 25
+    d = diagnose(states, now + 25, alive=stopped)
+    assert d["kind"] == "silent" and d["culprits"] == [1]
+    assert d["text"].startswith("stall: rank 1 is not responding: stopped; its last state is 35 s old")
+    assert d["stuck"] == "rank 1 stuck first: not responding: stopped; its last state is 35 s old"
+
+
+def test_diagnose_names_a_rank_that_has_not_moved_while_no_rank_makes_progress():
+    """No recorded call entered or completed for 40 s: rank 0's stack unmoved for 35 s is
+    named (it may wait where the recorder cannot see), rank 1 whose stack moves is busy;
+    with progress 10 s ago, nothing is reported."""
+    now = 100.0
+    states = {0: _state(0, now, {"0": 4}, stack=["w.py:9 f: t.join()"]), 1: _state(1, now, {"0": 4}, stack=["w.py:3 g"])}
+    history = {"progress": now - 40, "still": {0: now - 35, 1: now - 0.5}, "cpu": {0: 0.01}}
+    d = diagnostics.diagnose(states, now, 2, 30.0, alive=lambda pid, host: None, history=history)
+    assert d["kind"] == "still" and d["culprits"] == [0], d["text"]
+    assert d["text"].startswith("stall: no rank entered or completed a recorded call for 40 s, and rank 0 has not "
+                                "moved: in no recorded call, its stack unmoved for 35 s at w.py:9 f: t.join(), 0.0 s "
+                                "of CPU meanwhile"), d["text"]
+    assert "| 1 | busy in no call, at w.py:3 g |" in d["text"]
+    history["progress"] = now - 10
+    assert diagnostics.diagnose(states, now, 2, 30.0, alive=lambda pid, host: None, history=history) is None
 
 
 def diagnose(states, now, alive=lambda pid, host: None):

@@ -925,12 +925,31 @@ def _spin(seconds=None):
     return n
 
 
+def _all_reduce_in_a_thread(x):
+    """dist.all_reduce issued from another thread (the recorder sees only the main thread's
+    calls), the main thread waiting for it in join(): a C++ wait nothing records."""
+    import threading
+    failed = []
+
+    def run():
+        try:
+            dist.all_reduce(x)
+        except Exception as e:   # noqa: BLE001  (raised again in the main thread)
+            failed.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+
+
 def stall_scenario(ctx, args):
     """Six all_reduces on every rank, then a broadcast; at the fourth, rank 1 misbehaves as
     ``args.mode`` says: "stop" (SIGSTOP to itself), "loop" (computes forever), "skip" (skips
     that all_reduce), "op" (broadcasts instead), "shape" (all-reduces another shape), "group"
     (all-reduces on another group of the same two ranks), "busy"
-    (computes ``args.busy`` seconds, then goes on), "none". Rank 1 writes the time it
+    (computes ``args.busy`` seconds, then goes on), "thread" (computes forever, while rank 0
+    waits for that all_reduce issued from another thread), "none". Rank 1 writes the time it
     misbehaved to <args.out>/misbehaved. Returns the sum every rank ends with."""
     import signal
     if args.mode == "ddp_stop":
@@ -958,6 +977,11 @@ def stall_scenario(ctx, args):
                 continue
             elif args.mode == "busy":
                 _spin(args.busy)
+            elif args.mode == "thread":   # computes on; rank 0 waits where the recorder cannot see
+                _spin()
+        if ctx.rank == 0 and i == 3 and args.mode == "thread":
+            _all_reduce_in_a_thread(x)
+            continue
         dist.all_reduce(x)
     dist.broadcast(x, 0)
     return x.sum().item()
