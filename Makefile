@@ -234,10 +234,11 @@ gpu-12: $(GPU_DEPS)
 #   make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
 SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
-SMOKE_JOBS ?= 6
-SMOKE_BOX  ?= 200
+# (empty: sized to this machine's CPU count, tools/gpu_check.py --help)
+SMOKE_JOBS ?=
+SMOKE_BOX  ?=
 GPU_CHECK   = $(PY) tools/gpu_check.py --device $(GPU_DEV) --nccl $(GPU_NCCL) $(if $(GPU_SIZE),--size $(GPU_SIZE)) \
-              --python $(PY) --scripts $(SMOKE) --jobs $(SMOKE_JOBS) --box $(SMOKE_BOX)
+              --python $(PY) --scripts $(SMOKE) $(if $(SMOKE_JOBS),--jobs $(SMOKE_JOBS)) $(if $(SMOKE_BOX),--box $(SMOKE_BOX))
 .PHONY: gpu-check
 gpu-check: $(GPU_DEPS)
 	@$(GPU_CHECK) --out $(GPU_OUT)/check

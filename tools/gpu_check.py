@@ -315,6 +315,13 @@ def part_smoke(check: Check, scripts):
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def machine_scale() -> float:
+    """How much longer than on the GPU machine (16 cores) the time boxes are here: 1 on 8
+    cores or more, 8 / cores below (a 2-core CPU dry run: 4 times; every job also runs one
+    at a time there, as six at once on 2 cores took one alone's 8 s to past 200 s)."""
+    return max(1.0, 8 / (os.cpu_count() or 1))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "results" / "gpu" / "check"), help="folder of SUMMARY.md and the logs")
@@ -323,11 +330,17 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="", help="model size of every job (default: each part's own; nano: dry run)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS, help="whose smoke and measured jobs")
-    p.add_argument("--jobs", type=int, default=6, help="smoke jobs at once")
-    p.add_argument("--box", type=float, default=200.0, help="seconds a smoke job may take")
-    p.add_argument("--measure-box", type=float, default=120.0, help="seconds a measured job may take")
-    p.add_argument("--kernel-box", type=float, default=150.0, help="seconds the kernel tests may take")
-    p.add_argument("--budget", type=float, default=450.0, help="seconds after which no job starts or runs on")
+    cpus, scale = os.cpu_count() or 1, machine_scale()
+    p.add_argument("--jobs", type=int, default=max(1, min(6, cpus // 2)),
+                   help=f"smoke jobs at once (default: half the CPU cores, at most 6: here {max(1, min(6, cpus // 2))})")
+    p.add_argument("--box", type=float, default=200.0 * scale,
+                   help=f"seconds a smoke job may take (default: 200 on 8 cores or more, longer on fewer: "
+                        f"here {200 * scale:g})")
+    p.add_argument("--measure-box", type=float, default=120.0 * scale, help="seconds a measured job may take")
+    p.add_argument("--kernel-box", type=float, default=150.0 * scale, help="seconds the kernel tests may take")
+    p.add_argument("--budget", type=float, default=450.0 * scale,
+                   help=f"seconds after which no job starts or runs on (default: 450 on 8 cores or more: "
+                        f"here {450 * scale:g})")
     p.add_argument("--python", default=sys.executable, help="the interpreter the jobs run with")
     args = p.parse_args(argv)
     check = Check(args)
