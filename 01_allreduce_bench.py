@@ -495,9 +495,9 @@ def parse_ops(ops):
 HEADERS = ["backend", "device", "ranks", "size_mb", "iters", "time_ms", "min_ms", "max_ms", "algbw_GBps", "busbw_GBps"]
 
 
-def main(argv=None):
+def parser(n_gpus):
+    """01's flags: configurations, ops, world sizes, sizes, iterations, time box."""
     p = common.KitParser(description=__doc__.split("\n\n")[0])
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     default_configs = ["gloo-cpu"] + (["nccl-cuda"] if n_gpus else [])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=default_configs,
                    help="backend-device pairs")
@@ -515,6 +515,11 @@ def main(argv=None):
     p.add_argument("--out", default=common.DEFAULT_OUT, help="folder for results (make all writes results/)")
     p.add_argument("--name", default=None, help="results file stem (default: 01_allreduce for all_reduce "
                                                 "alone, else 01_collectives)")
+    return p
+
+
+def checked_args(p, argv):
+    """The flags parsed, checked, and the defaults the ops ask for filled in."""
     args = p.parse_args(argv)
     args.ops = parse_ops(args.ops)
     alone = args.ops == ["all_reduce"]
@@ -528,47 +533,63 @@ def main(argv=None):
     if common.under_torchrun():
         args.world_sizes = [int(os.environ["WORLD_SIZE"])]
         args.configs = args.configs[:1]
+    return args
+
+
+def run_job(args, job, rows, failed, notes) -> tuple | None:
+    """One configuration at one world size: its rows printed, every table and plot
+    rewritten; a failed job goes to ``failed`` and the others still run. Returns the ring
+    and tree analysis so far and the table as printed (None where nothing was added)."""
+    backend, device, ws, ops = job
+    alone, report = args.ops == ["all_reduce"], common.is_reporter()
+    headers = HEADERS if alone else ["op"] + HEADERS
+    if report:
+        print(f"{backend}+{device}, {ws} ranks ...", flush=True)
+    try:
+        got = common.launch(bench_worker, args, ops, world_size=ws, backend=backend, device=device)
+    except common.LaunchError as e:
+        failed.append(f"{backend}+{device} at {ws} ranks failed: {str(e).splitlines()[0]}")   # rank and error
+        print(f"{backend}+{device} at {ws} ranks failed: {e}")
+        return None
+    if not report:
+        return None
+    rows += got
+    for r in got:
+        label = "" if alone else f"{r['op']:<20}"
+        print(f"  {label}{r['size_mb']:>7g} MB  {r['time_ms']:9.3f} ms  "
+              f"busbw {r['busbw_GBps']:6.3f} GB/s"
+              f"{'  (time box: ' + str(r['iters']) + ' iters)' if r['time_boxed'] else ''}")
+    if any("check_max_diff" in r for r in got):
+        print(f"  ring and tree all-reduce equal dist.all_reduce: integers exactly, floats with a largest "
+              f"difference of {max(r.get('check_max_diff') or 0 for r in got):.2g}")
+    analysis = analyse(rows)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
+    table = common.save_results(args.out, args.name, rows, settings, headers=headers,
+                                title="All-reduce benchmark" if alone else "Collectives benchmark",
+                                note="\n".join(notes + failed + describe(analysis)),
+                                extra={"ring_tree": analysis} if analysis else None)
+    plot(rows, args.out, args.name, args.ops)
+    if not alone:   # the op-by-op overview
+        common.save_results(args.out, f"{args.name}_summary", summary(rows), settings,
+                            title="Collectives: latency (time of the smallest size) and busbw (GB/s) of "
+                                  "the largest sizes", note=f"All sizes: `{args.name}.md`.")
+    if analysis:
+        plot_ring_tree(rows, analysis, args.out, args.name)
+    return analysis, table
+
+
+def main(argv=None):
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    args = checked_args(parser(n_gpus), argv)
     jobs, notes = plan(args, n_gpus)
     if common.under_torchrun() and not jobs:
         raise common.UsageError("; ".join(notes))
     report = common.is_reporter()
     for note in notes if report else []:
         print(note)
-    rows, failed, analysis = [], [], {}
-    headers = HEADERS if alone else ["op"] + HEADERS
-    for backend, device, ws, ops in jobs:
-        if report:
-            print(f"{backend}+{device}, {ws} ranks ...", flush=True)
-        try:
-            got = common.launch(bench_worker, args, ops, world_size=ws, backend=backend, device=device)
-        except common.LaunchError as e:
-            failed.append(f"{backend}+{device} at {ws} ranks failed: {str(e).splitlines()[0]}")   # rank and error
-            print(f"{backend}+{device} at {ws} ranks failed: {e}")
-            continue
-        if not report:
-            continue
-        rows += got
-        for r in got:
-            label = "" if alone else f"{r['op']:<20}"
-            print(f"  {label}{r['size_mb']:>7g} MB  {r['time_ms']:9.3f} ms  "
-                  f"busbw {r['busbw_GBps']:6.3f} GB/s"
-                  f"{'  (time box: ' + str(r['iters']) + ' iters)' if r['time_boxed'] else ''}")
-        if any("check_max_diff" in r for r in got):
-            print(f"  ring and tree all-reduce equal dist.all_reduce: integers exactly, floats with a largest "
-                  f"difference of {max(r.get('check_max_diff') or 0 for r in got):.2g}")
-        analysis = analyse(rows)
-        settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
-        table = common.save_results(args.out, args.name, rows, settings, headers=headers,
-                                    title="All-reduce benchmark" if alone else "Collectives benchmark",
-                                    note="\n".join(notes + failed + describe(analysis)),
-                                    extra={"ring_tree": analysis} if analysis else None)
-        plot(rows, args.out, args.name, args.ops)
-        if not alone:   # the op-by-op overview
-            common.save_results(args.out, f"{args.name}_summary", summary(rows), settings,
-                                title="Collectives: latency (time of the smallest size) and busbw (GB/s) of "
-                                      "the largest sizes", note=f"All sizes: `{args.name}.md`.")
-        if analysis:
-            plot_ring_tree(rows, analysis, args.out, args.name)
+    rows, failed, analysis, table = [], [], {}, ""
+    for job in jobs:
+        analysis, table = run_job(args, job, rows, failed, notes) or (analysis, table)
     if report and rows:
         print(f"verify {args.name}: {'FAIL' if failed else 'PASS'} (every op's result checked against known values "
               f"before it was timed, in {len(jobs) - len(failed)} of {len(jobs)} jobs)")

@@ -212,31 +212,18 @@ def timeline_events(prof, ctx):
 
 
 def draw_timeline(events, title, path):
-    plt = common.pyplot()
+    """One step's events on three lanes (the CPU thread's phases, a GPU's kernels where
+    traced, the all-reduces), backward shaded."""
     colors = {"forward": "#4c72b0", "backward": "#dd8452", "comm": "#c44e52", "optim": "#55a868"}
-    lanes = ["compute"] + (["gpu"] if any(l == "gpu" for l, *_ in events) else []) + ["comm"]
-    fig, ax = plt.subplots(figsize=(10, 2.6))
-    bars = {}   # one broken_barh per lane and colour: a GPU step has thousands of kernels
-    for lane, name, s, e in events:
-        color = colors.get(name, "#8172b3" if lane == "comm" else "#999999")
-        bars.setdefault((lane, color), []).append((s, max(e - s, 0.05)))
-    for (lane, color), spans in bars.items():
-        y = lanes.index(lane)
-        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color,
-                       edgecolors="black" if lane == "comm" else "none", linewidth=0.3)
-    back = [(s, e) for l, n, s, e in events if n == "backward"]
-    if back:
-        ax.axvspan(*back[0], color="#dd8452", alpha=0.08)
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels({"compute": "compute (CPU thread)", "gpu": "GPU kernels",
-                        "comm": "communication"}[l] for l in lanes)
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title)
-    from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=c, label=PHASES[n]) for n, c in colors.items()] +
-              [Patch(color="#8172b3", label="all-reduce")], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
-    common.save_figure(fig, path)
+    names = {"compute": "compute (CPU thread)", "gpu": "GPU kernels", "comm": "communication"}
+    order = ["compute"] + (["gpu"] if any(lane == "gpu" for lane, *_ in events) else []) + ["comm"]
+    lanes = [(names[lane], [{"start": s, "end": e, "min_width": 0.05, "edge": "black" if lane == "comm" else "none",
+                             "color": colors.get(name, "#8172b3" if lane == "comm" else "#999999")}
+                            for ln, name, s, e in events if ln == lane]) for lane in order]
+    back = [(s, e) for _, n, s, e in events if n == "backward"]
+    common.draw_lanes(path, title, lanes, "time (ms)", {**{PHASES[n]: c for n, c in colors.items()},
+                                                        "all-reduce": "#8172b3"},
+                      row=0.6, shade=(*back[0], "#dd8452") if back else None)
 
 
 NAME, TITLE = "04_overlap_ddp", "Naive, flat and overlapped DDP"

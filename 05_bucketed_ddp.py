@@ -313,7 +313,7 @@ def verify(ctx, args, cases=None, group=None, caps=None):
 
 def verify_bf16(ctx, args, group=None, steps=10):
     """bf16 autocast on the micro LM: DDPBucketed's weights against one process under the
-    same autocast (common.BF16_TOL), and each step's loss (the group's mean) against one
+    same autocast (common.TOLERANCE["autocast"]), and each step's loss (the group's mean) against one
     float32 process's (within common.BF16_LOSS_BOUND). SGD with momentum: AdamW's division
     by sqrt(v) turns bf16's rounding of near-zero gradients into steps of lr either way,
     which no tolerance on the weights separates from a wrong method."""
@@ -340,12 +340,12 @@ def verify_bf16(ctx, args, group=None, steps=10):
     diff, ok = 0.0, True
     for (name, p), q in zip(models["bf16"].named_parameters(), model.module.parameters()):
         diff = max(diff, (p.detach() - q.detach()).abs().max().item())
-        ok &= torch.allclose(q, p, **common.BF16_TOL)
+        ok &= torch.allclose(q, p, **common.TOLERANCE["autocast"])
     gap = max(abs(a - b) for a, b in zip(losses["ddp"], losses["fp32"]))
     everyone = [None] * size
     dist.all_gather_object(everyone, {"ok": ok, "diff": diff}, group=group)
-    return {f"micro LM, bf16 autocast, against one process under the same autocast (rtol {common.BF16_TOL['rtol']}, "
-            f"atol {common.BF16_TOL['atol']})": {"ok": all(e["ok"] for e in everyone),
+    return {f"micro LM, bf16 autocast, against one process under the same autocast (rtol {common.TOLERANCE['autocast']['rtol']}, "
+            f"atol {common.TOLERANCE['autocast']['atol']})": {"ok": all(e["ok"] for e in everyone),
                                                    "max_diff": max(e["diff"] for e in everyone)},
             f"micro LM, bf16 autocast, each of {steps} losses within {common.BF16_LOSS_BOUND} of float32's":
                 {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}}
@@ -575,7 +575,8 @@ HEADERS = ["model", "method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms"
 NAME, TITLE = "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size"
 
 
-def main(argv=None):
+def parser():
+    """05's flags: bucket sizes, models, baselines, --dtype, the time box, --recorder-cost."""
     p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
     p.add_argument("--bucket-mb", nargs="+", type=common.number(float, above=0), default=[1, 10, 100],
                    help="bucket sizes to sweep, MiB (torch DDP's bucket_cap_mb unit; on the 33 MB mini "
@@ -591,24 +592,14 @@ def main(argv=None):
     p.add_argument("--recorder-cost", action="store_true",
                    help="instead of the sweep: DDPBucketed at the first --bucket-mb with the flight recorder off, on, "
                         "and on with --check-collectives, steps alternating (05_recorder_cost)")
-    args = common.parse(p, argv)
-    caps = list(dict.fromkeys(args.bucket_mb))   # each size once
+    return p
+
+
+def run_sweep(args, caps) -> tuple:
+    """One job (fresh processes) per model and bucket size, then the baselines; the table
+    rewritten after each, so a run cut short keeps what it measured; the LM's first size
+    also fits the all-reduce cost. Returns (rows, the fit, the time box's note)."""
     report = common.is_reporter()
-
-    if not args.no_verify:   # the toy caps, and the first size asked for
-        results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": caps[0], **TOY_CAPS})
-        common.check_verification(results, f"{NAME} at {args.world_size} rank(s)")
-        if args.dtype == "bf16":
-            common.check_verification(common.launch(verify_bf16, args), f"{NAME}, bf16, at {args.world_size} rank(s)")
-    if args.no_bench:
-        return
-    if args.recorder_cost:
-        rows = common.launch(recorder_cost, args, caps[0])
-        return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "
-                                   f"({caps[0]:g} MB buckets)", rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
-
-    # One job (fresh processes) per bucket size; the table is rewritten after each, so a run
-    # cut short keeps what it measured. The first size also fits the all-reduce cost.
     jobs = [(m, c) for m in dict.fromkeys(args.models) for c in caps] + (["baselines"] if args.baselines else [])
     rows, fit, note = [], None, ""
     started = time.perf_counter()
@@ -627,14 +618,11 @@ def main(argv=None):
         if report and i < len(jobs) - 1:
             common.save_results(args.out, NAME, rows, common.lm_settings(args), headers=HEADERS, title=TITLE,
                                 note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
-    common.report_table(args, NAME, TITLE, rows, HEADERS, note)
-    if args.dtype == "bf16":
-        common.report_table(args, MP_NAME, MP_TITLE, common.launch(mixed_precision, args), MP_HEADERS)
-    if not report:
-        return
-    if fit is None:   # the overhead model needs the LM's first job
-        plot(rows, args)
-        return
+    return rows, fit, note
+
+
+def report_overhead_model(args, rows, fit):
+    """The overhead model fitted to the all-reduce's cost beside the sweep's measured best."""
     a = analyse(rows, fit, args)
     print(f"\nOverhead model: overhead(n_b) = s/(n_b*w) + n_b*o, best n_b = sqrt(s/(w*o)), "
           f"bucket = sqrt(s*w*o)\n  fitted all-reduce cost: o = {a['o_ms']:.3f} ms per call, "
@@ -652,6 +640,32 @@ def main(argv=None):
         title="Bucketed DDP: overhead model against measurement", extra={"fit": fit, "analysis": a})
     plot(rows, args)
     print(f"wrote {args.out}/05_bucket_sweep.png and 05_overhead_model.json, .md")
+
+
+def main(argv=None):
+    args = common.parse(parser(), argv)
+    caps = list(dict.fromkeys(args.bucket_mb))   # each size once
+    if not args.no_verify:   # the toy caps, and the first size asked for
+        results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": caps[0], **TOY_CAPS})
+        common.check_verification(results, f"{NAME} at {args.world_size} rank(s)")
+        if args.dtype == "bf16":
+            common.check_verification(common.launch(verify_bf16, args), f"{NAME}, bf16, at {args.world_size} rank(s)")
+    if args.no_bench:
+        return
+    if args.recorder_cost:
+        rows = common.launch(recorder_cost, args, caps[0])
+        return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "
+                                   f"({caps[0]:g} MB buckets)", rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
+    rows, fit, note = run_sweep(args, caps)
+    common.report_table(args, NAME, TITLE, rows, HEADERS, note)
+    if args.dtype == "bf16":
+        common.report_table(args, MP_NAME, MP_TITLE, common.launch(mixed_precision, args), MP_HEADERS)
+    if not common.is_reporter():
+        return
+    if fit is not None:   # the overhead model needs the LM's first job
+        report_overhead_model(args, rows, fit)
+    else:
+        plot(rows, args)
 
 
 if __name__ == "__main__":

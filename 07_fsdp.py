@@ -15,7 +15,7 @@ load on any number of ranks work as in an ordinary training loop.
 Run:
     python 07_fsdp.py                              # verify (fp32 and fp16), then memory and time
     python 07_fsdp.py --world-size 4 --model-size micro
-    python 07_fsdp.py --compute-dtype bfloat16
+    python 07_fsdp.py --compute-dtype bf16
     torchrun --standalone --nproc-per-node 2 07_fsdp.py
 
 Prints PASS/FAIL per verification case, then step time and per-rank memory (parameters,
@@ -636,9 +636,9 @@ def train_step(model, optimizer, batch, clock, micro_batches=1, max_norm=None, *
 # ----------------------------------------------------------------------------------------
 # Verification
 # ----------------------------------------------------------------------------------------
-DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Low precision is compared with a single process that casts the same way, within this tolerance:
-LOW_PRECISION_TOL = {"rtol": 1e-2, "atol": 2e-3}
+# Low precision is compared with a single process that casts the same way, within
+# common.TOLERANCE["low-precision compute"]
+LOW_PRECISION_TOL = common.TOLERANCE["low-precision compute"]
 
 
 def _reference_step(master, x, y, compute_dtype, micro_batches=1, max_norm=None, kwargs=None):
@@ -775,7 +775,7 @@ def compare_whole(ctx, whole, ref, tol, group, **extra):
 def verify(ctx, args, cases=None, group=None):
     """Every case of CASES (or those named), with --compute-dtype's low precision in place
     of float16 when given; ``group`` shards over a subgroup."""
-    low = DTYPES.get(getattr(args, "compute_dtype", "float32")) or torch.float16
+    low = common.DTYPES.get(getattr(args, "compute_dtype", "float32")) or torch.float16
     out = {}
     for name in cases or CASES:
         case = dict(CASES[name])
@@ -891,7 +891,7 @@ def methods(args, ctx):
     FSDP methods is followed by the torch FSDP2 method it is compared with."""
     bucketed = common.load_script(common.ROOT / "05_bucketed_ddp.py")
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
-    dt = DTYPES[args.compute_dtype]
+    dt = common.DTYPES[args.compute_dtype]
     groups = {
         "ddp": {"DDP (DDPBucketed 25 MB) + AdamW": (lambda m: bucketed.DDPBucketed(m, 25), None)},
         "sharded": {"DDP + ShardedOptimizer(AdamW)": (lambda m: bucketed.DDPBucketed(m, 25),
@@ -917,7 +917,7 @@ def train(ctx, args):
     trained from the newest checkpoint in --checkpoint-dir (common.train_with_checkpoints:
     saves, resumes, the final sha256); step i's global batch depends on i alone."""
     model = FSDP(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed),
-                 DTYPES[args.compute_dtype])
+                 common.DTYPES[args.compute_dtype])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(i):
@@ -1202,7 +1202,7 @@ NAME, TITLE = "07_fsdp", "FSDP against DDP, DDP + sharded optimizer and torch's 
 
 def main(argv=None):
     p = common.script_parser(__doc__)
-    p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32",
+    p.add_argument("--compute-dtype", choices=list(common.DTYPES), default="float32",
                    help="dtype of gathered weights, communication and compute (master stays float32)")
     common.add_dtype_flag(p)   # bf16: also FSDP's bf16 weights with float32 gradient reduction, beside FSDP2's
     common.add_train_flags(p)

@@ -897,7 +897,8 @@ HEADERS = ["method", "world_size", "tp", "dp", "step_ms", "step_min_ms", "step_m
 NAME, TITLE = "08_tensor_parallel", "Tensor parallelism against data parallelism and torch's TP"
 
 
-def main(argv=None):
+def parser():
+    """08's flags: the world sizes, the TP degrees, --sp."""
     p = common.script_parser(__doc__, world="see --world-sizes",
                              batch="the least common multiple of 8 and the world sizes; the benchmark's alone")
     p.add_argument("--world-sizes", nargs="+", type=common.number(int, 2), default=None,
@@ -909,6 +910,12 @@ def main(argv=None):
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism too: verified at every TP degree, timed beside torch's "
                         "SequenceParallel, its activation memory and bytes beside their formulas")
+    return p
+
+
+def checked_args(p, argv):
+    """The flags parsed and checked before any worker starts: (args, world sizes, each
+    world size's TP degrees)."""
     first = p.parse_args(argv)
     if first.world_size is not None and first.world_sizes and not common.under_torchrun():
         raise common.UsageError("--world-size and --world-sizes both given: --world-size N is --world-sizes N")
@@ -946,13 +953,12 @@ def main(argv=None):
             if n % t:
                 raise common.UsageError(f"tensor-parallel degree {t} does not divide {what}: "
                                         f"choose --tp (or --model-size) so that it does")
+    return args, sizes, plan
 
-    for w in sizes:
-        if not args.no_verify:
-            common.check_verification(common.launch(verify, args, plan[w], world_size=w),
-                                      f"{NAME} at {w} ranks, TP {', '.join(map(str, plan[w]))}")
-    if args.no_bench:
-        return
+
+def run_benchmark(args, sizes, plan):
+    """TP beside DP and torch's TP at each world size (and with --sp, the sequence-parallel
+    accounting), one job per world size, the tables rewritten after each."""
     rows = []
     for w in sizes:   # one job per world size; the table is rewritten after each
         rows += common.launch(benchmark, args, plan[w], world_size=w)
@@ -975,6 +981,15 @@ def main(argv=None):
             print(f"\n{SP_TITLE}\n(act_MB: bytes the blocks keep for backward on a rank, largest rank, counted as "
                   f"autograd saves them; sent_MB: bytes a rank sends in a step, from the collectives counted; "
                   f"each beside its formula)\n{sp_table}\nwrote {args.out}/{SP_NAME}.json and .md")
+
+
+def main(argv=None):
+    args, sizes, plan = checked_args(parser(), argv)
+    for w in sizes if not args.no_verify else []:
+        common.check_verification(common.launch(verify, args, plan[w], world_size=w),
+                                  f"{NAME} at {w} ranks, TP {', '.join(map(str, plan[w]))}")
+    if not args.no_bench:
+        run_benchmark(args, sizes, plan)
 
 
 if __name__ == "__main__":

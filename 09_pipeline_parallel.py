@@ -131,78 +131,6 @@ MEASURE_ON_META = ('costs="measure" times real weights, and this model is on the
                    "(measure_costs' list, measured on a model that fits) or cuts")
 
 
-def lm_pieces(model, loss_fn):
-    """The kit's TransformerLM as measure_costs' pieces: the embeddings (tokens in), each
-    block, the final norm and head with the loss (the targets ride along with the tokens)."""
-    def embed(xs):
-        tokens, targets = xs
-        return model.tok(tokens) + model.pos(torch.arange(tokens.shape[1], device=tokens.device)), targets
-    block = lambda b: lambda xs: (b(xs[0]), xs[1])  # noqa: E731
-    return [embed] + [block(b) for b in model.blocks] + [lambda xs: loss_fn(model.head(model.ln_f(xs[0])), xs[1])]
-
-
-class LMStage(nn.Module):
-    """Stage ``stage`` of ``n_stages`` of the kit's TransformerLM: the embeddings (first
-    stage), its share of the blocks, the final norm and output head (last stage), split so
-    the stages cost about the same. It holds the model's own modules under their own names.
-    With ``chunks`` v > 1 (interleaved schedules) the model is cut into p·v chunks and this
-    stage holds chunks stage, stage + p, ..., one forward each: ``stage(x, chunk=j)`` runs
-    its j-th.
-
-        stage = LMStage(model, rank, world_size, costs="measure", microbatch=(mb, t))
-        pipe = Pipeline(stage, n_microbatches=8, loss_fn=lm_loss)   # what crosses: found by the first step
-
-    ``costs``: "flops" (a block costs 24 d^2 + 4 t d a token, the head 2 d V, the embedding
-    nothing); "measure": each piece (the embeddings, every block, the norm and head with the
-    loss) timed forward and backward on this rank's device for a micro-batch of
-    ``microbatch`` = (sequences, tokens) (default: one sequence of the model's context),
-    averaged over ``process_group``'s ranks (collective: every rank builds its stage); or
-    measure_costs' list [(F, B), ...] of those pieces, from a measurement made once.
-    ``cuts``: the p·v runs' first blocks and the number of blocks, given outright. The
-    measured times stay on the stage (``costs``), with its cuts (``cuts``)."""
-
-    def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs="flops", microbatch=None,
-                 process_group=None, cuts=None):
-        super().__init__()
-        d, t, v = model.tok.embedding_dim, model.pos.num_embeddings, model.head.out_features
-        n, total = len(model.blocks), n_stages * chunks
-        if not 1 <= total <= n:
-            raise ValueError(f"{n_stages} stages x {chunks} chunks for {n} blocks: at most one chunk per block")
-        if cuts is None and costs == "flops":
-            cuts = balanced_split([24 * d * d + 4 * t * d] * n + [2 * d * v], total)   # the blocks, then the head
-        elif cuts is None:
-            if costs == "measure":
-                if model.head.weight.is_meta:
-                    raise ValueError(MEASURE_ON_META)
-                mb, tokens = microbatch or (1, t)
-                device = model.head.weight.device
-                g = torch.Generator().manual_seed(0)
-                sample = tuple(torch.randint(0, v, (mb, tokens), generator=g).to(device) for _ in range(2))
-                costs = measure_costs(lm_pieces(model, lm_loss), sample, process_group=process_group)
-                model.zero_grad(set_to_none=True)
-            if len(costs) != n + 2:
-                raise ValueError(f"costs: {len(costs)} pieces, but the embeddings, {n} blocks and the head are {n + 2}")
-            sums = [f + b for f, b in costs]   # the head as a last layer: a stage may hold it alone
-            cuts = balanced_split(sums[1:], total, first=sums[0])
-        if len(cuts) != total + 1 or cuts[0] != 0 or cuts[-1] not in (n, n + 1) or \
-                any(a >= b for a, b in zip(cuts, cuts[1:])):   # (n + 1: by FLOPs, the head alone may be the last)
-            raise ValueError(f"cuts {list(cuts)}: {total + 1} increasing numbers from 0 to {n} blocks")
-        self.costs = None if costs == "flops" else costs
-        self.cuts = list(cuts)
-        self.ranges = [(cuts[k], min(cuts[k + 1], n)) for k in range(stage, total, n_stages)]
-        self.first, self.last = stage == 0, stage == n_stages - 1
-        self.tok, self.pos = (model.tok, model.pos) if self.first else (None, None)
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for lo, hi in self.ranges for i in range(lo, hi)})
-        self.ln_f, self.head = (model.ln_f, model.head) if self.last else (None, None)
-
-    def forward(self, x, chunk=0):
-        if self.first and chunk == 0:   # token ids -> embeddings
-            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for i in range(*self.ranges[chunk]):
-            x = self.blocks[str(i)](x)
-        return self.head(self.ln_f(x)) if self.last and chunk == len(self.ranges) - 1 else x
-
-
 class PipelineStage(nn.Module):
     """Stage ``stage`` of ``n_stages`` of your own model, built from its top-level pieces and
     its list of layers (``model.<layers>``, an nn.ModuleList), holding the model's own
@@ -255,8 +183,10 @@ class PipelineStage(nn.Module):
                                   process_group=process_group)
             model.zero_grad(set_to_none=True)
         n = len(blocks)
-        if cuts is None and costs is not None and len(costs) == n + 2 and \
-                all(isinstance(c, (tuple, list)) for c in costs):
+        pieces = costs is not None and all(isinstance(c, (tuple, list)) for c in costs)
+        if cuts is None and pieces and len(costs) != n + 2:
+            raise ValueError(f"costs: {len(costs)} pieces, but the embedding, {n} layers and the head are {n + 2}")
+        if cuts is None and pieces:
             sums = [f + b for f, b in costs]   # the head as a last layer: a stage may hold it alone
             cuts = balanced_split(sums[1:], total, first=sums[0])
         elif cuts is None:
@@ -267,20 +197,22 @@ class PipelineStage(nn.Module):
         self.costs, self.cuts = costs, list(cuts)
         self.ranges = [(cuts[k], min(cuts[k + 1], n)) for k in range(stage, total, n_stages)]
         self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, layers
-        self.embed, self.head = embed, head
+        self._embed_fn, self._head_fn = embed, head   # (not .embed, .head: the model's modules may be named so)
+        for name in first if self.first else ():   # the model's order: first modules, layers, last modules
+            self.add_module(name, model.get_submodule(name))
         self.add_module(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
-        for name in [*(first if self.first else ()), *(last if self.last else ())]:
+        for name in last if self.last else ():
             self.add_module(name, model.get_submodule(name))
 
     def forward(self, *xs, chunk=0):
         if self.first and chunk == 0:
-            xs = self.embed(self, *xs) if self.embed is not None else xs
+            xs = self._embed_fn(self, *xs) if self._embed_fn is not None else xs
             xs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
         layers = getattr(self, self.layers_name)
         for i in range(*self.ranges[chunk]):
             xs = (layers[str(i)](*xs), *xs[1:])
         if self.last and chunk == len(self.ranges) - 1:
-            return self.head(self, xs[0]) if self.head is not None else xs[0]
+            return self._head_fn(self, xs[0]) if self._head_fn is not None else xs[0]
         return xs if len(xs) > 1 else xs[0]
 
 
@@ -305,6 +237,71 @@ def _stage_pieces(model, blocks, embed, head, loss_fn):
 
 def lm_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _lm_embed(m, tokens):
+    """The kit's LM's first pieces: token ids to embeddings, positions added."""
+    return m.tok(tokens) + m.pos(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+def _lm_head(m, h):
+    return m.head(m.ln_f(h))
+
+
+def lm_pieces(model, loss_fn):
+    """The kit's TransformerLM as measure_costs' pieces (PipelineStage's, given the LM's
+    embedding and head): the embeddings (tokens in), each block, the final norm and head
+    with the loss (the targets ride along with the activations)."""
+    return _stage_pieces(model, model.blocks, _lm_embed, _lm_head, loss_fn)
+
+
+def lm_costs(model, microbatch, seed=0, process_group=None) -> list:
+    """The kit's LM's pieces timed forward and backward (measure_costs of lm_pieces) on one
+    micro-batch of ``microbatch`` = (sequences, tokens) random token ids drawn from
+    ``seed``, averaged over ``process_group``'s ranks; the model's gradients left unset.
+    What every split of the LM by measured time starts from: LMStage(costs="measure"),
+    09's benchmark, 10's meshes."""
+    v, device = model.head.out_features, model.head.weight.device
+    g = torch.Generator().manual_seed(seed)
+    sample = tuple(torch.randint(0, v, microbatch, generator=g).to(device) for _ in range(2))
+    costs = measure_costs(lm_pieces(model, lm_loss), sample, process_group=process_group)
+    model.zero_grad(set_to_none=True)
+    return costs
+
+
+class LMStage(PipelineStage):
+    """Stage ``stage`` of ``n_stages`` of the kit's TransformerLM: the embeddings (first
+    stage), its share of the blocks, the final norm and output head (last stage), split so
+    the stages cost about the same: a PipelineStage given the LM's pieces (its layers
+    ``blocks``, its first modules ``tok`` and ``pos``, its last ``ln_f`` and ``head``), holding
+    the model's own modules under their own names.
+    With ``chunks`` v > 1 (interleaved schedules) the model is cut into p·v chunks and this
+    stage holds chunks stage, stage + p, ..., one forward each: ``stage(x, chunk=j)`` runs
+    its j-th.
+
+        stage = LMStage(model, rank, world_size, costs="measure", microbatch=(mb, t))
+        pipe = Pipeline(stage, n_microbatches=8, loss_fn=lm_loss)   # what crosses: found by the first step
+
+    ``costs``: "flops" (a block costs 24 d^2 + 4 t d a token, the head 2 d V, the embedding
+    nothing); "measure": each piece (the embeddings, every block, the norm and head with the
+    loss) timed forward and backward on this rank's device for a micro-batch of
+    ``microbatch`` = (sequences, tokens) (default: one sequence of the model's context),
+    averaged over ``process_group``'s ranks (collective: every rank builds its stage); or
+    measure_costs' list [(F, B), ...] of those pieces, from a measurement made once.
+    ``cuts``: the p·v runs' first blocks and the number of blocks, given outright. The
+    measured times stay on the stage (``costs``), with its cuts (``cuts``)."""
+
+    def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs="flops", microbatch=None,
+                 process_group=None, cuts=None):
+        d, t, v = model.tok.embedding_dim, model.pos.num_embeddings, model.head.out_features
+        n = len(model.blocks)
+        if cuts is None and costs == "flops" and 1 <= n_stages * chunks <= n:   # the blocks, then the head
+            cuts = balanced_split([24 * d * d + 4 * t * d] * n + [2 * d * v], n_stages * chunks)
+        elif cuts is None and costs == "measure" and not model.head.weight.is_meta:
+            costs = lm_costs(model, microbatch or (1, t), 0, process_group)
+        super().__init__(model, "blocks", stage, n_stages, _lm_embed, _lm_head, first=["tok", "pos"],
+                         last=["ln_f", "head"], chunks=chunks, costs=None if costs == "flops" else costs,
+                         loss_fn=lm_loss, process_group=process_group, cuts=cuts)
 
 
 def recompute(blocks, mode="full"):
@@ -899,8 +896,17 @@ def check_orders(orders: list, m: int, chunks=1) -> list:
     return problems
 
 
-def theory(schedule, m, p, chunks=1, costs=None) -> list:
-    """Each stage's idle share of a step by the schedule on paper: stages of equal cost,
+def bubble_formula(schedule, m, p, chunks=1) -> float:
+    """The bubble by the closed formula: the idle share of a step for p equal stages and m
+    micro-batches, backward twice the forward, free sends: GPipe and 1F1B (p-1)/(m+p-1),
+    interleaved (p-1)/(v m+p-1), ZB-H1 (p-1)/(3m+p-1) (m >= p)."""
+    scale = {"interleaved": chunks, "zb1": 3}.get(schedule, 1)
+    return (p - 1) / (scale * m + p - 1)
+
+
+def bubble_on_paper(schedule, m, p, chunks=1, costs=None) -> list:
+    """The bubble on paper: each stage's idle share of a step by the schedule run on paper
+    (simulate): stages of equal cost,
     backward twice the forward (B and W one forward each with zb1), free sends. GPipe and
     1F1B: (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1); ZB-H1 (p-1)/(3m+p-1) for m >= p.
     ``costs``: the stages unequal, each chunk of the model its own F and B (and W) seconds
@@ -936,8 +942,9 @@ def message_time(steps, p, chunks) -> float:
     return statistics.median(got) if got else 0.0
 
 
-def step_on_paper(schedule, m, p, chunks, timelines, send=0.0) -> list:
-    """Each stage's idle share of one step had it run its actions in the same times, and
+def bubble_on_paper_of_step(schedule, m, p, chunks, timelines, send=0.0) -> list:
+    """The bubble on paper of one measured step: each stage's idle share had it run its
+    actions in the same times, and
     each message taken ``send`` seconds: the schedule on paper with that step's measured
     actions (each rank's timeline, each action's time with its overhead)."""
     cost = {"F": {}, "B": {}, "W": {}, "send": send}
@@ -951,15 +958,15 @@ def step_on_paper(schedule, m, p, chunks, timelines, send=0.0) -> list:
 
 
 def step_record(pipe, clock) -> tuple:
-    """What one step of a timed Pipeline leaves for pipeline_bubble: what it waited for its
+    """What one step of a timed Pipeline leaves for bubble_measured: what it waited for its
     neighbours, its pipeline phase (the clock's), when it began, its timeline, each
     action's overhead and wait."""
     return pipe.waited, clock.times["pipeline"], pipe.began, list(pipe.timeline), dict(pipe.overhead), \
         dict(pipe.waits)
 
 
-def pipeline_bubble(steps, schedule, m, p, chunks) -> dict:
-    """The bubble of some timed steps: ``steps``, for each step every stage's step_record.
+def bubble_measured(steps, schedule, m, p, chunks) -> dict:
+    """The bubble measured in some timed steps: ``steps``, for each step every stage's step_record.
     Each stage's idle share of a step is what it waited for its neighbours and what was
     left once it was done, over the slowest stage's pipeline phase (the median over the
     steps); beside it the schedule on paper with the step's own actions, each with its
@@ -974,7 +981,7 @@ def pipeline_bubble(steps, schedule, m, p, chunks) -> dict:
         ran.append(action_costs(runs[-1], p, chunks))
     flight = statistics.median(message_time([(began, timeline, waits) for _, _, began, timeline, _, waits in ranks],
                                             p, chunks) for ranks in steps)
-    papers = [step_on_paper(schedule, m, p, chunks, actions, flight) for actions in runs]
+    papers = [bubble_on_paper_of_step(schedule, m, p, chunks, actions, flight) for actions in runs]
     return {"bubble_per_stage": [statistics.median(x[s] for x in idle) for s in range(p)],
             "theory_split_per_stage": [statistics.median(x[s] for x in papers) for s in range(p)],
             "message": flight,
@@ -1052,11 +1059,8 @@ def reference(args, batch, device):
         initial = copy.deepcopy(ref)
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         for step in range(args.verify_steps):
-            x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, device)
-            opt.zero_grad()
-            ref(x, y).backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-            opt.step()
+            common.one_process_step(ref, opt, [(common.lm_batch(batch, VERIFY_T, step, args.seed, device), {})],
+                                    MAX_NORM)
         _REFERENCES[key] = (initial, ref)
     return _REFERENCES[key]
 
@@ -1164,14 +1168,9 @@ def measured_costs(ctx, args, microbatches) -> dict:
     """{m: the LM's pieces (embeddings, each block, head with the loss) timed forward and
     backward (measure_costs) on a micro-batch of the global batch cut m ways}: one profiling
     pass per micro-batch size, the same on every rank."""
-    model, out = common.build_lm(args.model_size, args.context_length, ctx.device, args.seed), {}
-    for m in sorted(set(microbatches)):
-        g = torch.Generator().manual_seed(args.seed)
-        sample = tuple(torch.randint(0, common.VOCAB_SIZE, (args.batch_size // m, args.context_length),
-                                     generator=g).to(ctx.device) for _ in range(2))
-        out[m] = measure_costs(lm_pieces(model, lm_loss), sample)
-        model.zero_grad(set_to_none=True)
-    return out
+    model = common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)
+    return {m: lm_costs(model, (args.batch_size // m, args.context_length), args.seed)
+            for m in sorted(set(microbatches))}
 
 
 SPLITS = ("measured", "flops")   # --split: where each stage's blocks end: by measured time, or by FLOPs
@@ -1236,18 +1235,18 @@ def benchmark(ctx, args, microbatches, schedules, chunks):
     message = args.batch_size * args.context_length * d * 4   # a whole batch's activations, fp32
     for m, schedule in cases:
         t, v = by_name.get(f"{schedule}, m {m} (torch)"), chunks_of(schedule)
-        equal = theory(schedule, m, p, v)
+        equal = bubble_on_paper(schedule, m, p, v)
         for split in splits:
             r = by_name[ours_name(schedule, m, split)]
             stages = chunk_costs(measured[m], cuts[(m, schedule, split)])
-            got = pipeline_bubble([[e[(m, schedule, split)][i] for e in everyone] for i in range(args.steps)],
+            got = bubble_measured([[e[(m, schedule, split)][i] for e in everyone] for i in range(args.steps)],
                                   schedule, m, p, v)
             per_stage, on_paper, ran = got["bubble_per_stage"], got["theory_split_per_stage"], got["action_costs"]
             r.update(split=split, cuts=cuts[(m, schedule, split)], bubble=sum(per_stage) / p,
                      message_ms=got["message"] * 1e3, bubble_per_stage=per_stage, theory_per_stage=equal,
                      theory_split=sum(on_paper) / p, theory_split_per_stage=on_paper, action_costs=ran,
                      chunk_costs=stages,
-                     theory_profiled=sum(theory(schedule, m, p, v, stages)) / p,
+                     theory_profiled=sum(bubble_on_paper(schedule, m, p, v, stages)) / p,
                      chunk_ms=[(f + b) * 1e3 for f, b in zip(stages["F"], stages["B"])],
                      run_chunk_ms=[sum(ran[k][j] for k in ran) * 1e3 for j in range(p * v)])
             if split == splits[0]:
@@ -1430,27 +1429,18 @@ ACTION_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
 def draw_timeline(lanes, title, path):
-    plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.55 * len(lanes)))
+    """Each stage's actions in one step: F, B and W of each micro-batch (chunk.micro-batch
+    where a stage holds several chunks, the odd chunks lighter)."""
     chunked = any(c for actions in lanes for _, c, *_ in actions)
-    for s, actions in enumerate(lanes):
-        for kind, c, i, start, end in actions:
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (s - 0.35, 0.7), facecolors=ACTION_COLORS[kind],
-                           edgecolors="white", linewidth=0.5, alpha=1.0 if c % 2 == 0 else 0.65)
-            ax.text((start + end) / 2 * 1e3, s, f"{c}.{i}" if chunked else str(i), ha="center", va="center",
-                    fontsize=6, color="white")
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"stage {s}" for s in range(len(lanes))])
-    ax.invert_yaxis()
-    ax.set_xlabel("time in the step (ms); F forward, B backward (input gradient with W), W weight gradient; "
-                  + ("labels: chunk.micro-batch" if chunked else "numbers: micro-batch"))
-    ax.set_title(title)
-    from matplotlib.patches import Patch
-    names = {"F": "forward", "B": "backward", "W": "weights' gradient"}
     kinds = {kind for actions in lanes for kind, *_ in actions}
-    ax.legend(handles=[Patch(color=ACTION_COLORS[k], label=names[k]) for k in "FBW" if k in kinds],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    common.save_figure(fig, path)
+    names = {"F": "forward", "B": "backward", "W": "weights' gradient"}
+    common.draw_lanes(path, title, [(f"stage {s}", [
+        {"start": start * 1e3, "end": end * 1e3, "color": ACTION_COLORS[kind], "alpha": 1.0 if c % 2 == 0 else 0.65,
+         "text": f"{c}.{i}" if chunked else str(i), "text_color": "white"} for kind, c, i, start, end in actions])
+        for s, actions in enumerate(lanes)],
+        "time in the step (ms); F forward, B backward (input gradient with W), W weight gradient; "
+        + ("labels: chunk.micro-batch" if chunked else "numbers: micro-batch"),
+        {names[k]: ACTION_COLORS[k] for k in "FBW" if k in kinds})
 
 
 HEADERS = ["method", "stages", "chunks", "microbatches", "step_ms", "step_min_ms", "step_max_ms", "vs_torch",
@@ -1463,7 +1453,8 @@ RC_HEADERS = ["recompute", "stages", "microbatches", "mb_act_MB", "mb_formula_MB
 RC_NAME, RC_TITLE = "09_recompute", "Activation recomputation: memory per stage and time"
 
 
-def main(argv=None):
+def parser():
+    """09's flags: depths, replicas, micro-batches, schedules, chunks, split, recompute."""
     # mini's width, enough blocks to balance 4 stages
     p = common.script_parser(__doc__, cpu_size="mini8", world="--stages x --replicas",
                              batch="--replicas x the least common multiple of 8 and the micro-batch counts; "
@@ -1490,6 +1481,12 @@ def main(argv=None):
                         "at the largest m), and a table per mode: activation memory per stage beside the formula, "
                         "step time beside none (1F1B at the largest m)")
     p.set_defaults(context_length=64)
+    return p
+
+
+def checked_args(p, argv):
+    """The flags parsed and checked before any worker starts: (args, schedules, recompute
+    modes, stages, each depth's world)."""
     first = p.parse_args(argv)
     if first.world_size is not None and not common.under_torchrun():
         if first.world_size % first.replicas:
@@ -1555,20 +1552,27 @@ def main(argv=None):
             raise common.UsageError(f"--batch-size {args.batch_size} does not split into {args.replicas} x {m} "
                                     f"micro-batches: use micro-batch counts that divide the batch per replica")
     worlds = {s: (args.world_size // s if common.under_torchrun() else args.replicas) * s for s in stages}
+    return args, schedules, modes, stages, worlds
 
-    if not args.no_verify:
-        for s in stages:
-            common.check_verification(common.launch(verify, args, s, args.microbatches, schedules, args.chunks,
-                                                    modes, world_size=worlds[s]),
-                                      f"{NAME}, {s} stages on {worlds[s]} ranks")
-        if 2 in stages and worlds[2] == 2 and not common.under_torchrun():   # pipeline x data: 2 x 2
-            if common.nccl_fits(args.backend, 4):
-                common.check_verification(common.launch(verify, args, 2, args.microbatches, schedules, args.chunks,
-                                                        world_size=4), f"{NAME}, 2 stages x 2 replicas")
-            elif common.is_reporter():
-                print(f"verify {NAME}, 2 stages x 2 replicas: skipped (4 NCCL ranks, {common.gpu_count()} GPU(s))")
-    if args.no_bench:
-        return
+
+def run_verification(args, schedules, modes, stages, worlds):
+    """Every depth's schedules against one process (and 2 stages x 2 replicas where the
+    world allows)."""
+    for s in stages:
+        common.check_verification(common.launch(verify, args, s, args.microbatches, schedules, args.chunks,
+                                                modes, world_size=worlds[s]),
+                                  f"{NAME}, {s} stages on {worlds[s]} ranks")
+    if 2 in stages and worlds[2] == 2 and not common.under_torchrun():   # pipeline x data: 2 x 2
+        if common.nccl_fits(args.backend, 4):
+            common.check_verification(common.launch(verify, args, 2, args.microbatches, schedules, args.chunks,
+                                                    world_size=4), f"{NAME}, 2 stages x 2 replicas")
+        elif common.is_reporter():
+            print(f"verify {NAME}, 2 stages x 2 replicas: skipped (4 NCCL ranks, {common.gpu_count()} GPU(s))")
+
+
+def run_benchmark(args, schedules, stages, worlds) -> list:
+    """One job per depth, ours beside torch's pipelining on the same split; the tables
+    (09_pipeline_parallel and 09_split) rewritten after each. Returns the rows."""
     if not torch_pipelining_runs(args.backend, args.device) and common.is_reporter():
         print("benchmark: SKIP torch.distributed.pipelining: its stages send CUDA tensors point to point, which gloo "
               "cannot carry (ours stage them through host memory)")
@@ -1581,7 +1585,7 @@ def main(argv=None):
         if common.is_reporter():
             settings = {**common.lm_settings(args), "world_size": stages, "chunks": args.chunks, "split": args.split}
             table = common.save_results(args.out, NAME, rows, settings, headers=HEADERS, title=TITLE,
-                                        note=" ".join(theory.__doc__.split()))
+                                        note=" ".join(bubble_on_paper.__doc__.split()))
             splits = list({(r["stages"], r["chunks"], r["microbatches"], r["split"]): {
                 **{k: r[k] for k in SPLIT_HEADERS}, "chunk_ms": [round(x, 2) for x in r["chunk_ms"]]}
                 for r in rows if r["method"].endswith("(ours)")}.values())
@@ -1598,32 +1602,54 @@ def main(argv=None):
               f"The splits (cuts: each chunk's first block, then the number of blocks; chunk_ms: each chunk's "
               f"measured forward and backward, its embeddings or head included)\n{split_table}\n"
               f"wrote {args.out}/{NAME}.json, .md and 09_split.*")
+    return rows
+
+
+def run_recompute(args, modes, stages, worlds):
+    """Each recomputation mode's activation memory per stage and step time (1F1B at the
+    largest m), one job per depth."""
+    m, rc_rows = max(args.microbatches), []
+    for s in stages:
+        if worlds[s] == s:
+            rc_rows += common.launch(recompute_accounting, args, m, list(dict.fromkeys(["none"] + modes)),
+                                     world_size=s)
+    if common.is_reporter():
+        rc_table = common.save_results(args.out, RC_NAME, rc_rows, {**common.lm_settings(args), "world_size": stages},
+                                       headers=RC_HEADERS, title=RC_TITLE, note=block_activation_bytes.__doc__)
+        print(f"\n{RC_TITLE}\n({args.model_size} LM, 1F1B, m {m}; per stage: mb_act_MB one micro-batch's bytes "
+              f"kept for backward, counted, beside the formula; peak_act_MB the most held in a step, beside "
+              f"1F1B's; step times in ms over {args.steps} steps, vs_none: paired ratio)\n{rc_table}\n"
+              f"wrote {args.out}/{RC_NAME}.json and .md")
+
+
+def draw_timelines(args, schedules, stages, worlds):
+    """One step of each schedule on the deepest pipeline timed alone, drawn stage by stage."""
+    deepest = max(s for s in stages if worlds[s] == s)
+    m = max(m for m in args.microbatches if all(runs(s, m, deepest) for s in schedules)) \
+        if any(all(runs(s, m, deepest) for s in schedules) for m in args.microbatches) else max(args.microbatches)
+    drawn = [s for s in schedules if runs(s, m, deepest)]
+    lanes = common.launch(timelines, args, m, drawn, args.chunks, world_size=deepest)
+    if common.is_reporter():
+        for schedule, stage_lanes in lanes.items():
+            path = f"{args.out}/09_timeline_{schedule}.png"
+            v = f", {args.chunks} chunks a stage" if schedule == "interleaved" else ""
+            draw_timeline(stage_lanes, f"{schedule.upper()}: {deepest} stages{v}, {m} micro-batches, one step "
+                                       f"({args.model_size} LM, {args.backend}/{args.device})", path)
+            print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = parser()
+    args, schedules, modes, stages, worlds = checked_args(p, argv)
+    if not args.no_verify:
+        run_verification(args, schedules, modes, stages, worlds)
+    if args.no_bench:
+        return
+    rows = run_benchmark(args, schedules, stages, worlds)
     if rows and modes != ["none"]:
-        m, rc_rows = max(args.microbatches), []
-        for s in stages:
-            if worlds[s] == s:
-                rc_rows += common.launch(recompute_accounting, args, m, list(dict.fromkeys(["none"] + modes)),
-                                         world_size=s)
-        if common.is_reporter():
-            rc_table = common.save_results(args.out, RC_NAME, rc_rows, {**common.lm_settings(args), "world_size": stages},
-                                           headers=RC_HEADERS, title=RC_TITLE, note=block_activation_bytes.__doc__)
-            print(f"\n{RC_TITLE}\n({args.model_size} LM, 1F1B, m {m}; per stage: mb_act_MB one micro-batch's bytes "
-                  f"kept for backward, counted, beside the formula; peak_act_MB the most held in a step, beside "
-                  f"1F1B's; step times in ms over {args.steps} steps, vs_none: paired ratio)\n{rc_table}\n"
-                  f"wrote {args.out}/{RC_NAME}.json and .md")
-    deepest = max(s for s in stages if worlds[s] == s) if rows else None
-    if deepest:
-        m = max(m for m in args.microbatches if all(runs(s, m, deepest) for s in schedules)) \
-            if any(all(runs(s, m, deepest) for s in schedules) for m in args.microbatches) else max(args.microbatches)
-        drawn = [s for s in schedules if runs(s, m, deepest)]
-        lanes = common.launch(timelines, args, m, drawn, args.chunks, world_size=deepest)
-        if common.is_reporter():
-            for schedule, stage_lanes in lanes.items():
-                path = f"{args.out}/09_timeline_{schedule}.png"
-                v = f", {args.chunks} chunks a stage" if schedule == "interleaved" else ""
-                draw_timeline(stage_lanes, f"{schedule.upper()}: {deepest} stages{v}, {m} micro-batches, one step "
-                                           f"({args.model_size} LM, {args.backend}/{args.device})", path)
-                print(f"wrote {path}")
+        run_recompute(args, modes, stages, worlds)
+    if rows:
+        draw_timelines(args, schedules, stages, worlds)
 
 
 if __name__ == "__main__":

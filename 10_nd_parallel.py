@@ -448,17 +448,6 @@ def routed_as(replicas, m):
     return groups
 
 
-def reference_step(model, optimizer, batch, max_norm=MAX_NORM, groups=None) -> float:
-    """One process's step on the whole batch (``groups``: the mean of its losses on those
-    parts, for a MoE); returns the gradient norm it clipped by."""
-    optimizer.zero_grad(set_to_none=True)
-    parts = groups(batch) if groups else [batch]
-    (sum(model(*part) for part in parts) / len(parts)).backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    return norm.item()
-
-
 def compare(model: ParallelLM, ref, norms=(), tol=None, extra_ok=True) -> dict:
     """Every parameter of every stage, gathered whole, against the reference's by name; and
     each step's global gradient norm against the reference's (``norms``: pairs): AdamW
@@ -480,19 +469,19 @@ def compare(model: ParallelLM, ref, norms=(), tol=None, extra_ok=True) -> dict:
             "max_diff": max(r["max_diff"] for r in everyone)}
 
 
-def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoint=None, batch=None, meta=False):
+def verify_mesh(ctx, args, shape, levers=Levers(), checkpoint=None, meta=False):
     """Train the verification LM over ``shape`` and one process on the same global batches
-    (AdamW, clipped at MAX_NORM); compare. ``checkpoint`` = (path, "save" | "resume", k):
-    save after step k, or start from the file at step k (the reference still trains from
-    step 0; a fourth entry: the mesh the resumed checkpoint's steps ran on, with ep routed as
-    there). ``levers.ep`` > 1: 12's MoE LM, its experts over ep data ranks (the reference
+    (AdamW, clipped at MAX_NORM), VERIFY_STEPS steps; compare. ``checkpoint`` = (path, "save"
+    | "resume", k): RESUME_STEPS steps of RESUME_BATCH, saving after step k, or starting
+    from the file at step k (the reference still trains from step 0; a fourth entry: the
+    mesh the resumed checkpoint's steps ran on, with ep routed as there). ``levers.ep`` > 1: 12's MoE LM, its experts over ep data ranks (the reference
     routes each replica's micro-batches as they are routed). ``sp``, ``recompute``,
     ``dtype``: the memory levers (the reference trains without the first two; bf16: under the same autocast,
-    within common.BF16_TOL, and its losses within common.BF16_LOSS_BOUND of float32's). ``meta``:
+    within common.TOLERANCE["autocast"], and its losses within common.BF16_LOSS_BOUND of float32's). ``meta``:
     the model built on the meta device, the axes applied, then each rank's part made real
     and initialised module by module (ParallelLM.materialize): one process's values."""
     mesh, m, ep, dtype = Mesh(shape), levers.m(shape), levers.ep, levers.dtype
-    batch = batch or 2 * m * shape["dp"] * shape["fsdp"]
+    steps, batch = (RESUME_STEPS, RESUME_BATCH) if checkpoint else (VERIFY_STEPS, 2 * m * shape["dp"] * shape["fsdp"])
     build = (lambda device: moe_lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, levers.experts, levers.top_k, device)) \
         if ep > 1 else (lambda device: lm(VERIFY_LM, VERIFY_T, levers.tie, args.seed, device))
     if meta:   # one process: the same init on the same seed (MoELM's constructor draws for the MLPs it drops)
@@ -514,9 +503,10 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
     norms = []
     for step in range(steps):
         x, y = common.lm_batch(batch, VERIFY_T, step, args.seed, ctx.device)
+        groups = routed(saved_on if action == "resume" and step < k else shape)   # a MoE: the mean over its parts
         with common.autocast(ctx.device, dtype):
-            norm = reference_step(ref, ref_opt, (x, y), groups=routed(saved_on if action == "resume" and step < k
-                                                                        else shape))
+            norm = common.one_process_step(ref, ref_opt, [(part, {}) for part in (groups((x, y)) if groups else
+                                                                                  [(x, y)])], MAX_NORM).item()
         if fp32 is not None:   # float32's loss on this batch, before its step
             fp32_opt.zero_grad(set_to_none=True)
             loss32 = fp32(x, y)
@@ -545,7 +535,7 @@ def verify_mesh(ctx, args, shape, levers=Levers(), steps=VERIFY_STEPS, checkpoin
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sharded)
         sharded = all(everyone)
-    out = compare(model, ref, norms, common.BF16_TOL if dtype == "bf16" else None,
+    out = compare(model, ref, norms, common.TOLERANCE["autocast"] if dtype == "bf16" else None,
                   extra_ok=gap <= common.BF16_LOSS_BOUND and (action != "resume" or sharded) and same)
     out["meta_same"] = same
     if action == "resume":
@@ -623,12 +613,12 @@ def verify(ctx, args, cases, resume=None, levers=None):
     if resume is not None:
         path, action = resume
         shape = RESUME[0] if action == "save" else RESUME[1]
-        r = verify_mesh(ctx, args, shape, Levers(tie=True), RESUME_STEPS, (path, action, RESUME[2]), RESUME_BATCH)
+        r = verify_mesh(ctx, args, shape, Levers(tie=True), (path, action, RESUME[2]))
         if action == "resume":
             out[f"checkpoint of {label(RESUME[0], True)} after step {RESUME[2]}, resumed on {label(shape)}"] = r
         (then, ep_then), (now, ep_now), k = EP_RESUME
         shape, ep = (then, ep_then) if action == "save" else (now, ep_now)
-        r = verify_mesh(ctx, args, shape, Levers(ep=ep), RESUME_STEPS, (path + ".ep", action, k, then), RESUME_BATCH)
+        r = verify_mesh(ctx, args, shape, Levers(ep=ep), (path + ".ep", action, k, then))
         if action == "resume":
             out[f"checkpoint of {label(then)}, ep {ep_then} after step {k}, resumed on {label(now)}, ep {ep_now}"] = r
     return out
@@ -1119,24 +1109,22 @@ def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:
     the same on every rank; the cuts of its pp x v chunks."""
     whole = lm(dims, args.context_length, False, args.seed, ctx.device)
     mb, tokens = batch // (shape["dp"] * shape["fsdp"]) // levers.m(shape), args.context_length // shape["cp"]
-    g = torch.Generator().manual_seed(args.seed)
-    sample = tuple(torch.randint(0, common.VOCAB_SIZE, (mb, tokens), generator=g).to(ctx.device) for _ in range(2))
-    costs = pp_mod.measure_costs(pp_mod.lm_pieces(whole, pp_mod.lm_loss), sample)
+    costs = pp_mod.lm_costs(whole, (mb, tokens), args.seed)
     return tuple(pp_mod.LMStage(whole, 0, shape["pp"], levers.v, costs=costs).cuts)
 
 
-def pipeline_bubble_of(ctx, steps, shape, m, levers) -> dict:
-    """The pipeline's bubble in these steps (09's pipeline_bubble, the mean of the stages)
+def bubble_of_mesh(ctx, steps, shape, m, levers) -> dict:
+    """The pipeline's bubble measured in these steps (09's bubble_measured, the mean of the stages)
     beside the schedule on paper with the steps' own actions and message time and with
     equal stages; the whole mesh's ranks gathered, one pipeline (the first replica's)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, steps)
     P, v = shape["pp"], levers.v
     stride = dist.get_world_size() // P   # the mesh puts pp outermost: stage s's first rank is s x stride
-    got = pp_mod.pipeline_bubble([[everyone[s * stride][i] for s in range(P)] for i in range(len(steps))],
+    got = pp_mod.bubble_measured([[everyone[s * stride][i] for s in range(P)] for i in range(len(steps))],
                                  levers.schedule, m, P, v)
     return {"bubble": sum(got["bubble_per_stage"]) / P, "theory_split": sum(got["theory_split_per_stage"]) / P,
-            "theory": sum(pp_mod.theory(levers.schedule, m, P, v)) / P, "cuts": list(levers.cuts or [])}
+            "theory": sum(pp_mod.bubble_on_paper(levers.schedule, m, P, v)) / P, "cuts": list(levers.cuts or [])}
 
 
 def torch_skip(shape, levers, ep, backend, device) -> str | None:
@@ -1202,7 +1190,7 @@ def benchmark(ctx, args, shapes, dims, trace=None):
         if len(got) == 2:   # steps alternate: compare them pair by pair
             got[0].update(common.vs_paired(got[0], got[1]))
         if shape["pp"] > 1:
-            got[0].update(pipeline_bubble_of(ctx, steps[-args.steps:], shape, m, mesh_levers))
+            got[0].update(bubble_of_mesh(ctx, steps[-args.steps:], shape, m, mesh_levers))
         rows += got
         if shape == trace:
             timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
@@ -1307,29 +1295,19 @@ AXIS_COLORS = {"tp": "#c44e52", "cp": "#dd8452", "fsdp": "#8172b2", "dp": "#9378
 
 
 def draw_timeline(lanes, title, path):
-    plt = common.pyplot()
-    from matplotlib.patches import Patch
-    fig, ax = plt.subplots(figsize=(11, 0.8 + 0.5 * len(lanes)))
-    for r, lane in enumerate(lanes):
-        for kind, c, i, start, end in lane["actions"]:
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (r - 0.4, 0.8), edgecolors="white", linewidth=0.4,
-                           facecolors={"F": "#a1c9f4", "B": "#ffb482", "W": "#8de5a1"}[kind])
-            ax.text((start + end) / 2 * 1e3, r - 0.22, f"{kind}{c}.{i}" if c else f"{kind}{i}", ha="center",
-                    va="center", fontsize=6)
-        for axis, start, end in lane["waits"]:
-            ax.broken_barh([(start * 1e3, max(end - start, 2e-5) * 1e3)], (r + 0.02, 0.36),
-                           facecolors=AXIS_COLORS.get(axis, "#cccccc"))
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"rank {r} " + " ".join(f"{a}{c}" for a, c in lane["coords"].items()) for r, lane in
-                        enumerate(lanes)], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms into the step: upper half forward (F) and backward (B) of each micro-batch; "
-                  "lower half, the rank waits on an axis")
-    ax.set_title(title)
-    ax.legend(handles=[Patch(color="#a1c9f4", label="forward"), Patch(color="#ffb482", label="backward")] +
-              [Patch(color=c, label=f"waits: {a}") for a, c in AXIS_COLORS.items() if a != "other"],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    common.save_figure(fig, path)
+    """Each rank's step: its micro-batches' F and B in the upper half of its lane, the waits
+    on each axis in the lower half."""
+    actions = {"F": "#a1c9f4", "B": "#ffb482"}
+    common.draw_lanes(path, title, [(f"rank {r} " + " ".join(f"{a}{c}" for a, c in lane["coords"].items()), [
+        *({"start": start * 1e3, "end": end * 1e3, "color": actions.get(kind, "#8de5a1"), "part": "upper",
+           "text": f"{kind}{c}.{i}" if c else f"{kind}{i}"} for kind, c, i, start, end in lane["actions"]),
+        *({"start": start * 1e3, "end": end * 1e3, "min_width": 0.02, "part": "lower",
+           "color": AXIS_COLORS.get(axis, "#cccccc")} for axis, start, end in lane["waits"])])
+        for r, lane in enumerate(lanes)],
+        "ms into the step: upper half forward (F) and backward (B) of each micro-batch; lower half, the rank "
+        "waits on an axis", {"forward": actions["F"], "backward": actions["B"],
+                             **{f"waits: {a}": c for a, c in AXIS_COLORS.items() if a != "other"}},
+        width=11.0, row=0.5)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1355,13 +1333,6 @@ def plan_model(size, experts=1, top_k=1):
     d, f, n, _ = common.MODEL_SIZES[size]
     mlp = 2 * d * f
     return d, f, n, n * (4 * d * d + mlp * experts), n * (4 * d * d + mlp * (top_k if experts > 1 else 1))
-
-
-def pipeline_bubble(P, m, schedule="1f1b", chunks=1) -> float:
-    """The idle share of a step for P equal stages and m micro-batches (09's schedules on
-    paper): 1F1B (P-1)/(m+P-1), interleaved (P-1)/(v m+P-1), ZB-H1 (P-1)/(3m+P-1)."""
-    scale = {"interleaved": chunks, "zb1": 3}.get(schedule, 1)
-    return (P - 1) / (scale * m + P - 1)
 
 
 def act_per_token(d, f, T, sp=False, recompute="none") -> float:
@@ -1399,7 +1370,7 @@ def mesh_costs(hw, model, shape, tokens, act_fraction=1.0, levers=Levers()) -> d
            "pp_s": 2 * 2 * b * d * chunks / W if P > 1 else 0.0,                         # activations out, grads back
            "state_gb": 16 * weights / (F * T * P) / 1e9,
            "activations_gb": act_fraction * b * (n / P) * act_per_token(d, f, T, sp, recompute) / 1e9,
-           "bubble": pipeline_bubble(P, 4 * P, schedule, chunks)}
+           "bubble": pp_mod.bubble_formula(schedule, 4 * P, P, chunks)}
     out["memory_gb"] = out["state_gb"] + out["activations_gb"]
     # full recomputation runs the forward again in backward: 2 more FLOPs a weight a token, time
     # the step pays but that hides no communication of its own accord (the bound counts 6)
@@ -1632,7 +1603,8 @@ def check_mesh(shape, dims, batch, levers, context=None, verified=True, timed=Tr
                                 f"use a multiple of {replicas * m}")
 
 
-def main(argv=None):
+def parser():
+    """10's flags: the mesh's axes, the levers, --plan's, --train's, and the other modes."""
     p = common.script_parser(__doc__, cpu_size="micro", world="the mesh's ranks (the product of the axes); the suite: "
                                                             "4, 6 and 8", batch="on GPU: 4, on CPU: 2, a multiple of "
                                                             "the data ranks x the micro-batches")
@@ -1681,21 +1653,23 @@ def main(argv=None):
                    help="--setup-memory: the model too large to build whole on every rank (none: skip it)")
     p.add_argument("--big-steps", type=common.COUNT, default=1, help="--setup-memory: --big-size's training steps")
     p.set_defaults(context_length=32)
-    first = p.parse_args(argv)
-    if first.setup_memory:
-        p.cpu_size = p.gpu_size = "medium"
-        args = common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None)
-        return report_setup_memory(args)
-    common.check_train_flags(first)
-    first.experts = first.experts if first.experts is not None else (1 if first.plan else MOE_EXPERTS)
-    if first.experts > 1 and first.top_k > first.experts:
-        raise common.UsageError(f"--top-k {first.top_k} must be at most --experts {first.experts}")
-    if first.experts % first.ep:
-        raise common.UsageError(f"--ep {first.ep} does not divide --experts {first.experts}: each of its ranks holds "
-                                f"experts/ep; use a multiple of {first.ep}")
-    if first.plan:
-        first.model_size = first.model_size or "xxl"
-        return report_plan(first)
+    return p
+
+
+def check_moe_flags(args):
+    """--experts (its default), --top-k and --ep: the experts a MoE holds and how they split."""
+    args.experts = args.experts if args.experts is not None else (1 if args.plan else MOE_EXPERTS)
+    if args.experts > 1 and args.top_k > args.experts:
+        raise common.UsageError(f"--top-k {args.top_k} must be at most --experts {args.experts}")
+    if args.experts % args.ep:
+        raise common.UsageError(f"--ep {args.ep} does not divide --experts {args.experts}: each of its ranks holds "
+                                f"experts/ep; use a multiple of {args.ep}")
+    return args
+
+
+def mesh_args(p, first, argv):
+    """The flags parsed for the mesh the axes give (single) or the suite: (args, shape,
+    single). --recorder-cost without a mesh takes pp 2 x dp 2."""
     if first.recorder_cost and not any(getattr(first, a) is not None for a in AXES):
         first.pp = first.dp = 2
         argv = [*(argv if argv is not None else sys.argv[1:]), "--pp", "2", "--dp", "2"]
@@ -1710,13 +1684,19 @@ def main(argv=None):
                                     f"{math.prod(shape.values())} ranks: leave --world-size out or match it")
     args = common.parse(p, argv, world=lambda a: math.prod(shape.values()) if single else max(SUITE),
                         batch_unit=lambda a: None, world_flag=f"the mesh {label(shape)}" if single else "the suite")
-    dims = common.MODEL_SIZES[args.model_size]
+    args.experts = first.experts
     if common.under_torchrun() and not single:
         raise common.UsageError("under torchrun give the mesh (--dp, --fsdp, --tp, --pp): the suite needs several "
                                 "world sizes")
     if single and math.prod(shape.values()) != args.world_size:
         raise common.UsageError(f"the mesh {label(shape)} holds {math.prod(shape.values())} ranks but the world has "
                                 f"{args.world_size}")
+    return args, shape, single
+
+
+def check_run(args, shape, single):
+    """Every check of the run's meshes before any worker starts (experts, schedule, levers,
+    each mesh's shapes): the levers, and the meshes timed."""
     if args.ep > 1:
         replicas = shape["dp"] * shape["fsdp"]
         if not single:
@@ -1740,49 +1720,49 @@ def main(argv=None):
     why = refusal(shape, args.schedule, args.sp, args.recompute, args.ep)
     if why:
         raise common.UsageError(why)
+    if args.train and not single:
+        raise common.UsageError("--train runs one mesh: give it (--pp 2 --dp 2, say)")
+    dims = common.MODEL_SIZES[args.model_size]
     timed = [shape] if single else [s for w in (4, 8) for s, tie, sched in SUITE[w] if not tie and sched == "1f1b"]
     cases = [(shape, args.tie, args.schedule)] if single else [c for cases in SUITE.values() for c in cases]
     for s, _, sched in cases:
         check_mesh(s, dims, args.batch_size, dataclasses.replace(levers, schedule=sched,
                                                                   chunks=args.chunks if single else SUITE_CHUNKS),
                    args.context_length, not args.no_verify, not args.no_bench and s in timed and (single or sched == "1f1b"))
+    return levers, timed
 
-    if args.train:
+
+def run_verification(args, shape, single, levers):
+    """The mesh (or the suite's meshes at 8, 4 and 6 ranks, a checkpoint saved at 8 and
+    resumed at 4) against one process; raises naming a failed case."""
+    if single and args.ep > 1:
+        jobs = [(args.world_size, [], ("ep", args.ep, shape, args.tie))]
+    elif single:
+        jobs = [(args.world_size, [(shape, args.tie, args.schedule)], None)]
+    else:
+        folder = tempfile.mkdtemp(prefix="nd_checkpoint_")
+        path = os.path.join(folder, "checkpoint.pt")
+        jobs = [(8, SUITE[8], (path, "save")), (4, SUITE[4], (path, "resume")), (6, SUITE[6], None)]
+    try:
+        for world, cases, resume in jobs:
+            common.check_verification(common.launch(verify, args, cases, resume,
+                                                    dataclasses.asdict(levers) if single else {"chunks": SUITE_CHUNKS},
+                                                    world_size=world),
+                                      f"{NAME} at {world} ranks")
+    finally:
         if not single:
-            raise common.UsageError("--train runs one mesh: give it (--pp 2 --dp 2, say)")
-        common.launch(train, args, shape)
-        return
-    if args.recorder_cost:
-        args.batch_size = args.batch_size or 2 * levers_of(args).m(shape) * shape["dp"] * shape["fsdp"]
-        rows = common.launch(recorder_cost, args, shape, dims)
-        return common.report_table(args, "10_recorder_cost", f"The flight recorder's cost on {label(shape)} (ours)",
-                                   rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
-    if not args.no_verify:
-        if single and args.ep > 1:
-            jobs = [(args.world_size, [], ("ep", args.ep, shape, args.tie))]
-        elif single:
-            jobs = [(args.world_size, [(shape, args.tie, args.schedule)], None)]
-        else:
-            folder = tempfile.mkdtemp(prefix="nd_checkpoint_")
-            path = os.path.join(folder, "checkpoint.pt")
-            jobs = [(8, SUITE[8], (path, "save")), (4, SUITE[4], (path, "resume")), (6, SUITE[6], None)]
-        try:
-            for world, cases, resume in jobs:
-                common.check_verification(common.launch(verify, args, cases, resume,
-                                                        dataclasses.asdict(levers) if single else
-                                                        {"chunks": SUITE_CHUNKS},
-                                                        world_size=world),
-                                          f"{NAME} at {world} ranks")
-        finally:
-            if not single:
-                shutil.rmtree(folder, ignore_errors=True)
-    if args.no_bench:
-        return
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_benchmark(args, shape, single, timed):
+    """The timed meshes beside torch's composition, one job per world size (the tables and
+    the timeline rewritten after each)."""
+    dims = common.MODEL_SIZES[args.model_size]
     trace = mesh_of(pp=2, dp=2, tp=2) if not single else (shape if sum(k > 1 for k in shape.values()) >= 2 else None)
     bench = [(args.world_size, [shape])] if single else [(w, [s for s in timed if math.prod(s.values()) == w])
                                                           for w in (4, 8)]
     rows, accounting = [], []
-    for world, group in bench:   # one job per world size; the tables are rewritten after each
+    for world, group in bench:
         got, acc, lanes = common.launch(benchmark, args, group, dims, trace, world_size=world)
         for s in group:
             reason = torch_skip(s, dataclasses.replace(levers_of(args), tie=False), args.ep, args.backend, args.device)
@@ -1796,6 +1776,34 @@ def main(argv=None):
                 draw_timeline(lanes, f"One step of {label(trace)} ({args.model_size} LM, {args.backend}/{args.device})",
                               path)
                 print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = parser()
+    first = p.parse_args(argv)
+    if first.setup_memory:
+        p.cpu_size = p.gpu_size = "medium"
+        return report_setup_memory(common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None))
+    common.check_train_flags(first)
+    check_moe_flags(first)
+    if first.plan:
+        first.model_size = first.model_size or "xxl"
+        return report_plan(first)
+    args, shape, single = mesh_args(p, first, argv)
+    levers, timed = check_run(args, shape, single)
+    if args.train:
+        common.launch(train, args, shape)
+        return
+    if args.recorder_cost:
+        args.batch_size = args.batch_size or 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
+        rows = common.launch(recorder_cost, args, shape, common.MODEL_SIZES[args.model_size])
+        return common.report_table(args, "10_recorder_cost", f"The flight recorder's cost on {label(shape)} (ours)",
+                                   rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
+    if not args.no_verify:
+        run_verification(args, shape, single, levers)
+    if args.no_bench:
+        return
+    run_benchmark(args, shape, single, timed)
     if not single and common.is_reporter():
         print()
         report_plan(p.parse_args(["--plan", "--model-size", "xxl", "--out", args.out]))

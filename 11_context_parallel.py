@@ -682,7 +682,7 @@ def verify_bf16(ctx, args, methods, group=None, steps=6):
     its output and q, k, v gradients against one process in float64, within twice the error
     of one process's own SDPA in bf16 (+1e-3), at 2cp, 6cp and 64cp tokens. Then the LM
     under bf16 autocast with each method (zig-zag) against one process under the same
-    autocast (common.BF16_TOL; SGD with momentum, as 05: AdamW's division by sqrt(v) turns
+    autocast (common.TOLERANCE["autocast"]; SGD with momentum, as 05: AdamW's division by sqrt(v) turns
     bf16's rounding of near-zero gradients into steps of lr either way), and each step's loss
     (the group's mean) within common.BF16_LOSS_BOUND of one float32 process's."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -734,10 +734,10 @@ def verify_bf16(ctx, args, methods, group=None, steps=6):
             mine = mine.detach().clone()
             dist.all_reduce(mine, group=group)
             gap = max(gap, abs(mine.item() / cp - fp32_loss))
-        ok = all(torch.allclose(a, b, **common.BF16_TOL) for a, b in
+        ok = all(torch.allclose(a, b, **common.TOLERANCE["autocast"]) for a, b in
                  zip(models["cp"].module.parameters(), models["bf16"].parameters()))
-        out[f"LM, {method}, bf16 autocast, against one process under it (rtol {common.BF16_TOL['rtol']}, "
-            f"atol {common.BF16_TOL['atol']})"] = {"ok": ok, "max_diff": common.max_param_diff(models["cp"].module,
+        out[f"LM, {method}, bf16 autocast, against one process under it (rtol {common.TOLERANCE['autocast']['rtol']}, "
+            f"atol {common.TOLERANCE['autocast']['atol']})"] = {"ok": ok, "max_diff": common.max_param_diff(models["cp"].module,
                                                                                              models["bf16"])}
         out[f"LM, {method}, bf16 autocast, each of {steps} losses within {common.BF16_LOSS_BOUND} of float32's"] = \
             {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}
@@ -1097,22 +1097,12 @@ def ring_timeline(ctx, args, t):
 
 
 def draw_timeline(lanes, title, path):
-    plt = common.pyplot()
-    from matplotlib.patches import Patch
+    """Each rank's ring attention forward: a block's attention, or waiting for the next."""
     colors = {"compute": "#4c72b0", "wait": "#c44e52"}
-    fig, ax = plt.subplots(figsize=(10, 0.8 + 0.5 * len(lanes)))
-    for r, spans in enumerate(lanes):
-        for kind, a, b in spans:
-            ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (r - 0.35, 0.7), facecolors=colors[kind], edgecolors="white")
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"rank {r}" for r in range(len(lanes))])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms into the attention's forward: blue, a block's attention (the next block's transfer "
-                  "running meanwhile); red, waiting for it")
-    ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
-    common.save_figure(fig, path)
+    common.draw_lanes(path, title, [(f"rank {r}", [{"start": a * 1e3, "end": b * 1e3, "color": colors[kind]}
+                                                   for kind, a, b in spans]) for r, spans in enumerate(lanes)],
+                      "ms into the attention's forward: blue, a block's attention (the next block's transfer "
+                      "running meanwhile); red, waiting for it", colors, row=0.5)
 
 
 def measure(ctx, args, methods, seq_lens):
@@ -1128,7 +1118,8 @@ MEMORY_HEADERS = ["seq_len", "method", "cp", "saved_MB", "saved_formula_MB", "pe
 NAME, TITLE = "11_context_parallel", "Context parallelism: step time beside one process"
 
 
-def main(argv=None):
+def parser():
+    """11's flags: cp, the methods, the lengths timed and measured, --sweep, --dtype."""
     p = common.script_parser(__doc__, cpu_size="micro", gpu_size="small", world="--cp")
     p.add_argument("--cp", type=common.COUNT, default=None,
                    help="ranks that share one sequence (default: --world-size, else 2; under torchrun, its world)")
@@ -1148,6 +1139,11 @@ def main(argv=None):
     common.add_dtype_flag(p)   # bf16: the LM in autocast, the attention on bf16 q, k, v (a GPU's flash kernel)
     p.set_defaults(batch_size=1, context_length=VERIFY_T)
     common.set_help(p, "context_length", "tokens a sequence of the verification LM (the benchmark's: --seq-lens)")
+    return p
+
+
+def checked_args(p, argv):
+    """The flags parsed and checked before any worker starts: (args, methods, heads)."""
     first = p.parse_args(argv)
     if common.under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -1183,23 +1179,34 @@ def main(argv=None):
                 raise common.UsageError(f"--sweep-lens {bad[0]} does not cut into the 2 x {c} chunks of the zig-zag "
                                         f"layout at cp {c} (--sweep-cps): use multiples of "
                                         f"{2 * math.lcm(*args.sweep_cps)}")
+    return args, methods, heads
 
-    if not args.no_verify:
-        common.check_verification(common.launch(verify, args, methods), f"{NAME} at cp {cp}")
-    if args.no_bench:
-        return
+
+def print_skips(args, methods, heads) -> str | None:
+    """The SKIP lines of what this setting cannot run; returns why torch's context_parallel
+    is left out (None: it runs)."""
+    cp = args.world_size
     if common.is_reporter() and not all(runs(m, heads, cp) for m in methods):
         print(f"benchmark: SKIP ulysses (cp {cp} does not divide {args.model_size}'s {heads} heads)")
     cp_skip = torch_cp_skip(args.backend, args.device)   # the baseline left out where it cannot run
     if common.is_reporter() and cp_skip:
         print(f"benchmark: SKIP torch context_parallel: {cp_skip}")
-    if args.sweep:
-        rows = sweep(args, methods)
-        if common.is_reporter():
-            print(f"\nOne causal attention, forward and backward ({args.model_size}'s heads, {args.dtype}; ms, the "
-                  f"slowest rank's median of {args.steps}; peak live MB per rank)\n{save_sweep(args, rows)}\n"
-                  f"wrote {args.out}/11_sweep.{{json,md,png}}")
-        return
+    return cp_skip
+
+
+def run_sweep(args, methods):
+    """--sweep: one attention from --sweep-lens, every method at each of --sweep-cps."""
+    rows = sweep(args, methods)
+    if common.is_reporter():
+        print(f"\nOne causal attention, forward and backward ({args.model_size}'s heads, {args.dtype}; ms, the "
+              f"slowest rank's median of {args.steps}; peak live MB per rank)\n{save_sweep(args, rows)}\n"
+              f"wrote {args.out}/11_sweep.{{json,md,png}}")
+
+
+def run_benchmark(args, methods, cp_skip):
+    """The LM's step at each of --seq-lens, every method beside one process (and torch's
+    context_parallel where it runs)."""
+    cp = args.world_size
     rows = common.launch(benchmark, args, methods, args.seq_lens)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "seq_lens": args.seq_lens, "cp": cp,
@@ -1209,6 +1216,12 @@ def main(argv=None):
         print(f"\n{TITLE}\n({args.model_size} LM, {args.dtype}, {args.backend}/{args.device}, {args.batch_size} "
               f"sequence(s) a step, zig-zag layout; times in ms, median [min, max] of {args.steps} steps; torch's context_parallel: "
               f"{'SKIP, ' + cp_skip if cp_skip else 'beside ours'})\n{table}")
+
+
+def run_measurements(args, methods):
+    """One attention's memory and bytes beside the formulas, each rank's ring time by
+    layout, and one ring forward drawn."""
+    cp = args.world_size
     memory, spread, lanes = common.launch(measure, args, methods, args.seq_lens)
     if common.is_reporter():
         settings = {**common.lm_settings(args), "cp": cp}
@@ -1227,6 +1240,19 @@ def main(argv=None):
         draw_timeline(lanes, f"One ring attention forward: cp {cp}, {t} tokens ({args.model_size}'s heads, "
                              f"{args.backend}/{args.device})", path)
         print(f"wrote {args.out}/{NAME}.*, 11_memory.*, 11_balance.*, {path}")
+
+
+def main(argv=None):
+    args, methods, heads = checked_args(parser(), argv)
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args, methods), f"{NAME} at cp {args.world_size}")
+    if args.no_bench:
+        return
+    cp_skip = print_skips(args, methods, heads)
+    if args.sweep:
+        return run_sweep(args, methods)
+    run_benchmark(args, methods, cp_skip)
+    run_measurements(args, methods)
 
 
 if __name__ == "__main__":

@@ -544,7 +544,7 @@ def verify_bf16(ctx, args, ep, steps=6):
     """--dtype bf16: the MoE LM under bf16 autocast, EP with grouped experts
     (torch._grouped_mm in bf16 where it takes the rows: the CPU, or a GPU of sm80 or later)
     against one process holding every expert, one call each (routing each rank's shard as
-    that rank does), under the same autocast: the weights within common.BF16_TOL after
+    that rank does), under the same autocast: the weights within common.TOLERANCE["autocast"] after
     SGD with momentum (AdamW's division by sqrt(v) turns bf16's rounding of near-zero
     gradients into steps of lr either way), and each step's loss (the group's mean) within
     common.BF16_LOSS_BOUND of one float32 process's. Top-2 of 2 experts a rank, no
@@ -578,12 +578,12 @@ def verify_bf16(ctx, args, ep, steps=6):
         theirs = dict(ref.named_parameters())
         diff = max((p.detach().double() - theirs[n].detach().double()).abs().max().item()
                    for n, p in model.module.named_parameters())
-        ok = all(torch.allclose(p, theirs[n], **common.BF16_TOL) for n, p in model.module.named_parameters())
+        ok = all(torch.allclose(p, theirs[n], **common.TOLERANCE["autocast"]) for n, p in model.module.named_parameters())
         everyone = [None] * world
         dist.all_gather_object(everyone, {"ok": ok, "diff": diff, "kernels": sorted(kernels)})
         how = "torch._grouped_mm" if any("grouped_mm" in e["kernels"] for e in everyone) else "padded bmm"
         name = f"ep {ep}, bf16 autocast, grouped experts ({how}), top-2, " + (f"capacity {c:g}" if c else "no dropping")
-        out[f"{name}, against one process under it (rtol {common.BF16_TOL['rtol']}, atol {common.BF16_TOL['atol']})"] = \
+        out[f"{name}, against one process under it (rtol {common.TOLERANCE['autocast']['rtol']}, atol {common.TOLERANCE['autocast']['atol']})"] = \
             {"ok": all(e["ok"] for e in everyone), "max_diff": max(e["diff"] for e in everyone)}
         out[f"{name}, each of {steps} losses within {common.BF16_LOSS_BOUND} of float32's"] = \
             {"ok": gap <= common.BF16_LOSS_BOUND, "max_diff": gap}
@@ -1054,7 +1054,8 @@ NAME, TITLE = "12_expert_parallel", "Expert parallelism beside the replicated Mo
 TABLES = ("benchmark", "capacity", "grouped")
 
 
-def main(argv=None):
+def parser():
+    """12's flags: ep, experts, routing, capacity, the balancing loss, --dtype, the tables."""
     p = common.script_parser(__doc__, cpu_size="micro", gpu_size="small", world="--ep")
     p.add_argument("--ep", type=common.COUNT, default=None,
                    help="ranks that share the experts (default: 2; the world holds world/ep copies of them)")
@@ -1070,6 +1071,11 @@ def main(argv=None):
                         "model, routing, bytes), capacity (the loss by capacity factor), grouped (experts one call "
                         "each or grouped) (default: all)")
     p.set_defaults(context_length=64)
+    return p
+
+
+def checked_args(p, argv):
+    """The flags parsed and checked before any worker starts: (args, ep)."""
     first = p.parse_args(argv)
     ep = first.ep if first.ep is not None else 2
     args = common.parse(p, argv, world=lambda a: a.world_size if a.world_size is not None else ep,
@@ -1084,14 +1090,12 @@ def main(argv=None):
                                 f"use a multiple of {ep}")
     if args.top_k > args.experts:
         raise common.UsageError(f"--top-k {args.top_k} must be at most --experts {args.experts}")
+    return args, ep
 
-    if not args.no_verify:
-        common.check_verification(common.launch(verify, args, ep, VERIFY_CASES), f"{NAME} at ep {ep}")
-        if args.dtype == "bf16":
-            common.check_verification(common.launch(verify_bf16, args, ep), f"{NAME}, bf16, at ep {ep}")
-    if args.no_bench:
-        return
-    # each part's tables are written as soon as it has run: a run cut short (a time box) keeps them
+
+def run_tables(args, ep):
+    """The benchmark's parts (--tables), each part's tables written as soon as it has run: a
+    run cut short (a time box) keeps them."""
     settings = {**common.lm_settings(args), "ep": ep, "experts": args.experts, "top_k": args.top_k,
                 "capacity_factor": args.capacity_factor, "aux_coef": args.aux_coef, "moe_every": args.moe_every}
     report, printed = common.is_reporter(), []
@@ -1120,6 +1124,16 @@ def main(argv=None):
         files = {"benchmark": f"{NAME}.*, 12_time_model.*, 12_routing.*, 12_accounting.*", "capacity": "12_capacity.*",
                  "grouped": "12_grouped.*"}
         print("\n\n".join(printed) + f"\nwrote {args.out}/" + ", ".join(files[t] for t in TABLES if t in args.tables))
+
+
+def main(argv=None):
+    args, ep = checked_args(parser(), argv)
+    if not args.no_verify:
+        common.check_verification(common.launch(verify, args, ep, VERIFY_CASES), f"{NAME} at ep {ep}")
+        if args.dtype == "bf16":
+            common.check_verification(common.launch(verify_bf16, args, ep), f"{NAME}, bf16, at ep {ep}")
+    if not args.no_bench:
+        run_tables(args, ep)
 
 
 def save_benchmark(args, settings, rows, routing, acc, timing) -> str:

@@ -241,11 +241,14 @@ def set_help(parser: argparse.ArgumentParser, dest: str, text: str):
     next(a for a in parser._actions if a.dest == dest).help = text
 
 
-DTYPES = {"float32": None, "bf16": torch.bfloat16}   # --dtype: bf16 runs forward and backward in autocast
+# Every script's names of the precisions (None: float32, nothing cast): --dtype's autocast
+# (float32, bf16) and 07's --compute-dtype (FSDP computing in low precision: all three)
+DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = ("float32", "bf16")   # fp16 autocast needs a gradient scaler: not offered
 
 
 def add_dtype_flag(p: argparse.ArgumentParser):
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    p.add_argument("--dtype", choices=AUTOCAST_DTYPES, default="float32",
                    help="bf16: forward and backward in bf16 autocast; master weights, gradient reduction and "
                         "optimizer state stay float32; verified against one process under the same autocast and "
                         "against float32's losses, and timed beside float32")
@@ -257,9 +260,12 @@ def autocast(device, dtype="float32"):
     return torch.autocast(device.type, dtype=DTYPES[dtype]) if DTYPES.get(dtype) else contextlib.nullcontext()
 
 
-# bf16 against one process under the same autocast: what reordered bf16 sums leave
-BF16_TOL = {"rtol": 1e-2, "atol": 1e-3}
-# and its losses against float32 training's, each step of a short run
+# How close low precision must come to one process computing the same way, by what is
+# compared: "autocast", bf16 autocast against one process under the same autocast (what
+# reordered bf16 sums leave); "low-precision compute", 07's FSDP gathering, computing and
+# reducing in bf16 or fp16 against one process whose weights and inputs are cast alike
+TOLERANCE = {"autocast": {"rtol": 1e-2, "atol": 1e-3}, "low-precision compute": {"rtol": 1e-2, "atol": 2e-3}}
+# and autocast's losses against float32 training's, each step of a short run
 BF16_LOSS_BOUND = 0.05
 
 
@@ -1245,6 +1251,20 @@ VERIFY_CASES = {
 }
 
 
+def one_process_step(model, optimizer, parts, max_norm=None, set_to_none=True):
+    """The one-process reference's training step, the one every verification compares
+    with (VerifyRun's toy, 09's pipelined LM, 10's meshes): the mean of the model's loss
+    over ``parts`` (each the (args, kwargs) of one call: the whole batch, or its parts where
+    each takes its own options or routing), backward, clipped by the global norm where
+    ``max_norm`` is given (torch's clip_grad_norm_), the optimizer's step. Returns the norm
+    it clipped by (None unclipped)."""
+    optimizer.zero_grad(set_to_none=set_to_none)
+    (sum(model(*a, **k) for a, k in parts) / len(parts)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm is not None else None
+    optimizer.step()
+    return norm
+
+
 class VerifyRun:
     """One verification case on one data-parallel group, everything but the method's loop:
     the starting model (ranks other than the group's first perturb theirs: the wrapper must
@@ -1267,15 +1287,12 @@ class VerifyRun:
                 p.add_(0.5 * self.rank)
         opt = self.optimizer(self.reference.parameters())
         for step, (x, y) in enumerate(self.batches):
-            opt.zero_grad(set_to_none=case.get("set_to_none", True))
             if case.get("uneven"):   # the same loss, written per part so each part can choose its layers
-                parts = zip(x.chunk(self.size), y.chunk(self.size))
-                loss = sum(self.reference(xp, yp, use_extra=self._extra(step, i))
-                           for i, (xp, yp) in enumerate(parts)) / self.size
+                parts = [((xp, yp), {"use_extra": self._extra(step, i)})
+                         for i, (xp, yp) in enumerate(zip(x.chunk(self.size), y.chunk(self.size)))]
             else:
-                loss = self.reference(x, y, use_extra=self._extra(step, 0))
-            loss.backward()
-            opt.step()
+                parts = [((x, y), {"use_extra": self._extra(step, 0)})]
+            one_process_step(self.reference, opt, parts, set_to_none=case.get("set_to_none", True))
 
     def _extra(self, step, rank):
         return rank == 0 and step % 3 != 2 if self.case.get("uneven") else step % 2 == 0
@@ -1472,6 +1489,47 @@ def save_figure(fig, path):
     """Save a matplotlib figure atomically as PNG and close it."""
     _atomic_write(Path(path), lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     pyplot().close(fig)
+
+
+_PARTS = {"whole": (-0.35, 0.7), "upper": (-0.4, 0.42), "lower": (0.02, 0.36)}   # of a lane: (offset, height)
+
+
+def draw_lanes(path, title, lanes, xlabel, legend, width=10.0, row=0.55, shade=None):
+    """The kit's one timeline drawing (04's DDP step, 09's schedules, 10's mesh, 11's ring):
+    a horizontal lane per row, top to bottom. ``lanes`` = [(label, spans)], each span a
+    dict with start and end (ms) and color, and optionally text (written in its middle),
+    part ("whole", or the lane's "upper" or "lower" half), alpha, edge (its outline's
+    colour) and min_width (ms); spans without text are drawn in one call per look (a GPU
+    step has thousands of kernels). ``legend`` = {label: color}; ``shade`` = (start, end,
+    color): a band behind every lane. Saved as PNG at ``path``."""
+    plt = pyplot()
+    from matplotlib.patches import Patch
+    fig, ax = plt.subplots(figsize=(width, 0.8 + row * len(lanes)))
+    if shade is not None:
+        ax.axvspan(shade[0], shade[1], color=shade[2], alpha=0.08)
+    for y, (_, spans) in enumerate(lanes):
+        batched = {}
+        for sp in spans:
+            lo, h = _PARTS[sp.get("part", "whole")]
+            look = (lo, h, sp["color"], sp.get("alpha", 1.0), sp.get("edge", "white"))
+            extent = (sp["start"], max(sp["end"] - sp["start"], sp.get("min_width", 0.0)))
+            if sp.get("text") is None:
+                batched.setdefault(look, []).append(extent)
+                continue
+            ax.broken_barh([extent], (y + lo, h), facecolors=look[2], alpha=look[3], edgecolors=look[4],
+                           linewidth=0.5)
+            ax.text((sp["start"] + sp["end"]) / 2, y + lo + h / 2, sp["text"], ha="center", va="center", fontsize=6,
+                    color=sp.get("text_color", "black"))
+        for (lo, h, color, alpha, edge), extents in batched.items():
+            ax.broken_barh(extents, (y + lo, h), facecolors=color, alpha=alpha, edgecolors=edge, linewidth=0.3)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([label for label, _ in lanes], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in legend.items()], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------

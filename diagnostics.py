@@ -86,9 +86,7 @@ def _traced(name, fn):
     where = {k: params.index(k) for k in ("group", "async_op") if k in params}
 
     def traced(*args, **kwargs):
-        # inside a graph torch.compile traces, the call is torch's own (dynamo turns it into
-        # its functional collective): the recorder sees it where the graph runs it, not here
-        if torch.compiler.is_compiling() or not _OBSERVERS or threading.current_thread() is not threading.main_thread():
+        if not _OBSERVERS or threading.current_thread() is not threading.main_thread():
             return fn(*args, **kwargs)
         group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
         async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
@@ -99,6 +97,9 @@ def _traced(name, fn):
         for o, token in zip(list(_OBSERVERS), tokens):
             o.exit(token, result)
         return result
+    # torch.compile leaves the wrapper to run eagerly (a clean graph break where the call is,
+    # as for the call itself), rather than tracing into the recorder's bookkeeping
+    traced = torch.compiler.disable(traced)
     traced.__wrapped__, traced.__name__, traced.__doc__ = fn, fn.__name__, fn.__doc__
     return traced
 

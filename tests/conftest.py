@@ -34,15 +34,19 @@ def run_script(*argv, timeout=240, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def run_inline(script: str, *argv, launch=None):
+def run_inline(script: str, *argv, launch=None, audit=True):
     """Run a numbered script's command line in this process, main() under run_main as
     ``python SCRIPT ARGV`` runs it: returns a CompletedProcess (exit status, stdout,
     stderr). No interpreter starts and imports torch again, and the workers fork from the
-    server this test process already runs. ``launch`` replaces common.launch."""
+    server this test process already runs. ``launch`` replaces common.launch. Its jobs run
+    under the device audit (diagnostics.DeviceAudit: a GPU's device rules on the CPU), so
+    every script's command lines the tests run are also the GPU path's smoke jobs."""
     mod = load(Path(script).stem)
     out, err, code = io.StringIO(), io.StringIO(), 0
     saved, sys.argv = sys.argv, [script, *argv]
     real, common.launch = common.launch, launch or common.launch
+    audited = os.environ.get(diagnostics.AUDIT_ENV)
+    os.environ[diagnostics.AUDIT_ENV] = "1" if audit else "0"
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -51,6 +55,10 @@ def run_inline(script: str, *argv, launch=None):
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
         sys.argv, common.launch = saved, real
+        if audited is None:
+            os.environ.pop(diagnostics.AUDIT_ENV, None)
+        else:
+            os.environ[diagnostics.AUDIT_ENV] = audited
     return subprocess.CompletedProcess([script, *argv], code, out.getvalue(), err.getvalue())
 
 
@@ -166,6 +174,16 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     mapped = getattr(ip, "ipv4_mapped", None)
     return (mapped or ip).is_loopback
+
+
+# the files whose tests take longest start first: with two workers (make test), neither is
+# left running one of them alone at the end
+FIRST = ("test_stalls.py", "test_compiled.py", "test_gpu.py", "test_10_nd_parallel.py", "test_09_pipeline.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
 
 
 @pytest.fixture

@@ -99,11 +99,11 @@ def test_sends_in_another_order_than_the_receives_are_caught():
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 6), (4, 4)])
 def test_the_bubble_on_paper_is_the_closed_form(p, m):
-    assert pp.theory("gpipe", m, p) == pytest.approx([(p - 1) / (m + p - 1)] * p)
-    assert pp.theory("1f1b", m, p) == pytest.approx([(p - 1) / (m + p - 1)] * p)
+    assert pp.bubble_on_paper("gpipe", m, p) == pytest.approx([(p - 1) / (m + p - 1)] * p)
+    assert pp.bubble_on_paper("1f1b", m, p) == pytest.approx([(p - 1) / (m + p - 1)] * p)
     for v in (2, 3):
-        assert pp.theory("interleaved", m, p, v) == pytest.approx([(p - 1) / (v * m + p - 1)] * p)
-    assert pp.theory("zb1", m, p) == pytest.approx([(p - 1) / (3 * m + p - 1)] * p)   # a third of 1F1B's
+        assert pp.bubble_on_paper("interleaved", m, p, v) == pytest.approx([(p - 1) / (v * m + p - 1)] * p)
+    assert pp.bubble_on_paper("zb1", m, p) == pytest.approx([(p - 1) / (3 * m + p - 1)] * p)   # a third of 1F1B's
 
 
 def test_interleaved_chunks_follow_the_model_order_and_keep_names():
@@ -191,11 +191,11 @@ def test_script_writes_table_timelines_and_memory(tmp_path):
         | {pp.ours_name("interleaved", 2, sp) for sp in pp.SPLITS} \
         | {"gpipe, m 1 (torch)", "zb1, m 1 (torch)"} | {f"{s}, m 2 (torch)" for s in pp.SCHEDULES}
     for name, r in rows.items():   # torch's 1F1B needs m >= p, interleaved groups of p micro-batches
-        assert r["step_ms"] > 0 and r["theory"] == pytest.approx(sum(pp.theory(r["schedule"], r["microbatches"], 2,
+        assert r["step_ms"] > 0 and r["theory"] == pytest.approx(sum(pp.bubble_on_paper(r["schedule"], r["microbatches"], 2,
                                                                                   r["chunks"])) / 2)
         if name.endswith("(ours)"):   # the schedule on paper with these stages' times: profiled, and as they ran
             assert 0 <= r["bubble"] < 1 and len(r["bubble_per_stage"]) == 2 and len(r["cuts"]) == 2 * r["chunks"] + 1
-            assert r["theory_profiled"] == pytest.approx(sum(pp.theory(r["schedule"], r["microbatches"], 2,
+            assert r["theory_profiled"] == pytest.approx(sum(pp.bubble_on_paper(r["schedule"], r["microbatches"], 2,
                                                                         r["chunks"], r["chunk_costs"])) / 2)
             assert 0 <= r["theory_split"] < 1 and len(r["theory_split_per_stage"]) == 2 and r["message_ms"] >= 0
         if name.endswith("measured split (ours)"):
@@ -298,8 +298,8 @@ def test_unequal_stages_on_paper_give_the_bubble_of_their_slowest():
     """theory with each chunk's times: equal stages give the equal-stage formula; a stage
     twice as slow leaves the other idle as long again, which the formula counts."""
     equal = {"F": [1.0, 1.0], "B": [2.0, 2.0]}
-    assert pp.theory("1f1b", 8, 2, 1, equal) == pytest.approx(pp.theory("1f1b", 8, 2))
-    slow = pp.theory("1f1b", 8, 2, 1, {"F": [2.0, 1.0], "B": [4.0, 2.0]})
+    assert pp.bubble_on_paper("1f1b", 8, 2, 1, equal) == pytest.approx(pp.bubble_on_paper("1f1b", 8, 2))
+    slow = pp.bubble_on_paper("1f1b", 8, 2, 1, {"F": [2.0, 1.0], "B": [4.0, 2.0]})
     assert slow[1] > 0.4 > slow[0]   # stage 1 waits on stage 0 at every micro-batch
 
 
@@ -307,7 +307,7 @@ def test_unequal_stages_on_paper_give_the_bubble_of_their_slowest():
 def test_a_step_on_paper_replays_the_run_its_timelines_and_message_time_describe(schedule, chunks):
     """A run made on paper (unequal stages, each message 0.3 units in flight) gives timelines
     like a Pipeline's: message_time finds the 0.3 from the actions that waited, and
-    step_on_paper rebuilds every stage's idle share from them."""
+    bubble_on_paper_of_step rebuilds every stage's idle share from them."""
     p, m = 2, 4
     cost = {"F": [1.0, 1.5, 0.7, 1.2][:p * chunks], "B": [2.0, 2.4, 1.5, 2.2][:p * chunks], "send": 0.3}
     if schedule == "zb1":
@@ -326,5 +326,5 @@ def test_a_step_on_paper_replays_the_run_its_timelines_and_message_time_describe
         waits.append(mine)
     steps = [(0.0, tl, w) for tl, w in zip(timelines, waits)]
     assert pp.message_time(steps, p, chunks) == pytest.approx(0.3)
-    assert pp.step_on_paper(schedule, m, p, chunks, timelines, 0.3) == pytest.approx(idle)
-    assert sum(pp.step_on_paper(schedule, m, p, chunks, timelines)) < sum(idle)   # free sends: less idle
+    assert pp.bubble_on_paper_of_step(schedule, m, p, chunks, timelines, 0.3) == pytest.approx(idle)
+    assert sum(pp.bubble_on_paper_of_step(schedule, m, p, chunks, timelines)) < sum(idle)   # free sends: less idle

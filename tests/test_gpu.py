@@ -81,7 +81,7 @@ def test_gpu_check_dry_run_passes_on_one_script_with_every_part(tmp_path):
     """make gpu-check's CPU dry run on 12: the kernel tests (the CUDA cases skipped with the
     reason), the measured table (12's grouped experts in bf16), 12's smoke jobs under the
     device audit; SUMMARY.md holds every row and the table, SUMMARY.json the same."""
-    p = make("gpu-check", "SMOKE=12", f"GPU_OUT={tmp_path}", timeout=400)
+    p = make("gpu-check", "SMOKE=12", "SMOKE_JOBS=3", f"GPU_OUT={tmp_path}", timeout=400)   # (its three at once)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     check = tmp_path / "check"
     summary = json.loads((check / "SUMMARY.json").read_text())

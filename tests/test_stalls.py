@@ -17,7 +17,7 @@ import common
 import diagnostics
 from conftest import ROOT, is_loopback, listening_sockets, process_tree, workers_left
 
-STALL, TIMEOUT, BUSY = 3.0, 10.0, 10.0
+STALL, TIMEOUT, BUSY = 3.0, 20.0, 10.0   # (20 s: gloo connects within --timeout, and six jobs start at once)
 # (mode, extra flags): the stall report names rank 1 within the window; the job fails at --timeout
 # (the mismatches at once, refused by --check-collectives); "busy" computes BUSY s and completes;
 # "thread": rank 0 waits for an all_reduce issued from another thread, where the recorder cannot see
@@ -44,12 +44,11 @@ NATURAL = {
                            "--dp", "2"], "10_nd_parallel.py:train_step", 3),
 }
 LAUNCHES = ("spawned", "torchrun")
-_jobs = {}
 
 
-def _command(case, how, folder):
+def _command(case, how, folder, env):
     """(command line, environment) of a scenario or a natural command."""
-    ranks, env = 2, {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_VARS and k != diagnostics.CHECK_ENV}
+    ranks, env = 2, {k: v for k, v in env.items() if k not in common.TORCHRUN_VARS and k != diagnostics.CHECK_ENV}
     if case in SCENARIOS:
         argv = [str(ROOT / "tests" / "stall_job.py"), case, str(folder), "--stall-report", str(STALL), "--timeout",
                 str(TIMEOUT), *SCENARIOS[case]]
@@ -63,11 +62,11 @@ def _command(case, how, folder):
     return [sys.executable, *launcher, *argv], env
 
 
-def _run(case, how, folder):
+def _run(case, how, folder, env):
     """One job: exit status, stdout lines with the second each arrived, stderr, when its rank
     misbehaved, and (spawned) every socket its processes listened on."""
     folder.mkdir(parents=True, exist_ok=True)
-    cmd, env = _command(case, how, folder)
+    cmd, env = _command(case, how, folder, env)
     began = time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines, err, sockets = [], [], set()
@@ -89,31 +88,18 @@ def _run(case, how, folder):
             "misbehaved": float(bad.read_text()) if bad.exists() else None}
 
 
-def start_jobs(base):
-    """Every scenario and natural command, spawned and under torchrun, six at a time, in a
-    thread of their own (they mostly wait: the suite starts them first and goes on);
-    returns the thread. The fixture below waits for it."""
-    def run_all():
-        cases = [(c, h) for c in [*SCENARIOS, *NATURAL] for h in LAUNCHES]
-        cases.sort(key=lambda c: c[0] != "busy")   # the longest first
-        with ThreadPoolExecutor(6) as pool:
-            for case, got in zip(cases, pool.map(lambda c: _run(*c, base / f"{c[0]}_{c[1]}".replace(" ", "_")),
-                                                 cases)):
-                _jobs[case] = got
-    thread = threading.Thread(target=run_all, name="stall-jobs", daemon=True)
-    thread.start()
-    return thread
-
-
-_started = []
+def run_jobs(base, env) -> dict:
+    """Every scenario and natural command, spawned and under torchrun, six at a time
+    (they mostly wait): {(case, launch): what _run returns}."""
+    cases = [(c, h) for c in [*SCENARIOS, *NATURAL] for h in LAUNCHES]
+    cases.sort(key=lambda c: c[0] != "busy")   # the longest first
+    with ThreadPoolExecutor(6) as pool:
+        return dict(zip(cases, pool.map(lambda c: _run(*c, base / f"{c[0]}_{c[1]}".replace(" ", "_"), env), cases)))
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    if not _started:
-        _started.append(start_jobs(tmp_path_factory.mktemp("stalls")))
-    _started[0].join()
-    return _jobs
+    return run_jobs(tmp_path_factory.mktemp("stalls"), dict(os.environ))
 
 
 def _read_errors(p, err, how):
@@ -142,9 +128,11 @@ def _sample_sockets(p, sockets):
 
 
 def _report(job):
-    """The first stall report: (the second it was printed, its lines)."""
-    lines = job["lines"]
-    i = next((i for i, (_, ln) in enumerate(lines) if ln.startswith("stall: ")), None)
+    """The first stall report once the rank misbehaved (a start slower than the window on a
+    loaded machine is a stall too, and may be reported before): (the second it was printed,
+    its lines)."""
+    lines, after = job["lines"], job["misbehaved"] or 0.0
+    i = next((i for i, (t, ln) in enumerate(lines) if ln.startswith("stall: ") and t >= after), None)
     assert i is not None, "no stall report:\n" + "\n".join(ln for _, ln in lines) + job["stderr"]
     block = [lines[i][1]] + [ln for _, ln in lines[i + 1:i + 12] if ln.startswith(("|", "  "))]
     return lines[i][0], block
