@@ -62,7 +62,8 @@ def test_results_name_the_gpu_when_it_did_the_work(monkeypatch):
     assert "cores) + 1x Fake GPU 80GB" in mixed
 
 
-def test_every_op_is_checked_and_reported_with_its_bus_factor_at_2_and_4_ranks(tmp_path):
+def test_every_op_is_checked_and_reported_with_its_bus_factor_at_2_and_4_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_DEVICE_AUDIT", "1")   # 01's smoke job: every op under the device audit
     bench.main(["--ops", "all", "--world-sizes", "2", "4", "--sizes-mb", "0.0001", "0.001001", "--iters", "2",
                 "--warmup", "0", "--out", str(tmp_path)])   # each op's result is checked in the worker
     doc = json.loads((tmp_path / "01_collectives.json").read_text())

@@ -275,6 +275,16 @@ def test_a_spawned_job_listens_on_loopback_only_when_it_completes_fails_or_stall
         assert _report(job)[1][0].startswith("stall: ")
 
 
+def test_a_call_made_inside_the_library_is_blamed_on_the_line_that_called_into_it():
+    """The recorder names the user's or script's line, never a line of placement.py,
+    sharded_checkpoint.py or common.py where the collective itself is written."""
+    import argparse
+    import workers
+    got = common.launch(workers.blamed_lines, argparse.Namespace(world_size=2, backend="gloo", device="cpu",
+                                                                 timeout=60.0))
+    assert got and all(site == f"workers.py:{line}" for site, line in got), got
+
+
 # ---- diagnose() on states made by hand: what the job's report reads
 def _state(rank, t, seq, flight=(), done=None, stack=(), finished=False):
     return {"rank": rank, "pid": 1000 + rank, "host": "elsewhere", "t": t, "seq": seq, "flight": list(flight), "done": done,
