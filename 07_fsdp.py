@@ -44,6 +44,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree
 
 from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, hold_storage,
                        load_full_optim_state_dict, load_full_state_dict, make_real, place, placements,
@@ -219,8 +220,7 @@ class FSDP(nn.Module):
             unit.take_back()
             if _in_backward():              # a recomputation: the unit stays whole for its backward
                 return
-            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
-                    if torch.is_tensor(t) and t.requires_grad]
+            outs = [t for t in _tensors_in(out) if t.requires_grad]   # (a dict, a ModelOutput too)
             if not (torch.is_grad_enabled() and outs):
                 unit.reshard()              # no backward will pass through it
                 return
@@ -585,6 +585,25 @@ class _Unit:
                 p.grad = g
             else:
                 p.grad.add_(g)
+
+
+def _tensors_in(obj) -> list:
+    """Every tensor inside a module's output, however it is packed: tuples, lists, dicts and
+    other mappings (transformers' ModelOutput), dataclasses, and whatever torch's pytree
+    knows (as torch's own FSDP2 looks into outputs)."""
+    import collections.abc
+    import dataclasses
+    out = []
+    for leaf in torch.utils._pytree.tree_leaves(obj):
+        if torch.is_tensor(leaf):
+            out.append(leaf)
+        elif isinstance(leaf, collections.abc.Mapping):
+            out += _tensors_in(list(leaf.values()))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        elif isinstance(leaf, (tuple, list)):   # a subclass pytree does not know
+            out += _tensors_in(list(leaf))
+    return out
 
 
 def _in_backward() -> bool:

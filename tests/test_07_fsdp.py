@@ -319,3 +319,14 @@ def test_a_training_run_resumes_from_its_newest_checkpoint_to_the_same_weights(t
     whole, first = run(8, "whole"), run(5, "cut", async_save=True)
     assert sorted(os.listdir(tmp_path / "cut")) == ["step-000000003"]
     assert run(8, "cut") == whole and first != whole and len(whole) == 64
+
+
+def test_a_model_whose_output_is_a_dict_a_dataclass_or_nested_containers_trains_like_one_process():
+    """As transformers' models return a ModelOutput: FSDP's units find the tensors that need
+    a gradient wherever the output packs them, so the root unit (here the head's) keeps its
+    weights for backward; before, a dict hid them and backward read freed storage."""
+    import workers
+    got = common.launch(workers.fsdp_packed_outputs, verify_args(2))
+    assert set(got) == {"dict", "dataclass", "nested"}
+    for pack, diff in got.items():
+        assert isinstance(diff, float) and diff < 1e-5, f"{pack}: {diff}"

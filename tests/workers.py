@@ -1,4 +1,6 @@
 """Module-level workers for tests (spawned processes find them again by file and name)."""
+import copy
+import dataclasses
 import os
 import sys
 
@@ -942,6 +944,69 @@ def _all_reduce_in_a_thread(x):
     t.join()
     if failed:
         raise failed[0]
+
+
+@dataclasses.dataclass
+class _Out:
+    """What transformers' ModelOutput is to a training loop: a dataclass of tensors."""
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class PackedOutputs(torch.nn.Module):
+    """Three linear layers and a head whose forward returns its loss and logits packed as
+    ``pack`` says: a dict, a dataclass (as transformers' models return), or nested tuples
+    and dicts."""
+
+    def __init__(self, pack):
+        super().__init__()
+        self.pack = pack
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        return {"dict": {"logits": logits, "loss": loss}, "dataclass": _Out(loss, logits),
+                "nested": ((logits,), {"loss": loss})}[self.pack]
+
+
+def packed_loss(out):
+    return out["loss"] if isinstance(out, dict) else out.loss if isinstance(out, _Out) else out[1]["loss"]
+
+
+def fsdp_packed_outputs(ctx, args):
+    """07's FSDP (a unit per layer, the head in the root unit) on a model whose output is a
+    dict, a dataclass or nested containers, 3 AdamW steps against one process: {pack: the
+    largest difference of any parameter, or the error it raised}."""
+    fsdp = common.load_script(os.path.join(common.ROOT, "07_fsdp.py"))
+    out = {}
+    for pack in ("dict", "dataclass", "nested"):
+        torch.manual_seed(0)
+        ref = PackedOutputs(pack)
+        try:
+            mine = copy.deepcopy(ref)
+            model = fsdp.FSDP(mine, units=list(mine.layers))
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+            for step in range(3):
+                g = torch.Generator().manual_seed(step)
+                n = 4 * ctx.world_size
+                x, y = torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+                for o in opts:
+                    o.zero_grad()
+                packed_loss(ref(x, y)).backward()
+                mine_x, mine_y = (common.shard(t, ctx.rank, ctx.world_size) for t in (x, y))
+                packed_loss(model(mine_x, mine_y)).backward()
+                model.finish_gradient_synchronization()
+                for o in opts:
+                    o.step()
+            full = placement.full_state_dict(model.module, all_ranks=True)
+            out[pack] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        except Exception as e:   # noqa: BLE001  (the test shows it)
+            out[pack] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out
 
 
 def blamed_lines(ctx, args):
