@@ -38,7 +38,9 @@ import common
 import sharded_checkpoint
 
 # ---- begin copy: FSDP (needs torch, the standard library and placement.py) ----
+import collections.abc
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -591,8 +593,6 @@ def _tensors_in(obj) -> list:
     """Every tensor inside a module's output, however it is packed: tuples, lists, dicts and
     other mappings (transformers' ModelOutput), dataclasses, and whatever torch's pytree
     knows (as torch's own FSDP2 looks into outputs)."""
-    import collections.abc
-    import dataclasses
     out = []
     for leaf in torch.utils._pytree.tree_leaves(obj):
         if torch.is_tensor(leaf):

@@ -447,8 +447,6 @@ def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
         diagnostics._RECORDER.clear()
 
 
-
-
 def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, device, timeout, result_path, parent_pid,
                  options=None):
     _watch_parent(parent_pid)
