@@ -132,15 +132,18 @@ MEASURE_ON_META = ('costs="measure" times real weights, and this model is on the
 
 
 class PipelineStage(nn.Module):
-    """Stage ``stage`` of ``n_stages`` of your own model, built from its top-level pieces and
-    its list of layers (``model.<layers>``, an nn.ModuleList), holding the model's own
+    """Stage ``stage`` of ``n_stages`` of your own model, built from its pieces and its list
+    of layers (``model.get_submodule(layers)``, an nn.ModuleList), holding the model's own
     modules under their own names: its state_dict keys are the model's, so full_state_dict
     merges the stages into the model's own checkpoint. ``first`` / ``last``: the names of
-    the model's top-level modules the first / last stage holds; ``embed(stage, *inputs)``
-    turns the first stage's inputs into the activations, ``head(stage, h)`` the last
-    stage's first activation into the output the loss takes. Each layer is called as
-    ``layer(*activations)`` and returns the new first activation; the others (rotary tables,
-    positions, a mask) go on unchanged to the next layer and stage. A Llama-style model:
+    the model's modules the first / last stage holds, nested names too ("model.embed_tokens",
+    "lm_head": the stage gets the containers on the way, so ``stage.model.embed_tokens`` is
+    the model's own); ``embed(stage, *inputs)`` turns the first stage's inputs into the
+    activations, ``head(stage, h)`` the last stage's first activation into the output the
+    loss takes. Each layer is called as ``call(layer, *activations)`` (default:
+    ``layer(*activations)``; give ``call`` for a layer that takes some by keyword) and
+    returns the new first activation; the others (rotary tables, positions, a mask) go on
+    unchanged to the next layer and stage. A Llama-style model:
 
         def embed(m, tokens):
             cos, sin = rotary(torch.arange(tokens.shape[1]), head_dim, theta)   # the model's own function
@@ -148,6 +151,17 @@ class PipelineStage(nn.Module):
         stage = PipelineStage(model, "layers", rank, n_stages, embed, lambda m, h: m.output(m.norm(h)),
                               first=["tok_embeddings"], last=["norm", "output"])
         pipe = Pipeline(stage, 8, loss_fn)      # what crosses the stages: found by the first step
+
+    transformers' LlamaForCausalLM (its decoder layers take the rotary tables by keyword):
+
+        def embed(m, tokens):
+            h = m.model.embed_tokens(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            return (h, *m.model.rotary_emb(h, positions))
+        stage = PipelineStage(model, "model.layers", rank, n_stages, embed,
+                              lambda m, h: m.lm_head(m.model.norm(h)),
+                              first=["model.embed_tokens", "model.rotary_emb"], last=["model.norm", "lm_head"],
+                              call=lambda layer, h, cos, sin: layer(h, position_embeddings=(cos, sin)))
 
     The layers are cut into n_stages x ``chunks`` runs of about equal ``costs`` (default:
     every layer alike; a list: one number a layer); with chunks v > 1 (interleaved) the
@@ -166,20 +180,19 @@ class PipelineStage(nn.Module):
     outright. The stage keeps ``costs`` and ``cuts``."""
 
     def __init__(self, model, layers: str, stage: int, n_stages: int, embed=None, head=None, first=(), last=(),
-                 chunks: int = 1, costs=None, sample=None, loss_fn=None, process_group=None, cuts=None):
+                 chunks: int = 1, costs=None, sample=None, loss_fn=None, process_group=None, cuts=None, call=None):
         super().__init__()
         blocks, total = model.get_submodule(layers), n_stages * chunks
         if not 1 <= total <= len(blocks):
             raise ValueError(f"{n_stages} stages x {chunks} chunks for {len(blocks)} layers: at most one chunk a layer")
-        if any("." in name for name in (layers, *first, *last)):
-            raise ValueError("layers, first and last name the model's top-level modules (no dots)")
+        self._call = call or _call_layer
         if costs == "measure":
             if any(p.is_meta for p in model.parameters()):
                 raise ValueError(MEASURE_ON_META)
             if sample is None or loss_fn is None:
                 raise ValueError('costs="measure" times the pieces on a micro-batch: give sample=(inputs, targets) '
                                  'and loss_fn')
-            costs = measure_costs(_stage_pieces(model, blocks, embed, head, loss_fn), _with_targets(*sample),
+            costs = measure_costs(_stage_pieces(model, blocks, embed, head, loss_fn, self._call), _with_targets(*sample),
                                   process_group=process_group)
             model.zero_grad(set_to_none=True)
         n = len(blocks)
@@ -199,18 +212,29 @@ class PipelineStage(nn.Module):
         self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, layers
         self._embed_fn, self._head_fn = embed, head   # (not .embed, .head: the model's modules may be named so)
         for name in first if self.first else ():   # the model's order: first modules, layers, last modules
-            self.add_module(name, model.get_submodule(name))
-        self.add_module(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
+            self._hold(name, model.get_submodule(name))
+        self._hold(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
         for name in last if self.last else ():
-            self.add_module(name, model.get_submodule(name))
+            self._hold(name, model.get_submodule(name))
+
+    def _hold(self, name, module):
+        """Register ``module`` under its dotted name, making the containers on the way (plain
+        modules, so that the keys below them stay the model's own)."""
+        *path, leaf = name.split(".")
+        owner = self
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        owner.add_module(leaf, module)
 
     def forward(self, *xs, chunk=0):
         if self.first and chunk == 0:
             xs = self._embed_fn(self, *xs) if self._embed_fn is not None else xs
             xs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-        layers = getattr(self, self.layers_name)
+        layers = self.get_submodule(self.layers_name)
         for i in range(*self.ranges[chunk]):
-            xs = (layers[str(i)](*xs), *xs[1:])
+            xs = (self._call(layers[str(i)], *xs), *xs[1:])
         if self.last and chunk == len(self.ranges) - 1:
             return self._head_fn(self, xs[0]) if self._head_fn is not None else xs[0]
         return xs if len(xs) > 1 else xs[0]
@@ -220,7 +244,11 @@ def _with_targets(inputs, targets):
     return (*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)), targets)
 
 
-def _stage_pieces(model, blocks, embed, head, loss_fn):
+def _call_layer(layer, *xs):
+    return layer(*xs)
+
+
+def _stage_pieces(model, blocks, embed, head, loss_fn, call=_call_layer):
     """PipelineStage's pieces for measure_costs: each carries (activations..., targets)."""
     def first(xs):
         *inputs, targets = xs
@@ -228,7 +256,7 @@ def _stage_pieces(model, blocks, embed, head, loss_fn):
         return (*(out if isinstance(out, (tuple, list)) else (out,)), targets)
 
     def layer(b):
-        return lambda xs: (b(*xs[:-1]), *xs[1:-1], xs[-1])
+        return lambda xs: (call(b, *xs[:-1]), *xs[1:-1], xs[-1])
 
     def last(xs):
         return loss_fn(head(model, xs[0]) if head is not None else xs[0], xs[-1])
