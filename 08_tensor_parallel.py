@@ -426,9 +426,12 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     "dropout": an nn.Dropout between a column and a row layer becomes a ParallelDropout;
     "divide": an integer attribute (a head count the model's forward reshapes by, say
     "layers.*.attention.n_heads") is divided by the group's size, so the model's own code
-    sees the heads this rank holds. A "column" layer's output slice is the input slice of
-    the "row" layer that follows it; what lies between must work feature by feature (or
-    head by head, with the head counts divided). Everything is checked before anything
+    sees the heads this rank holds; "sum": a module between the two whose weights every
+    rank holds whole but applies to its own heads only (Qwen3's per-head q_norm and k_norm),
+    each of its parameters' gradients summed over the group as backward makes it. A
+    "column" layer's output slice is the input slice of the "row" layer that follows it;
+    what lies between must work feature by feature (or head by head, with the head counts
+    divided, or its weights' gradients summed). Everything is checked before anything
     changes (ValueError: a key that matches nothing, a count or a layer the group's size
     does not divide). ``sync``: sync_rng over the group first, so dropout everywhere else
     draws the same masks on every rank.
@@ -444,8 +447,8 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     modules = dict(module.named_modules())
     todo = []
     for key, kind in plan.items():
-        if kind not in ("column", "row", "dropout", "divide"):
-            raise ValueError(f"plan[{key!r}]: unknown kind {kind!r} (column, row, dropout or divide)")
+        if kind not in ("column", "row", "dropout", "divide", "sum"):
+            raise ValueError(f"plan[{key!r}]: unknown kind {kind!r} (column, row, dropout, divide or sum)")
         owner_key, _, attr = key.rpartition(".") if kind == "divide" else (key, "", "")
         found = [n for n in modules if _matches(n, owner_key)]
         if kind == "divide":
@@ -471,6 +474,10 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         target = modules[name]
         if kind == "divide":
             setattr(target, attr, getattr(target, attr) // tp)
+            continue
+        if kind == "sum":
+            for p in target.parameters():
+                p.register_hook(_sum_over(process_group))
             continue
         parent_name, _, child = name.rpartition(".")
         new = ParallelDropout(target.p, process_group) if kind == "dropout" else \
