@@ -43,6 +43,7 @@ import statistics
 import common
 
 # ---- begin copy: mixture of experts (needs torch, the standard library and placement.py) ----
+import fnmatch
 import math
 import time
 
@@ -52,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
-                       load_full_state_dict, place)   # noqa: F401 (what a loop needs, from here too)
+                       load_full_state_dict, place, placements)   # noqa: F401 (what a loop needs, from here too)
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -337,9 +338,119 @@ class MoE(nn.Module):
         return out
 
 
+class _ExpertExchange:
+    """The two forward hooks split_experts puts on a model's own experts module: before its
+    forward, each (token, choice) goes to the rank of its expert with its gate, and the
+    module runs on what arrived with one choice a row, its experts numbered locally; after
+    it, the rows go back and each token sums its choices' outputs."""
+
+    def __init__(self, group, per, host_staging):
+        self.group, self.per, self.host_staging, self.pending = group, per, host_staging, []
+        self.ep, self.me, self.rows_out = dist.get_world_size(group), dist.get_rank(group), 0
+
+    def before(self, module, args, kwargs):
+        x, index, gates = _experts_inputs(args, kwargs)
+        staged = _staged(self.host_staging, x.device, self.group)
+        k, flat = index.shape[-1], index.reshape(-1)                          # token-major
+        rank_of = torch.div(flat, self.per, rounding_mode="floor")
+        order = rank_of.argsort(stable=True)                                  # by the expert's rank
+        counts = _count(rank_of, self.ep)
+        got = _exchange(counts, [1] * self.ep, [1] * self.ep, self.group, staged)
+        send, recv = counts.tolist(), got.tolist()                            # the one wait on the device
+        self.rows_out += sum(send) - send[self.me]
+        token_of = order // k
+        rows = _AllToAllV.apply(x[token_of], send, recv, self.group, staged)
+        local = _exchange((flat[order] - rank_of[order] * self.per)[:, None], send, recv, self.group, staged)
+        weights = _AllToAllV.apply(gates.reshape(-1)[order][:, None], send, recv, self.group, staged)
+        self.pending.append((token_of, send, recv, x.shape[0], staged))
+        return (rows, local, weights), {}
+
+    def after(self, module, args, kwargs, out):
+        token_of, send, recv, n, staged = self.pending.pop()
+        back = _AllToAllV.apply(out, recv, send, self.group, staged)
+        return back.new_zeros(n, *back.shape[1:]).index_add(0, token_of, back)
+
+
+def _experts_inputs(args, kwargs):
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    given = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    if len(given) != 3 or kwargs.keys() - set(names):
+        raise TypeError("split_experts: the experts module takes (hidden_states, top_k_index, top_k_weights)")
+    return given
+
+
+def _staged(host_staging, device, group) -> bool:
+    if host_staging is not None:
+        return host_staging
+    return device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def split_experts(model: nn.Module, pattern: str, process_group=None, copies=None, host_staging=None) -> nn.Module:
+    """Expert parallelism on a model's own experts, its code and its router unchanged: every
+    module of ``model`` whose path matches ``pattern`` ("model.layers.*.mlp.experts", ``*``
+    for any one name) keeps E/ep of its experts, consecutive ones, along dim 0 of each of
+    its own parameters with E rows (transformers' 3D expert tensors: gate_up_proj [E, 2F,
+    D], down_proj [E, D, F]), its ``num_experts`` set to E/ep. Such a module is called as
+    transformers' are, ``experts(hidden_states [N, D], top_k_index [N, k], top_k_weights
+    [N, k])`` -> [N, D], the gates applied inside; two forward hooks send each token's
+    choices to the rank of their expert (all-to-all, sizes following the router) and the
+    outputs back, summed per token. Dropless, as transformers' models are: their balancing
+    loss, computed by the model from its router's logits, is unchanged. ``copies``: the
+    ranks holding the same experts in other ep groups, as for MoE.distribute. Recorded as
+    a shard over the group (and a replica over ``copies``), so clip_grad_norm_,
+    full_state_dict and materialize see the E experts whole under the model's own name.
+
+        split_experts(model, "model.layers.*.mlp.experts", ep_group)
+        wrapped = DDPBucketed(model, 25, ignore_parameters=expert_parameters(model))   # or FSDP(ignore=...)
+        loss.backward(); wrapped.finish_gradient_synchronization()
+        reduce_expert_gradients(model)        # summed over copies, divided by the data ranks
+
+    Built on the meta device, the slices stay on meta for materialize to fill."""
+    found = {name: m for name, m in model.named_modules() if _path_matches(name, pattern)}
+    if not found:
+        raise ValueError(f"split_experts: {pattern!r} matches no module")
+    ep, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    for name, m in found.items():
+        E = getattr(m, "num_experts", None)
+        own = {n: p for n, p in m.named_parameters(recurse=False) if p.dim() and p.shape[0] == E}
+        if not isinstance(E, int) or not own:
+            raise ValueError(f"split_experts: {name} has no num_experts and parameters with that many rows")
+        if E % ep:
+            raise ValueError(f"split_experts: {ep} ranks do not divide {name}'s {E} experts")
+    for name, m in found.items():
+        per = m.num_experts // ep
+        for n, p in m.named_parameters(recurse=False):
+            if p.dim() and p.shape[0] == m.num_experts:
+                whole = list(p.shape)
+                p.data = p.data[rank * per:(rank + 1) * per].clone()
+                place(p, "shard", process_group, dim=0, shape=whole)
+                if copies is not None:
+                    place(p, "replicate", copies)
+        m.num_experts, m.expert_copies = per, copies
+        m.expert_exchange = _ExpertExchange(process_group, per, host_staging)   # .rows_out: rows sent away
+        m.register_forward_pre_hook(m.expert_exchange.before, with_kwargs=True)
+        m.register_forward_hook(m.expert_exchange.after, with_kwargs=True)
+    return model
+
+
+def _path_matches(path: str, pattern: str) -> bool:
+    names, keys = path.split("."), pattern.split(".")
+    return len(names) == len(keys) and all(fnmatch.fnmatchcase(n, k) for n, k in zip(names, keys))
+
+
+def _split_modules(model):
+    """(module, its expert parameters, their default replica group) of every MoE and every
+    module split_experts split."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            yield m, list(m.experts.parameters()), m.copies
+        elif hasattr(m, "expert_copies"):
+            yield m, [p for p in m.parameters(recurse=False) if placements(p)], m.expert_copies
+
+
 def expert_parameters(model: nn.Module) -> list:
-    """The parameters of every MoE's local experts."""
-    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+    """The parameters of every MoE's local experts and of every module split_experts split."""
+    return [p for _, params, _ in _split_modules(model) for p in params]
 
 
 @torch.no_grad()
@@ -354,9 +465,11 @@ def reduce_expert_gradients(model: nn.Module, replica_group=None, data_ranks=Non
     expert_parameters(model)."""
     data_ranks = data_ranks or dist.get_world_size()
     buckets = {}   # (group, dtype) -> gradients, in the modules' order (the same on every rank)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        group = replica_group if replica_group is not None else moe.copies
-        for p in moe.experts.parameters():
+    for m, params, copies in _split_modules(model):
+        group = replica_group if replica_group is not None else copies
+        for p in params:
+            if p.grad is None and p.requires_grad and not isinstance(m, MoE):
+                p.grad = torch.zeros_like(p)   # no token reached these experts here: one process's zero rows
             if p.grad is not None:
                 buckets.setdefault((group, p.grad.dtype), []).append(p.grad)
     for (group, _), grads in buckets.items():
