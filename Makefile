@@ -15,7 +15,8 @@
 # make setup-memory each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
 #            or on the meta device (ours, FSDP2's), then the large LM (whole on 8 ranks: 22 GiB) built on
 #            meta and trained a step (about 6 minutes; not in `all`)
-# make test  runs the test suite (two workers; TEST_WORKERS=N for more)
+# make test  runs the test suite (two workers; TEST_WORKERS=N for more), with transformers
+#            (requirements-test.txt) installed for the models people bring
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
 # Each sets up .venv from requirements.txt first when it is missing or out of date.
 PYTHON ?= python3
@@ -39,10 +40,16 @@ $(STAMP): requirements.txt
 
 setup: $(STAMP)
 
+# make test also installs requirements-test.txt (transformers, for the models people bring)
+TEST_STAMP := $(VENV)/.installed-test
+$(TEST_STAMP): requirements-test.txt $(STAMP)
+	$(PY) -m pip install -r requirements-test.txt
+	touch $(TEST_STAMP)
+
 # two workers, each file on one of them (a file's tests share their spawned jobs), the slowest
 # 25 tests listed at the end so the next slow one is seen
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # 3 timed iterations a size after 1 warm-up (the script's default is 10 after 5; a 1 GB

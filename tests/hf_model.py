@@ -1,0 +1,321 @@
+"""Workers for the models people have: transformers' LlamaForCausalLM and
+Qwen3MoeForCausalLM (tiny configs: 2 or 4 layers, d 64, 8 query and 2 key/value heads,
+sdpa; Qwen3-MoE with 4 experts of its own, 3D tensors, top 2), built from their own config
+classes and never changed, put on every axis with documented calls only and compared with
+the same model trained in one process (clipped AdamW steps). Their forward returns a
+ModelOutput (a dict and a dataclass), which the loss reads by name."""
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+
+import common
+import placement
+from own_model import MAX_NORM, batches, compare, cpm, ddp, everyone, ep, fsdp, nd, pp, tp
+
+MODELS = ("llama", "qwen3-moe")
+AUX = 0.01          # Qwen3-MoE's router_aux_loss_coef: the model's own balancing loss, times this
+ATTENTION = {"model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
+             "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row"}
+MLP = {"model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+       "model.layers.*.mlp.down_proj": "row"}
+HEAD_NORMS = {"model.layers.*.self_attn.q_norm": "sum", "model.layers.*.self_attn.k_norm": "sum"}   # per head
+PLANS = {"llama": {**ATTENTION, **MLP}, "qwen3-moe": {**ATTENTION, **HEAD_NORMS}}   # HF views heads with -1
+EXPERTS = "model.layers.*.mlp.experts"
+FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
+# AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
+# differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
+# by sqrt(v) magnifies the last bits of a near-zero gradient), above the comparison's 1e-5;
+# at 1e-3 that floor is 5e-7, while a wrong gradient still moves a weight by ~1e-3.
+LR = 1e-3
+
+
+def tiny(kind, layers=2, router_loss=True, experts=4):
+    """The model as its user builds it, seeded. ``router_loss``: Qwen3-MoE returns its
+    balancing loss (output_router_logits); off where its tokens are not a rank's whole
+    share (pipeline stages call the layers themselves, context parallel splits sequences)."""
+    torch.manual_seed(0)
+    common_cfg = dict(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=128, **common_cfg))
+    cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=2,
+                                      output_router_logits=router_loss, router_aux_loss_coef=AUX, **common_cfg)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def loss_of(model, x, y, positions=None, seen=None):
+    """The LM's cross-entropy on the ModelOutput's logits, plus the model's own balancing
+    loss where it returns one. ``seen``: a list the output's type name is appended to."""
+    out = model(input_ids=x, position_ids=None if positions is None else positions[None])
+    if seen is not None:
+        seen.append(type(out).__name__)
+    loss = lm_loss(out["logits"], y)
+    return loss + AUX * out.aux_loss if getattr(out, "aux_loss", None) is not None else loss
+
+
+def train_reference(ref, data, parts=1):
+    """One process: each batch's loss the mean of its ``parts`` (the data ranks' shares:
+    Qwen3-MoE's balancing loss is a share's), torch's clip, AdamW. The norms."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1e-6)
+    norms = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        (sum(loss_of(ref, a, b) for a, b in zip(x.chunk(parts), y.chunk(parts))) / parts).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+        opt.step()
+    return norms
+
+
+def against_one_process(kind, data, put, parts=1, layers=2, router_loss=True):
+    """``put(model)`` puts a copy of the seeded model on its axes and returns (the module the
+    optimizer steps, step(x, y) for one batch's backward with its gradients synchronized,
+    clip(max_norm) -> the norm, the whole state dict on every rank). Trains it beside one
+    process; the comparison of the weights and whether every step's norm agreed."""
+    ref = tiny(kind, layers, router_loss)
+    model = copy.deepcopy(ref)
+    want = train_reference(ref, data, parts)
+    module, step, clip, whole = put(model)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-6)
+    norms = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        step(x, y)
+        norms.append(clip(MAX_NORM).item())
+        opt.step()
+    r = compare(whole(), ref)
+    r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+    return r
+
+
+def _mine(t, rank, n):
+    return t.chunk(n)[rank]
+
+
+def data_parallel(ctx, kind, data, wrap, seen=None):
+    """dp = world: DDPBucketed, or FSDP with each decoder layer a unit; each rank its share.
+    ``seen``: what the wrapped model returned, by type name."""
+    def put(model):
+        if wrap == "fsdp":
+            module = fsdp.FSDP(model, units=list(model.model.layers))
+        else:
+            module = ddp.DDPBucketed(model, 1)
+
+        def step(x, y):
+            loss_of(module, _mine(x, ctx.rank, ctx.world_size), _mine(y, ctx.rank, ctx.world_size), seen=seen).backward()
+            module.finish_gradient_synchronization()
+        return module, step, lambda n: placement.clip_grad_norm_(model, n), \
+            lambda: placement.full_state_dict(model, all_ranks=True)
+    return against_one_process(kind, data, put, parts=ctx.world_size)
+
+
+def tensor_parallel(ctx, kind, data, plan=None):
+    """tp = world: the whole-model plan on the model's own names (``plan``: another)."""
+    def put(model):
+        tp.parallelize(model, plan or PLANS[kind])
+        return model, lambda x, y: loss_of(model, x, y).backward(), lambda n: tp.clip_grad_norm_(model, n), \
+            lambda: tp.full_state_dict(model, all_ranks=True)
+    return against_one_process(kind, data, put)
+
+
+def embed(m, tokens):
+    """The first stage: the model's own embedding and rotary module (HF's positions 0..t-1)."""
+    h = m.model.embed_tokens(tokens)
+    return (h, *m.model.rotary_emb(h, torch.arange(tokens.shape[1], device=tokens.device)[None]))
+
+
+def head(m, h):
+    return m.lm_head(m.model.norm(h))
+
+
+def call(layer, h, cos, sin):
+    """A decoder layer takes the rotary tables by keyword."""
+    return layer(h, position_embeddings=(cos, sin))
+
+
+def stage_of(model, rank, n_stages, chunks=1):
+    return pp.PipelineStage(model, "model.layers", rank, n_stages, embed, head, first=FIRST, last=LAST,
+                            chunks=chunks, call=call)
+
+
+def pipeline(ctx, kind, data, schedule, m=2):
+    """stages = world, 4 layers cut evenly (interleaved: 2 chunks a stage); what crosses the
+    stages (the hidden state and the rotary tables) found by the first step. Also whether
+    the merged checkpoint loads into the model of one process as it is."""
+    loaded = {}
+
+    def put(model):
+        chunks = 2 if schedule == "interleaved" else 1
+        stage = stage_of(model, ctx.rank, ctx.world_size, chunks)
+        pipe = pp.Pipeline(stage, m, lm_loss, schedule, chunks=chunks)
+
+        def whole():
+            full = everyone(pp.full_state_dict(stage))[0]   # merged on the first rank
+            plain = tiny(kind, 4, router_loss=False)
+            loaded["missing"] = plain.load_state_dict(full, strict=False)
+            return full
+        return stage, lambda x, y: pipe.step(x if pipe.first else None, y if pipe.last else None), \
+            lambda n: pp.clip_grad_norm_(stage, n), whole
+    r = against_one_process(kind, data, put, layers=4, router_loss=False)
+    r["loads"] = not any(loaded["missing"])
+    return r
+
+
+def context_parallel(ctx, kind, data, method):
+    """cp = world: each step inside 11's context_parallel with the model's own position_ids,
+    DDPBucketed averaging the gradients over the group."""
+    def put(model):
+        module = ddp.DDPBucketed(model, 1)
+
+        def step(x, y):
+            x, y, pos = x.clone(), y.clone(), torch.arange(x.shape[1])
+            with cpm.context_parallel(None, buffers=[x, y, pos], seq_dims=[1, 1, 0], method=method):
+                loss_of(module, x, y, pos).backward()
+            module.finish_gradient_synchronization()
+        return module, step, lambda n: placement.clip_grad_norm_(model, n), model.state_dict
+    return against_one_process(kind, data, put, router_loss=False)
+
+
+def expert_parallel(ctx, kind, data, rest):
+    """Qwen3-MoE's own experts split over ranks (12's split_experts), its router and code
+    unchanged; the rest of the model: "dp" (DDPBucketed over every rank; ep = world, or at 4
+    ranks ep 2 with two copies of each expert), "fsdp" (FSDP by layers, the experts left to
+    the split) or "tp" (at 4 ranks: dp 2 x tp 2, the attention plan over tp, the experts
+    split over dp)."""
+    W, rank = ctx.world_size, ctx.rank
+    groups = {}
+    if W == 4:   # every rank makes every group, in one order
+        pairs = {"ep": [[0, 1], [2, 3]], "copies": [[0, 2], [1, 3]]} if rest == "dp" else \
+            {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
+        for axis, ranks in pairs.items():
+            made = [dist.new_group(r) for r in ranks]
+            groups[axis] = next(g for g, r in zip(made, ranks) if rank in r)
+    data_ranks, r = 2 if rest == "tp" else W, {}
+
+    def put(model):
+        if rest == "tp":
+            tp.parallelize(model, PLANS[kind], groups["tp"])
+            ep.split_experts(model, EXPERTS, groups["dp"])
+        else:
+            ep.split_experts(model, EXPERTS, groups.get("ep"), copies=groups.get("copies"))
+        experts, split = ep.expert_parameters(model), model.model.layers[0].mlp.experts
+        r["held"] = {"gate_up_proj": list(split.gate_up_proj.shape), "down_proj": list(split.down_proj.shape),
+                     "num_experts": split.num_experts}
+        r["exchange"] = split.expert_exchange
+        if rest == "fsdp":
+            module = fsdp.FSDP(model, units=list(model.model.layers), ignore=experts)
+        else:
+            module = ddp.DDPBucketed(model, 1, process_group=groups.get("dp"), ignore_parameters=experts)
+        share = rank // 2 if rest == "tp" else rank
+
+        def step(x, y):
+            loss_of(module, _mine(x, share, data_ranks), _mine(y, share, data_ranks)).backward()
+            module.finish_gradient_synchronization()
+            ep.reduce_expert_gradients(model, data_ranks=data_ranks)
+        def whole():
+            full = placement.full_state_dict(model, all_ranks=True)
+            r["whole"] = {n: list(full[f"model.layers.0.mlp.experts.{n}"].shape) for n in ("gate_up_proj", "down_proj")}
+            return full
+        return module, step, lambda n: placement.clip_grad_norm_(model, n), whole
+    r.update(against_one_process(kind, data, put, parts=data_ranks))
+    r["rows sent"] = r.pop("exchange").rows_out
+    return r
+
+
+def axes(ctx, args):
+    """Every axis at 2 ranks, both models: dp (DDPBucketed), fsdp, tp, pp with each
+    schedule, cp with each method; Qwen3-MoE's own experts split, with dp and with fsdp."""
+    data, out, seen = batches(), {"outputs": {}}, {}
+    for kind in MODELS:
+        for wrap in ("dp", "fsdp"):
+            out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap, seen.setdefault(wrap, []))
+            out["outputs"][wrap] = seen[wrap][-1]
+        out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data)
+        for schedule in pp.SCHEDULES:
+            out[f"{kind}, pp {schedule}"] = pipeline(ctx, kind, data, schedule)
+        for method in cpm.METHODS:
+            out[f"{kind}, cp {method}"] = context_parallel(ctx, kind, data, method)
+    for rest in ("dp", "fsdp"):
+        out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
+    out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control
+    out["refusals"] = split_refusals()
+    return out
+
+
+def split_refusals():
+    """What split_experts refuses, each before it changes the model: a pattern that matches
+    nothing, a module with no experts, experts the group's ranks do not divide."""
+    out = {}
+    for label, pattern, experts in (("no match", "model.layers.*.mlp.expert", 4),
+                                    ("no experts", "model.layers.*.self_attn", 4), ("divide", EXPERTS, 3)):
+        model = tiny("qwen3-moe", experts=experts)
+        before = {n: p.shape for n, p in model.named_parameters()}
+        try:
+            ep.split_experts(model, pattern)
+            out[label] = "not refused"
+        except ValueError as e:
+            out[label] = str(e) if before == {n: p.shape for n, p in model.named_parameters()} else f"changed: {e}"
+    return out
+
+
+def experts_on_four(ctx, args):
+    """Qwen3-MoE at 4 ranks: ep 2 with two copies of each expert, DDPBucketed on the rest;
+    and dp 2 x tp 2 with the experts split over dp."""
+    return {f"qwen3-moe, ep with {rest}": expert_parallel(ctx, "qwen3-moe", batches(), rest) for rest in ("dp", "tp")}
+
+
+def compose(kind, model, mesh, m=2):
+    """The model on ``mesh`` by calls, innermost first, as docs/10 shows: tp (the plan) ->
+    stages -> fsdp (each layer a unit) -> dp and cp's data ranks -> the schedule."""
+    P, D, F_, C, T = (mesh.size(a) for a in ("pp", "dp", "fsdp", "cp", "tp"))
+    if T > 1:
+        tp.parallelize(model, PLANS[kind], mesh.group("tp"))
+    stage = stage_of(model, mesh.coord("pp"), P) if P > 1 else model
+    layers = stage.get_submodule("model.layers")
+    module = fsdp.FSDP(stage, process_group=mesh.group("fsdp"), units=list(layers.values() if P > 1 else layers)) \
+        if F_ > 1 else stage
+    if D * C > 1:
+        module = ddp.DDPBucketed(module, 1, process_group=mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp"))
+    pipe = pp.Pipeline(module, m, lm_loss, "1f1b", mesh.group("pp")) if P > 1 else None
+    return stage, module, pipe
+
+
+def composed(ctx, args):
+    """Both models on pp 2 x fsdp 2 x tp 2 and on dp 2 x cp 2 x tp 2 (8 ranks), against one
+    process, one clip over the mesh."""
+    meshes = {"pp 2 x fsdp 2 x tp 2": {"pp": 2, "dp": 1, "fsdp": 2, "cp": 1, "tp": 2},
+              "dp 2 x cp 2 x tp 2": {"pp": 1, "dp": 2, "fsdp": 1, "cp": 2, "tp": 2}}
+    out, data = {}, batches()
+    for label, sizes in meshes.items():
+        mesh = nd.Mesh(sizes)
+        replicas = mesh.size("dp") * mesh.size("fsdp")
+        replica = mesh.coord("dp") * mesh.size("fsdp") + mesh.coord("fsdp")
+        for kind in MODELS:
+            def put(model):
+                stage, module, pipe = compose(kind, model, mesh)
+
+                def step(x, y):
+                    x, y = (common.shard(t, replica, replicas).clone() for t in (x, y))
+                    if pipe is not None:
+                        pipe.step(x if pipe.first else None, y if pipe.last else None)
+                    else:
+                        pos = torch.arange(x.shape[1])
+                        with cpm.context_parallel(mesh.group("cp"), buffers=[x, y, pos], seq_dims=[1, 1, 0]):
+                            loss_of(module, x, y, pos).backward()
+                    if hasattr(module, "finish_gradient_synchronization"):
+                        module.finish_gradient_synchronization()
+                return module, step, lambda n: placement.clip_grad_norm_(stage, n), \
+                    lambda: placement.full_state_dict(stage, all_ranks=True)
+            out[f"{kind}, {label}"] = against_one_process(kind, data, put, layers=4, router_loss=False)
+    return out
