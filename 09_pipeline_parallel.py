@@ -240,6 +240,13 @@ class PipelineStage(nn.Module):
         return xs if len(xs) > 1 else xs[0]
 
 
+def _tensors_in(out) -> list:
+    """The tensors a stage returned, in order, however they are packed (a tensor, tuples,
+    lists, dicts, transformers' ModelOutput: whatever torch's pytree knows); the next stage
+    takes them as its positional arguments."""
+    return [t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t)]
+
+
 def _with_targets(inputs, targets):
     return (*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)), targets)
 
@@ -496,7 +503,10 @@ class Pipeline:
     Schedules (SCHEDULES): "gpipe", "1f1b", "interleaved" (``chunks`` v >= 2 chunks per
     stage, ``module(x, chunk=j)`` runs the j-th; m a multiple of p), and "zb1" (ZB-H1: each
     linear's weight gradient is left out of backward and computed later, in W, from the
-    input and output gradient it kept). What crosses each stage boundary (the tensors,
+    input and output gradient it kept). A stage may return its tensors packed any way
+    (a tuple, a dict, a ModelOutput: torch's pytree), they cross in that order and the next
+    stage takes them as positional arguments; the last stage's output goes to ``loss_fn``
+    as it is. What crosses each stage boundary (the tensors,
     their shapes and dtypes) is found by the first step before it sends anything (infer:
     one no-grad forward of a micro-batch per chunk, once); ``activation_shape`` (a shape,
     or a list where several tensors cross) and ``activation_dtype`` may state it, and a
@@ -604,7 +614,7 @@ class Pipeline:
                     dist.recv_object_list(box, src=self.prev, group=self.group)
                     x = [t.to(device) for t in box[0]]
                 out = self.module(*x, chunk=v // self.n_stages) if self.chunks > 1 else self.module(*x)
-                outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                outs = _tensors_in(out)
                 found[v + 1] = [(tuple(t.shape), t.dtype) for t in outs]
                 if v + 1 < total - 1:
                     dist.send_object_list([[t.cpu() for t in outs]], dst=self.next, group=self.group)
@@ -704,7 +714,7 @@ class Pipeline:
                 if v == last_virtual:
                     losses.append(out.detach())
                 else:
-                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                    outs = _tensors_in(out)
                     if len(outs) != len(self.io[v + 1]):
                         raise RuntimeError(f"stage {self.stage} returned {len(outs)} tensor(s) where its first "
                                            f"step's forward gave {len(self.io[v + 1])}")
@@ -715,7 +725,7 @@ class Pipeline:
                 if v == last_virtual:
                     roots, grads = [out], None
                 else:   # the outputs gradients came back for, those autograd can reach
-                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                    outs = _tensors_in(out)
                     pairs = [(outs[j], g) for j, g in zip(self.with_grad[v + 1], grad) if outs[j].requires_grad]
                     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 with sync:

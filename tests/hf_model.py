@@ -172,6 +172,39 @@ def pipeline(ctx, kind, data, schedule, m=2):
     return r
 
 
+class _PackedStage(torch.nn.Module):
+    """Half of a two-piece model that packs what it returns as transformers does: the first
+    half a BaseModelOutput of two tensors, the second a CausalLMOutput."""
+
+    def __init__(self, first):
+        super().__init__()
+        self.first = first
+        self.piece = torch.nn.Embedding(256, 32) if first else torch.nn.Linear(32, 256)
+
+    def forward(self, *xs):
+        if self.first:
+            h = self.piece(xs[0])
+            return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=h, hidden_states=(2 * h,))
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.piece(xs[0] + xs[1]))
+
+
+def packed_pipeline(ctx, data):
+    """Two stages returning ModelOutputs (09's Pipeline, 1F1B): the gradients against one
+    process's on the same batch."""
+    stages = [_PackedStage(True), _PackedStage(False)]
+    x, y = data[0]
+    first = stages[0](x)
+    out = stages[1](first.last_hidden_state, first.hidden_states[0])
+    lm_loss(out.logits, y).backward()
+    want = [p.grad.clone() for s in stages for p in s.parameters()]
+    mine = copy.deepcopy(stages[ctx.rank])
+    mine.zero_grad(set_to_none=True)
+    pipe = pp.Pipeline(mine, 2, lambda o, t: lm_loss(o.logits, t), "1f1b")
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+    got = [g for grads in everyone([p.grad for p in mine.parameters()]) for g in grads]
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(got, want)) and len(got) == len(want)
+
+
 def context_parallel(ctx, kind, data, method):
     """cp = world: each step inside 11's context_parallel with the model's own position_ids,
     DDPBucketed averaging the gradients over the group."""
@@ -250,6 +283,7 @@ def axes(ctx, args):
         out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
     out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control
     out["refusals"] = split_refusals()
+    out["packed pipeline"] = packed_pipeline(ctx, data)
     return out
 
 

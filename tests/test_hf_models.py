@@ -37,6 +37,10 @@ def test_the_model_returns_a_model_output_that_each_wrapper_passes_through():
     assert r == {"dp": "MoeCausalLMOutputWithPast", "fsdp": "MoeCausalLMOutputWithPast"}   # a ModelOutput
 
 
+def test_pipeline_stages_that_return_model_outputs_pass_their_tensors_on():
+    assert run("axes", 2)["packed pipeline"] is True
+
+
 def test_qwen3_moe_experts_are_split_along_their_first_dim_and_whole_in_a_checkpoint():
     r = run("axes", 2)["qwen3-moe, ep with dp"]
     assert r["held"] == {"gate_up_proj": [2, 64, 64], "down_proj": [2, 64, 32], "num_experts": 2}
