@@ -425,6 +425,30 @@ def _tensors(module) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def meta_parameters():
+    """Build a model inside this block and its parameters go to the meta device as they are
+    registered (no storage), while its buffers stay real: the constructor's own code computes
+    them as in one process (a rotary module's inv_freq, which no checkpoint holds), bit for
+    bit. Apply the axes, then materialize (which moves those buffers to its device) or
+    load_hf_checkpoint.
+
+        with meta_parameters():
+            model = LlamaForCausalLM(config)      # parameters: shapes only; model.model.rotary_emb.inv_freq: real
+    """
+    register = torch.nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 @torch.no_grad()
 def materialize(module, device, source=None, strict=True):
     """Give every meta tensor of ``module`` (a model built under ``torch.device("meta")``,
@@ -439,9 +463,10 @@ def materialize(module, device, source=None, strict=True):
 
     Names are the model's own (a wrapper's ``module.`` and compile's ``_orig_mod.`` aside),
     so pass the outermost object or any part holding the model's modules. An axis that
-    keeps storage of its own (FSDP's flat buffers) makes its tensors real itself. Build the
-    optimizer afterwards. ``strict``: a tensor made real that ``source`` did not fill is a
-    KeyError. Returns ``module``."""
+    keeps storage of its own (FSDP's flat buffers) makes its tensors real itself. Buffers
+    that are real already (meta_parameters' computed ones) move to ``device`` as they are.
+    Build the optimizer afterwards. ``strict``: a tensor made real that ``source`` did not
+    fill is a KeyError. Returns ``module``."""
     device = torch.device(device)
     own = _tensors(module)
     meta = {id(t): (name, t) for name, ts in own.items() for t in ts if t.is_meta}
@@ -454,6 +479,10 @@ def materialize(module, device, source=None, strict=True):
     for _, t in meta.values():
         if t.is_meta:
             make_real(t, device=device)
+    for ts in own.values():   # real buffers (meta_parameters' computed ones) go to the device too
+        for t in ts:
+            if not isinstance(t, torch.nn.Parameter) and t.device != device and id(t) not in meta:
+                make_real(t, t.to(device))
     if source is None:
         return module
     filled = set()

@@ -5,6 +5,7 @@ classes and never changed, put on every axis with documented calls only and comp
 the same model trained in one process (clipped AdamW steps). Their forward returns a
 ModelOutput (a dict and a dataclass), which the loss reads by name."""
 import copy
+import json
 import os
 import sys
 
@@ -20,6 +21,7 @@ import common
 import placement
 from own_model import MAX_NORM, batches, compare, cpm, ddp, everyone, ep, fsdp, nd, pp, tp
 
+overlap = common.load_script(os.path.join(common.ROOT, "04_overlap_ddp.py"))
 MODELS = ("llama", "qwen3-moe")
 AUX = 0.01          # Qwen3-MoE's router_aux_loss_coef: the model's own balancing loss, times this
 ATTENTION = {"model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
@@ -104,11 +106,14 @@ def _mine(t, rank, n):
 
 
 def data_parallel(ctx, kind, data, wrap, seen=None):
-    """dp = world: DDPBucketed, or FSDP with each decoder layer a unit; each rank its share.
+    """dp = world: DDPBucketed, 04's DDPIndividualParameters ("dp 04"), or FSDP with each
+    decoder layer a unit; each rank its share.
     ``seen``: what the wrapped model returned, by type name."""
     def put(model):
         if wrap == "fsdp":
             module = fsdp.FSDP(model, units=list(model.model.layers))
+        elif wrap == "dp 04":
+            module = overlap.DDPIndividualParameters(model)
         else:
             module = ddp.DDPBucketed(model, 1)
 
@@ -271,7 +276,7 @@ def axes(ctx, args):
     schedule, cp with each method; Qwen3-MoE's own experts split, with dp and with fsdp."""
     data, out, seen = batches(), {"outputs": {}}, {}
     for kind in MODELS:
-        for wrap in ("dp", "fsdp"):
+        for wrap in ("dp", "dp 04", "fsdp"):
             out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap, seen.setdefault(wrap, []))
             out["outputs"][wrap] = seen[wrap][-1]
         out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data)
@@ -353,3 +358,150 @@ def composed(ctx, args):
                     lambda: placement.full_state_dict(stage, all_ranks=True)
             out[f"{kind}, {label}"] = against_one_process(kind, data, put, layers=4, router_loss=False)
     return out
+
+
+# ---- Hugging Face checkpoints in and out (hf_checkpoint.py) ----------------------------
+hfc = __import__("hf_checkpoint")
+CHECKPOINT_MESHES = {   # 8 ranks each
+    "fsdp 8": {"pp": 1, "dp": 1, "fsdp": 8, "cp": 1, "tp": 1},
+    "dp 4 x tp 2": {"pp": 1, "dp": 4, "fsdp": 1, "cp": 1, "tp": 2},
+    "pp 2 x fsdp 2 x tp 2": {"pp": 2, "dp": 1, "fsdp": 2, "cp": 1, "tp": 2},
+}
+
+
+def _from_meta(kind, layers):
+    """The model as its user builds it with placement.meta_parameters: its parameters on
+    meta, its rotary tables computed by its own code."""
+    with placement.meta_parameters():
+        return tiny(kind, layers, router_loss=False)
+
+
+def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
+    """A model built on meta, put on its axes, filled from ``src`` (save_pretrained's
+    sharded folder), trained beside ``ref`` (one process, same steps), saved by
+    save_hf_checkpoint to ``out`` and loaded back by from_pretrained. ``put(model)`` returns
+    (the module whose names are the model's, the module stepped, step(x, y))."""
+    model = _from_meta(kind, ref.config.num_hidden_layers)
+    r = {"buffers": all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers()),
+         "meta": all(p.is_meta for p in model.parameters())}
+    named, module, step = put(model)
+    r.update(hfc.load_hf_checkpoint(named, src, pieces=hfc.per_expert_layout()))
+    r["loaded"] = compare(placement.full_state_dict(named, all_ranks=True), ref)["ok"]   # before training
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-6)
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        step(x, y)
+        placement.clip_grad_norm_(named, MAX_NORM)
+        opt.step()
+    hfc.save_hf_checkpoint(named, os.path.join(out, label), config=ref.config)
+    full = placement.full_state_dict(named)   # (the test's own check: whole on the first rank)
+    if ctx.rank == 0:
+        back = type(ref).from_pretrained(os.path.join(out, label))
+        plain = tiny(kind, ref.config.num_hidden_layers, router_loss=False)
+        plain.load_state_dict(full)
+        x = data[0][0]
+        r["logits"] = torch.equal(back(input_ids=x).logits, plain(input_ids=x).logits)
+        files = [f for f in os.listdir(os.path.join(out, label)) if f.endswith(".safetensors")]
+        sizes = [os.path.getsize(os.path.join(out, label, f)) for f in files]
+        r["files"], r["largest share"] = sorted(files), max(sizes) / sum(sizes)
+    if label == "fsdp 8":   # a save that fails on one rank: refused everywhere, the folder as it was
+        r["failed save"] = _failed_save(ctx, named, os.path.join(out, label), ref.config)
+    return r
+
+
+def _failed_save(ctx, named, folder, config):
+    before = sorted(os.listdir(folder)), os.path.getmtime(os.path.join(folder, hfc.INDEX))
+    save_file = hfc.save_file
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+    if ctx.rank == 3:
+        hfc.save_file = disk_full
+    try:
+        hfc.save_hf_checkpoint(named, folder, config=config)
+        said = "not refused"
+    except OSError as e:
+        said = str(e)
+    finally:
+        hfc.save_file = save_file
+    dist.barrier()
+    left = [f for f in os.listdir(os.path.dirname(folder)) if ".partial-" in f]
+    return {"said": said, "unchanged": before == (sorted(os.listdir(folder)),
+                                                  os.path.getmtime(os.path.join(folder, hfc.INDEX))), "left": left}
+
+
+def checkpoints(ctx, args):
+    """Both models, built on meta, on fsdp 8, dp 4 x tp 2 and pp 2 x fsdp 2 x tp 2 (Qwen3-MoE
+    also with its experts split at ep 4, two copies each), each filled from a sharded
+    checkpoint save_pretrained wrote, trained like one process, saved as a Hugging Face
+    folder and loaded back by from_pretrained; and a checkpoint that lacks a tensor."""
+    data, out = batches(), {}
+    root = os.path.join(args.out, "hf")
+    for kind in MODELS:
+        ref = tiny(kind, 4, router_loss=False)
+        src = os.path.join(root, f"{kind} from save_pretrained")
+        if ctx.rank == 0:
+            ref.save_pretrained(src, max_shard_size="40KB")   # several files and their index
+        dist.barrier()
+        trained = copy.deepcopy(ref)
+        train_reference(trained, data)
+        cases = dict(CHECKPOINT_MESHES)
+        if kind == "qwen3-moe":
+            cases["ep 4 x 2 copies"] = None
+        for label, sizes in cases.items():
+            def put(model, sizes=sizes):
+                if sizes is None:   # experts split over 4 consecutive ranks, the rest replicated
+                    made = {a: [dist.new_group(r) for r in ranks] for a, ranks in
+                            (("ep", [[0, 1, 2, 3], [4, 5, 6, 7]]), ("copies", [[i, i + 4] for i in range(4)]))}
+                    ep_group, copies = made["ep"][ctx.rank // 4], made["copies"][ctx.rank % 4]
+                    ep.split_experts(model, EXPERTS, ep_group, copies=copies)
+                    module = ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
+
+                    def step(x, y):
+                        loss_of(module, _mine(x, ctx.rank, 8), _mine(y, ctx.rank, 8)).backward()
+                        module.finish_gradient_synchronization()
+                        ep.reduce_expert_gradients(model, data_ranks=8)
+                    return model, module, step
+                mesh = nd.Mesh(sizes)
+                stage, module, pipe = compose(kind, model, mesh)
+                replicas = mesh.size("dp") * mesh.size("fsdp")
+                replica = mesh.coord("dp") * mesh.size("fsdp") + mesh.coord("fsdp")
+
+                def step(x, y):
+                    x, y = (common.shard(t, replica, replicas) for t in (x, y))
+                    if pipe is not None:
+                        pipe.step(x if pipe.first else None, y if pipe.last else None)
+                    else:
+                        loss_of(module, x, y).backward()
+                    if hasattr(module, "finish_gradient_synchronization"):
+                        module.finish_gradient_synchronization()
+                return stage, module, step
+            r = _checkpoint_round(ctx, kind, label, put, data, src, root, ref)
+            if ctx.rank == 0:
+                back = type(ref).from_pretrained(os.path.join(root, label))
+                r["trained"] = compare(back.state_dict(), trained)["ok"]
+            out[f"{kind}, {label}"] = everyone(r)
+        out[f"{kind}, missing"] = everyone(_missing(ctx, kind, src, root))
+    return out
+
+
+def _missing(ctx, kind, src, root):
+    """A copy of the checkpoint's index without one tensor: refused on every rank, naming
+    it, the model still on meta (nothing read)."""
+    lacking = os.path.join(root, f"{kind} lacking a tensor")
+    if ctx.rank == 0:
+        import shutil
+        shutil.copytree(src, lacking, dirs_exist_ok=True)
+        with open(os.path.join(lacking, hfc.INDEX)) as f:
+            index = json.load(f)
+        del index["weight_map"]["model.layers.1.self_attn.o_proj.weight"]
+        with open(os.path.join(lacking, hfc.INDEX), "w") as f:
+            json.dump(index, f)
+    dist.barrier()
+    model = _from_meta(kind, 4)
+    fsdp.FSDP(model, units=list(model.model.layers))
+    try:
+        hfc.load_hf_checkpoint(model, lacking, pieces=hfc.per_expert_layout())
+        return {"refused": "not refused"}
+    except KeyError as e:
+        return {"refused": str(e), "untouched": all(p.is_meta for p in model.parameters())}

@@ -19,8 +19,10 @@ CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp
 MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline",   # several classes
               "context-parallel attention": "_RingAttention", "mixture of experts": "MoE"}
 # (script or library file, region name; None: the whole file is the copy)
-REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point", "placement": None, "sharded_checkpoint": None}
-LIBRARY_MAIN = {"placement": "Placement", "sharded_checkpoint": "save_sharded"}
+REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point", "placement": None, "sharded_checkpoint": None,
+           "hf_checkpoint": None}
+LIBRARY_MAIN = {"placement": "Placement", "sharded_checkpoint": "save_sharded", "hf_checkpoint": "save_hf_checkpoint"}
+ALSO = {"hf_checkpoint": {"safetensors"}}   # a library file's package beyond torch, named in its docstring
 
 
 def undefined_names(src: str) -> set:
@@ -67,7 +69,9 @@ def test_the_copy_region_needs_only_torch_the_standard_library_and_the_files_it_
     for f in named:   # what a named file needs is named too
         assert set(workers.kit_files(workers.copied_region(f, None))) <= kit
     imported = imported_modules(src) - kit
-    assert imported and all(m == "torch" or m in sys.stdlib_module_names for m in imported), imported
+    assert all(m in header for m in ALSO.get(script, ()))
+    assert imported and all(m == "torch" or m in sys.stdlib_module_names or m in ALSO.get(script, ())
+                            for m in imported), imported
     assert undefined_names(src) == set()   # nothing from the rest of the script (common, helpers)
 
 

@@ -189,7 +189,10 @@ def test_a_rank_calling_something_else_is_refused_before_the_call_runs(jobs, mod
     assert job["rc"] != 0 and "refused before it ran (--check-collectives)" in err, err
     for call in theirs:   # each rank's call and the line it came from
         assert call in err and f"{call} at workers.py:" in err
-    assert not any(ln.startswith("stall: ") for _, ln in job["lines"])   # at once: no rank waited it out
+    # at once: no rank waited for another in a call long enough to be reported (a loaded
+    # machine's slow start may still be reported: a rank not responding, or no progress)
+    assert not [ln for _, ln in job["lines"] if ln.startswith("stall: ") and "not responding" not in ln
+                and not ln.startswith("stall: no rank entered")]
     if how == "spawned":
         assert err.startswith("stall_job.py: error: rank ") and "Traceback" not in err
 

@@ -1,0 +1,50 @@
+"""Hugging Face checkpoints in and out (hf_checkpoint.py) on transformers' LlamaForCausalLM
+and Qwen3MoeForCausalLM built on meta (placement.meta_parameters): filled from the sharded
+folder save_pretrained wrote, each rank reading only its slices, on fsdp 8, dp 4 x tp 2,
+pp 2 x fsdp 2 x tp 2 and (Qwen3-MoE) its own experts split at ep 4; trained like one
+process, saved as a folder from_pretrained loads with the same logits, bit for bit. One
+spawned job of 8 ranks serves every case (tests/hf_model.py's checkpoints)."""
+import pytest
+
+import common
+from conftest import verify_args
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    import hf_model
+    return common.launch(hf_model.checkpoints, verify_args(8, timeout=300.0, out=str(tmp_path_factory.mktemp("hf"))),
+                         world_size=8)
+
+
+CASES = [f"{kind}, {mesh}" for kind in ("llama", "qwen3-moe")
+         for mesh in ("fsdp 8", "dp 4 x tp 2", "pp 2 x fsdp 2 x tp 2")] + ["qwen3-moe, ep 4 x 2 copies"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_model_built_on_meta_is_filled_from_its_checkpoint_reading_only_its_slices(results, case):
+    ranks = results[case]
+    assert all(r["meta"] and r["buffers"] for r in ranks)   # parameters on meta, rotary tables the model's own
+    assert all(r["loaded"] for r in ranks), "the loaded weights differ from the checkpoint's"
+    assert all(r["read"] == r["held"] for r in ranks), [(r["read"], r["held"]) for r in ranks]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trained_and_saved_it_loads_in_transformers_with_the_same_logits(results, case):
+    first = results[case][0]
+    assert first["logits"], "from_pretrained's logits differ from the saved weights'"
+    assert first["trained"], "the saved weights differ from one process trained on the same batches"
+    assert len(first["files"]) > 1 and all(f.startswith("model-") for f in first["files"])
+    assert first["largest share"] <= 0.6   # written by ranks in turn: no rank held the whole model
+
+
+def test_a_save_that_fails_on_one_rank_is_refused_on_every_rank_and_the_folder_stays_as_it_was(results):
+    for r in results["llama, fsdp 8"]:
+        assert "rank 3: [Errno 28] No space left on device" in r["failed save"]["said"]
+        assert r["failed save"]["unchanged"] and not r["failed save"]["left"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_a_checkpoint_lacking_a_tensor_is_refused_on_every_rank_before_anything_is_read(results, kind):
+    for r in results[f"{kind}, missing"]:
+        assert "lacks ['model.layers.1.self_attn.o_proj.weight']" in r["refused"]
+        assert r["untouched"]
