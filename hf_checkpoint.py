@@ -11,6 +11,7 @@ the whole model; a folder is published complete or not at all. Names are the mod
 on the kit's classes. It needs torch, the standard library, safetensors, placement.py and
 sharded_checkpoint.py: a copy is these three files.
 """
+import itertools
 import json
 import os
 import shutil
@@ -82,13 +83,26 @@ def per_expert_layout(experts="mlp.experts", gate_up=("gate_proj", "up_proj"), d
     return pieces
 
 
+def _runs_of(at) -> list:
+    """Positions 0..n-1 of ``at`` (indices into a stored tensor) as runs of consecutive
+    indices: [(first position, first index, length)]."""
+    runs, values = [], at.tolist()
+    for pos, i in enumerate(values):
+        if runs and runs[-1][1] + runs[-1][2] == i:
+            runs[-1][2] += 1
+        else:
+            runs.append([pos, i, 1])
+    return runs
+
+
 @torch.no_grad()
 def _read_into(target, record, shape, pieces, open_slice) -> int:
     """Copy into ``target`` (this rank's part of a tensor shaped ``shape``, laid out as
     ``record``) every element it holds, from ``pieces`` [(checkpoint name, offsets)], each a
     checkpoint tensor placed at ``offsets`` in the whole (with leading dims of one where it
-    has fewer). Of each piece only the box holding this rank's elements is read
-    (``open_slice(name)``: safetensors' lazy slice). Returns the number of elements read."""
+    has fewer). Only this rank's elements are read: a box for each run of consecutive
+    indices (one run a dim, unless an axis reordered it: a fused qkv's heads), through
+    ``open_slice(name)``, safetensors' lazy slice. Returns the number of elements read."""
     mine = _indices(record, shape)
     flat = target.view(1) if target.dim() == 0 else target
     want = [mine.get(d, torch.arange(shape[d] if shape else 1)) for d in range(max(len(shape), 1))]
@@ -100,23 +114,20 @@ def _read_into(target, record, shape, pieces, open_slice) -> int:
         sliced = open_slice(name)
         own = list(sliced.get_shape())
         size = [1] * (len(want) - len(own)) + own
-        box, to, take = [], [], []
+        to, runs = [], []
         for d, idx in enumerate(want):
             inside = ((idx >= offsets[d]) & (idx < offsets[d] + size[d])).nonzero().flatten()
-            at = idx[inside] - offsets[d]
-            lo, hi = (int(at.min()), int(at.max()) + 1) if inside.numel() else (0, 0)
-            box.append(slice(lo, hi))
             to.append(inside)
-            take.append(at - lo)
+            runs.append(_runs_of(idx[inside] - offsets[d]))
         if any(t.numel() == 0 for t in to):
             continue
-        part = sliced[tuple(box[len(want) - len(own):])] if own else sliced[:]
-        part = part.reshape([b.stop - b.start for b in box])
-        read += part.numel()
-        for d, t in enumerate(take):
-            if t.numel() != part.shape[d] or not torch.equal(t, torch.arange(part.shape[d])):
-                part = part.index_select(d, t)
-        flat[torch.meshgrid(*to, indexing="ij")] = part.to(flat.device, flat.dtype)
+        for box in itertools.product(*runs):
+            stored = tuple(slice(i, i + n) for _, i, n in box)
+            part = sliced[stored[len(want) - len(own):]] if own else sliced[:]
+            part = part.reshape([n for _, _, n in box])
+            read += part.numel()
+            where = [to[d][pos:pos + n] for d, (pos, _, n) in enumerate(box)]   # this rank's positions
+            flat[torch.meshgrid(*where, indexing="ij")] = part.to(flat.device, flat.dtype)
     return read
 
 

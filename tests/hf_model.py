@@ -482,7 +482,30 @@ def checkpoints(ctx, args):
                 r["trained"] = compare(back.state_dict(), trained)["ok"]
             out[f"{kind}, {label}"] = everyone(r)
         out[f"{kind}, missing"] = everyone(_missing(ctx, kind, src, root))
+    out["kit LM, fused qkv at tp 2"] = everyone(_fused_qkv(ctx, root))
     return out
+
+
+def _fused_qkv(ctx, root):
+    """The kit's LM under 08's tensor_parallel_lm at tp 2 (its fused qkv's rows reordered so
+    each rank holds whole heads: three runs of rows a rank) from one model.safetensors:
+    equal to the file, every rank reading exactly what it holds."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    whole = common.TransformerLM(64, 128, 2, 8, context_length=16)
+    folder = os.path.join(root, "kit LM")
+    if ctx.rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        save_file(whole.state_dict(), os.path.join(folder, hfc.SINGLE))
+    dist.barrier()
+    pairs = [dist.new_group([i, i + 1]) for i in range(0, 8, 2)]
+    with torch.device("meta"):
+        model = common.TransformerLM(64, 128, 2, 8, context_length=16)
+    tp.tensor_parallel_lm(model, pairs[ctx.rank // 2])
+    r = hfc.load_hf_checkpoint(model, folder)
+    full = placement.full_state_dict(model, all_ranks=True)
+    r["equal"] = all(torch.equal(full[k], v) for k, v in whole.state_dict().items())
+    return r
 
 
 def _missing(ctx, kind, src, root):

@@ -48,3 +48,8 @@ def test_a_checkpoint_lacking_a_tensor_is_refused_on_every_rank_before_anything_
     for r in results[f"{kind}, missing"]:
         assert "lacks ['model.layers.1.self_attn.o_proj.weight']" in r["refused"]
         assert r["untouched"]
+
+
+def test_a_fused_qkv_split_by_heads_reads_each_ranks_rows_and_nothing_more(results):
+    for r in results["kit LM, fused qkv at tp 2"]:
+        assert r["equal"] and r["read"] == r["held"], r
