@@ -51,6 +51,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import json
 import os
 import shutil
 import sys
@@ -1102,6 +1103,166 @@ SETUP_NOTE = ("held_mib: the parameters the rank holds after the setup; setup_pe
               "the setup (max_memory_allocated, reset at its start).")
 
 
+# ----------------------------------------------------------------------------------------
+# --hf-checkpoint: a Hugging Face checkpoint folder in and out, each rank's peak host memory
+# ----------------------------------------------------------------------------------------
+HF_ROWS = ((mesh_of(pp=2, fsdp=2, tp=2), "ours"), (mesh_of(fsdp=8), "ours"), (mesh_of(fsdp=8), "torch's DCP (FSDP2)"))
+
+
+def write_hf_source(args, folder, files=8):
+    """The LM of --model-size, whole in this process, as save_pretrained writes a sharded
+    checkpoint: ``files`` safetensors files of about equal bytes and their index."""
+    from safetensors.torch import save_file
+    model = lm(common.MODEL_SIZES[args.model_size], args.context_length, False, args.seed)
+    state = model.state_dict()
+    budget = sum(t.numel() * t.element_size() for t in state.values()) / files
+    groups, size = [[]], 0
+    for name, t in state.items():
+        if size >= budget and len(groups) < files:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += t.numel() * t.element_size()
+    os.makedirs(folder, exist_ok=True)
+    index = {}
+    for k, names in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
+        index.update({n: file for n in names})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                   "weight_map": index}, f)
+    return max(t.numel() * t.element_size() for t in state.values()) / 2**20
+
+
+def hf_checkpoint_memory(ctx, args, shape, method, source, out):
+    """Set the LM of --model-size up on ``shape`` from the checkpoint folder ``source`` and
+    save it to ``out``, in fresh processes: each phase's peak resident memory (VmHWM, reset
+    at its start) and time. Ours: built on meta, ParallelLM, load_hf_checkpoint, then
+    save_hf_checkpoint; torch's: built on meta, fully_shard per block and on the model,
+    to_empty, torch.distributed.checkpoint's load with HuggingFaceStorageReader, then its save
+    with HuggingFaceStorageWriter (each rank its shards, consolidated into whole tensors).
+    ``method`` "initialized()": the setup from placement.initialized instead (no checkpoint).
+    Rows from the mesh's first rank, the largest rank's peak and time."""
+    import hf_checkpoint
+    import torch.distributed.checkpoint as dcp
+    dims, levers = common.MODEL_SIZES[args.model_size], Levers()
+    batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
+    rows = []
+
+    def phase(name, run):
+        gc.collect()
+        start = _status_mb("VmRSS")
+        _reset_peak()
+        began = time.perf_counter()
+        result = run()
+        gc.collect()
+        rows.append({"mesh": label(shape), "method": method, "phase": name, "start_mib": start,
+                     "peak_mib": _status_mb("VmHWM"), "above_start_mib": _status_mb("VmHWM") - start,
+                     "seconds": time.perf_counter() - began})
+        return result
+    whole = lm(dims, args.context_length, False, args.seed, "meta")
+    if method == "torch's DCP (FSDP2)":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        def setup():
+            tmesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+            for block in whole.blocks:
+                fully_shard(block, mesh=tmesh)
+            fully_shard(whole, mesh=tmesh)
+            whole.to_empty(device=ctx.device)
+            state = whole.state_dict()
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(source))
+            return whole
+        model = phase("load", setup)
+        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+        phase("save", lambda: dcp.save(model.state_dict(), storage_writer=dcp.HuggingFaceStorageWriter(
+            out, save_distributed=True, enable_consolidation=True)))
+    else:
+        if method == "initialized()":
+            blueprint = copy.deepcopy(whole)
+            model = phase("set up from initialized()", lambda: ParallelLM(Mesh(shape), whole, batch, levers).materialize(
+                ctx.device, placement.initialized(blueprint, seed=args.seed)))
+        else:
+            model = phase("load", lambda: (lambda m: (hf_checkpoint.load_hf_checkpoint(m.stage, source, ctx.device),
+                                                      m)[1])(ParallelLM(Mesh(shape), whole, batch, levers)))
+            phase("save", lambda: hf_checkpoint.save_hf_checkpoint(model.stage, out))
+        held = sum(p.numel() * p.element_size() for p in model.stage.parameters()) / 2**20
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (rows, held))
+    out_rows = []
+    for i, row in enumerate(everyone[0][0]):
+        row = dict(row, held_mib=max(h for _, h in everyone))
+        for k in ("peak_mib", "above_start_mib", "seconds"):
+            row[k] = max(r[i][k] for r, _ in everyone)
+        out_rows.append(row)
+    return out_rows
+
+
+def report_hf_checkpoint(args):
+    """--hf-checkpoint: the LM of --model-size written as a sharded safetensors folder, then
+    set up from it and saved again by each of HF_ROWS (and set up from initialized() on
+    the first mesh), 8 ranks; the saved folders checked equal to the source, tensor by
+    tensor."""
+    from safetensors import safe_open
+    work = tempfile.mkdtemp(prefix="hf-checkpoint-")
+    try:
+        source = os.path.join(work, "source")
+        largest = write_hf_source(args, source)
+        whole = lm_param_count_mib(args.model_size, args)
+        rows, settings = [], {"backend": args.backend, "device": args.device, "model_size": args.model_size,
+                              "context_length": args.context_length, "seed": args.seed}
+        cases = [*HF_ROWS, (HF_ROWS[0][0], "initialized()")]
+        for k, (shape, method) in enumerate(cases):
+            out = os.path.join(work, f"saved-{k}")
+            got = common.launch(hf_checkpoint_memory, args, shape, method, source, out, world_size=8)
+            if method != "initialized()":
+                got[-1]["round trip"] = _same_tensors(source, out, safe_open)
+            for row in got:
+                row.update(whole_mib=whole, part_and_largest_mib=row["held_mib"] + largest)
+            rows += got
+        if common.is_reporter():
+            title = (f"A Hugging Face checkpoint folder in and out: the {args.model_size} LM ({whole:.0f} MiB of "
+                     f"float32 weights, 8 safetensors files), 8 ranks")
+            headers = ["mesh", "method", "phase", "held_mib", "part_and_largest_mib", "whole_mib", "peak_mib",
+                       "above_start_mib", "seconds", "round trip"]
+            table = common.save_results(args.out, "10_hf_checkpoint", rows, settings, headers=headers, title=title,
+                                        note=HF_NOTE)
+            print(f"\n{title}\n{table}\nwrote {args.out}/10_hf_checkpoint.json and .md", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _same_tensors(a, b, safe_open) -> str:
+    """Whether two checkpoint folders hold the same tensors by name, bit for bit."""
+    def tensors(folder):
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            files = json.load(f)["weight_map"]
+        return files
+    left, right = tensors(a), tensors(b)
+    if set(left) != set(right):
+        return f"names differ: {sorted(set(left) ^ set(right))[:3]}"
+    for name in left:
+        with safe_open(os.path.join(a, left[name]), "pt") as x, safe_open(os.path.join(b, right[name]), "pt") as y:
+            if not torch.equal(x.get_tensor(name), y.get_tensor(name)):
+                return f"{name} differs"
+    return "exact"
+
+
+HF_NOTE = ("held_mib: the parameters the rank holds; part_and_largest_mib: that plus the largest tensor of the model "
+           "(the bound a rank that makes one tensor whole at a time stays under); whole_mib: the model's float32 "
+           "weights; peak_mib: the peak resident memory of the process during the phase (VmHWM, reset at its start; "
+           "the largest rank), above_start_mib: that less its resident memory at the phase's start (torch imported, "
+           "the process group made); seconds: the slowest rank. load: built on meta, the axes applied, filled from "
+           "the folder (ours: hf_checkpoint.load_hf_checkpoint, each rank reading its slices; torch's: FSDP2's "
+           "to_empty, then torch.distributed.checkpoint.load with HuggingFaceStorageReader); save: written as a "
+           "folder from_pretrained reads (ours: save_hf_checkpoint, each tensor gathered whole on its shard groups "
+           "and written by the ranks in turn; torch's: HuggingFaceStorageWriter with save_distributed and "
+           "enable_consolidation). round trip: the saved folder's tensors against the source's, bit for bit. "
+           "Fresh processes for each method.")
+
+
 def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:
     """09's split by measured time for this mesh's pipeline: the LM's pieces (embeddings, each
     block, head with the loss; the whole model, as one process holds it) timed on a
@@ -1649,6 +1810,11 @@ def parser():
                    help="instead of the verification and benchmark: each rank's peak host memory while it sets "
                         "--model-size up on pp 2 x fsdp 2 x tp 2 and on fsdp 8, built whole or on meta (ours, and "
                         "torch's FSDP2), then --big-size built on meta at fsdp 8 and trained --big-steps steps")
+    p.add_argument("--hf-checkpoint", action="store_true",
+                   help="instead of the verification and benchmark: --model-size written as a sharded safetensors "
+                        "folder, set up from it and saved again on pp 2 x fsdp 2 x tp 2 and fsdp 8 (ours) and with "
+                        "torch.distributed.checkpoint's HuggingFaceStorageReader/Writer on FSDP2: each rank's peak "
+                        "host memory and the time")
     p.add_argument("--big-size", choices=[*common.MODEL_SIZES, "none"], default="large",
                    help="--setup-memory: the model too large to build whole on every rank (none: skip it)")
     p.add_argument("--big-steps", type=common.COUNT, default=1, help="--setup-memory: --big-size's training steps")
@@ -1781,9 +1947,10 @@ def run_benchmark(args, shape, single, timed):
 def main(argv=None):
     p = parser()
     first = p.parse_args(argv)
-    if first.setup_memory:
+    if first.setup_memory or first.hf_checkpoint:
         p.cpu_size = p.gpu_size = "medium"
-        return report_setup_memory(common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None))
+        args = common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None)
+        return report_hf_checkpoint(args) if first.hf_checkpoint else report_setup_memory(args)
     common.check_train_flags(first)
     check_moe_flags(first)
     if first.plan:

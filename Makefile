@@ -15,6 +15,9 @@
 # make setup-memory each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
 #            or on the meta device (ours, FSDP2's), then the large LM (whole on 8 ranks: 22 GiB) built on
 #            meta and trained a step (about 6 minutes; not in `all`)
+# make hf-checkpoint the medium LM as a sharded safetensors folder, set up from it and saved again on 8
+#            ranks (ours on pp 2 x fsdp 2 x tp 2 and fsdp 8, torch.distributed.checkpoint's Hugging Face
+#            reader and writer on FSDP2): each rank's peak host memory and the time (not in `all`)
 # make test  runs the test suite (two workers; TEST_WORKERS=N for more), with transformers
 #            (requirements-test.txt) installed for the models people bring
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
@@ -25,7 +28,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints recorder-cost setup-memory $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -92,6 +95,9 @@ recorder-cost: $(STAMP)
 
 setup-memory: $(STAMP)
 	$(PY) 10_nd_parallel.py --setup-memory --out results
+
+hf-checkpoint: $(STAMP)
+	$(PY) 10_nd_parallel.py --hf-checkpoint --out results
 
 checkpoints: $(STAMP)
 	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results

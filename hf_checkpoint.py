@@ -1,31 +1,100 @@
 """Hugging Face checkpoint folders in and out, on any composition of the kit's axes.
 ``load_hf_checkpoint`` fills a model (built with placement.meta_parameters, the axes
 applied) from a folder save_pretrained wrote (model.safetensors, or shards listed in
-model.safetensors.index.json), each rank reading only the slices of each tensor it holds
-(safetensors reads a slice without the rest of the tensor). ``save_hf_checkpoint`` writes
-such a folder (safetensors files with their index, the config beside them) that
-from_pretrained loads: each tensor is gathered whole on the ranks of its shard groups, one
-tensor at a time, and written by one of them, the writers taking turns, so no rank holds
-the whole model; a folder is published complete or not at all. Names are the model's own
-(a wrapper's ``module.`` aside). Used by the tests on transformers' models and by any loop
-on the kit's classes. It needs torch, the standard library, safetensors, placement.py and
-sharded_checkpoint.py: a copy is these three files.
+model.safetensors.index.json), each rank reading only the bytes of the elements it holds
+(positioned reads of the safetensors files: no memory map, no whole tensor).
+``save_hf_checkpoint`` writes such a folder (safetensors files with their index, the
+config beside them) that from_pretrained loads: each tensor, one at a time, is gathered
+whole to one rank of its shard groups, which streams it to its file (the writers take
+turns), so a rank holds its part and one whole tensor, never the model; a folder is
+published complete or not at all. Names are the model's own (a wrapper's
+``module.`` aside). Used by the tests on transformers' models and by any loop on the kit's
+classes. It needs torch, the standard library, placement.py and sharded_checkpoint.py: a
+copy is these three files (the safetensors format is read and written here).
 """
+import ctypes
 import itertools
 import json
+import math
 import os
 import shutil
+import struct
 import uuid
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from placement import _tensors, materialize, placements, whole_tensor
+from placement import _gather_shard, _tensors, materialize, placements
 from sharded_checkpoint import _fsync_dir, _indices, _whole_shape
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+def _bytes(t) -> memoryview:
+    """The bytes of a contiguous host tensor, as a writable view (no copy; keep ``t``)."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+class SafetensorsFile:
+    """One safetensors file (8 bytes of header length, a JSON header of each tensor's dtype,
+    shape and byte range, the data), read a box at a time by positioned reads: only the
+    bytes asked for come into the process (a memory map would keep every page it touched)."""
+
+    def __init__(self, path):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        n = struct.unpack("<Q", os.pread(self.fd, 8, 0))[0]
+        self.header = json.loads(os.pread(self.fd, n, 8))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + n
+
+    def close(self):
+        os.close(self.fd)
+
+    def shape(self, name) -> list:
+        return list(self.header[name]["shape"])
+
+    def read(self, name, box=None) -> torch.Tensor:
+        """The stored tensor ``name``, or its ``box`` [(start, stop) a dim]: one read for
+        each run of it that lies contiguous in the file (the dims after the last one the
+        box cuts are whole)."""
+        info = self.header[name]
+        shape, dtype = info["shape"], _DTYPES[info["dtype"]]
+        box = [tuple(b) for b in box] if box is not None else [(0, n) for n in shape]
+        out = torch.empty([b - a for a, b in box], dtype=dtype)
+        if out.numel() == 0:
+            return out
+        size = out.element_size()
+        stride = [math.prod(shape[d + 1:]) * size for d in range(len(shape))]
+        cut = max([d for d in range(len(shape)) if box[d] != (0, shape[d])], default=-1)
+        run = (box[cut][1] - box[cut][0]) * stride[cut] if cut >= 0 else out.numel() * size
+        view, pos = _bytes(out), 0
+        for lead in itertools.product(*(range(a, b) for a, b in box[:max(cut, 0)])):
+            at = self.base + info["data_offsets"][0] + sum(i * stride[d] for d, i in enumerate(lead)) + \
+                (box[cut][0] * stride[cut] if cut >= 0 else 0)
+            chunk = view[pos:pos + run]
+            while len(chunk):
+                got = os.preadv(self.fd, [chunk], at)
+                if got == 0:
+                    raise EOFError(f"{self.path}: {name} ends before its data")
+                chunk, at = chunk[got:], at + got
+            pos += run
+        return out
+
+
+def _header(entries) -> bytes:
+    """A safetensors header for [(name, dtype, shape)], their data following in that order."""
+    meta, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        meta[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _weight_map(folder) -> dict:
@@ -36,8 +105,9 @@ def _weight_map(folder) -> dict:
             return json.load(f)["weight_map"]
     if not os.path.exists(os.path.join(folder, SINGLE)):
         raise FileNotFoundError(f"{folder} holds neither {INDEX} nor {SINGLE}")
-    with safe_open(os.path.join(folder, SINGLE), "pt") as f:
-        return {name: SINGLE for name in f.keys()}
+    single = SafetensorsFile(os.path.join(folder, SINGLE))
+    single.close()
+    return {name: SINGLE for name in single.header}
 
 
 def _saved_tensors(module) -> list:
@@ -95,14 +165,22 @@ def _runs_of(at) -> list:
     return runs
 
 
+def _as_slice(positions):
+    """Consecutive positions as a slice (an index tensor otherwise)."""
+    first = int(positions[0])
+    if torch.equal(positions, torch.arange(first, first + len(positions))):
+        return slice(first, first + len(positions))
+    return positions
+
+
 @torch.no_grad()
-def _read_into(target, record, shape, pieces, open_slice) -> int:
+def _read_into(target, record, shape, pieces, file_of) -> int:
     """Copy into ``target`` (this rank's part of a tensor shaped ``shape``, laid out as
     ``record``) every element it holds, from ``pieces`` [(checkpoint name, offsets)], each a
     checkpoint tensor placed at ``offsets`` in the whole (with leading dims of one where it
     has fewer). Only this rank's elements are read: a box for each run of consecutive
-    indices (one run a dim, unless an axis reordered it: a fused qkv's heads), through
-    ``open_slice(name)``, safetensors' lazy slice. Returns the number of elements read."""
+    indices (one run a dim, unless an axis reordered it: a fused qkv's heads), from
+    ``file_of(name)``, the SafetensorsFile that holds it. Returns the number of elements read."""
     mine = _indices(record, shape)
     flat = target.view(1) if target.dim() == 0 else target
     want = [mine.get(d, torch.arange(shape[d] if shape else 1)) for d in range(max(len(shape), 1))]
@@ -111,8 +189,8 @@ def _read_into(target, record, shape, pieces, open_slice) -> int:
             flat.index_fill_(d, (idx < 0).nonzero().flatten(), 0)
     read = 0
     for name, offsets in pieces:
-        sliced = open_slice(name)
-        own = list(sliced.get_shape())
+        file = file_of(name)
+        own = file.shape(name)
         size = [1] * (len(want) - len(own)) + own
         to, runs = [], []
         for d, idx in enumerate(want):
@@ -122,12 +200,15 @@ def _read_into(target, record, shape, pieces, open_slice) -> int:
         if any(t.numel() == 0 for t in to):
             continue
         for box in itertools.product(*runs):
-            stored = tuple(slice(i, i + n) for _, i, n in box)
-            part = sliced[stored[len(want) - len(own):]] if own else sliced[:]
-            part = part.reshape([n for _, _, n in box])
+            stored = [(i, i + n) for _, i, n in box][len(want) - len(own):]
+            part = file.read(name, stored).reshape([n for _, _, n in box])
             read += part.numel()
-            where = [to[d][pos:pos + n] for d, (pos, _, n) in enumerate(box)]   # this rank's positions
-            flat[torch.meshgrid(*where, indexing="ij")] = part.to(flat.device, flat.dtype)
+            where = [_as_slice(to[d][pos:pos + n]) for d, (pos, _, n) in enumerate(box)]   # this rank's positions
+            if all(isinstance(w, slice) for w in where):
+                flat[tuple(where)].copy_(part)
+            else:
+                grid = [torch.arange(w.start, w.stop) if isinstance(w, slice) else w for w in where]
+                flat[torch.meshgrid(*grid, indexing="ij")] = part.to(flat.device, flat.dtype)
     return read
 
 
@@ -157,36 +238,55 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
         materialize(module, device or "cpu")
     files, stats = {}, {"read": 0, "held": 0}
 
-    def open_slice(name):
+    def file_of(name):
         if weight_map[name] not in files:
-            files[weight_map[name]] = safe_open(os.path.join(folder, weight_map[name]), "pt")
-        return files[weight_map[name]].get_slice(name)
-    for name, t, whole, parts in plan:
-        if len(parts) == 1 and tuple(open_slice(parts[0][0]).get_shape()) != whole:
-            raise ValueError(f"load_hf_checkpoint: {parts[0][0]} is {list(open_slice(parts[0][0]).get_shape())} in "
-                             f"{folder}, {list(whole)} in the model")
-        stats["read"] += _read_into(t, placements(t), whole, parts, open_slice)
-        mine, held = _indices(placements(t), whole), 1
-        for d in range(len(whole)):
-            held *= int((mine[d] >= 0).sum()) if d in mine else whole[d]
-        stats["held"] += held
+            files[weight_map[name]] = SafetensorsFile(os.path.join(folder, weight_map[name]))
+        return files[weight_map[name]]
+    try:
+        for name, t, whole, parts in plan:
+            if len(parts) == 1 and tuple(file_of(parts[0][0]).shape(parts[0][0])) != whole:
+                raise ValueError(f"load_hf_checkpoint: {parts[0][0]} is {file_of(parts[0][0]).shape(parts[0][0])} "
+                                 f"in {folder}, {list(whole)} in the model")
+            stats["read"] += _read_into(t, placements(t), whole, parts, file_of)
+            mine, held = _indices(placements(t), whole), 1
+            for d in range(len(whole)):
+                held *= int((mine[d] >= 0).sum()) if d in mine else whole[d]
+            stats["held"] += held
+    finally:
+        for file in files.values():
+            file.close()
     return stats
 
 
-def _writes(record, counter) -> bool:
-    """Whether this rank writes the ``counter``-th tensor it holds. Every rank of the groups
-    that replicate or shard it holds it whole once gathered; of those, the one ``counter``
-    points at writes it, so that the writers take turns. A tensor no axis placed is one
-    process's, the same on every rank: the first rank writes it."""
-    groups = [p.group for p in record if p.kind in ("replicate", "shard")]
-    if not record:
-        return dist.get_rank() == 0
-    for group in groups:
-        n = dist.get_world_size(group)
-        if dist.get_rank(group) != counter % n:
-            return False
-        counter //= n
-    return True
+def _writer_digits(record, counter):
+    """Which rank writes the ``counter``-th tensor a rank holds: its rank in each group that
+    replicates or shards it ([(placement, rank in its group)], the counter's digits, so that
+    the writers take turns); None for a tensor no axis placed (one process's, the same on
+    every rank: the first rank writes it)."""
+    digits = []
+    for p in record:
+        if p.kind in ("replicate", "shard"):
+            n = dist.get_world_size(p.group)
+            digits.append((p, counter % n))
+            counter //= n
+    return digits if record else None
+
+
+def _whole_on_writer(t, record, counter):
+    """``t`` whole on the rank that writes it, None elsewhere: each shard gathered to one
+    rank of its group, innermost first, by the ranks that hold copies the writer's way
+    (collective over those groups only)."""
+    digits = _writer_digits(record, counter)
+    if digits is None:
+        return t.detach() if dist.get_rank() == 0 else None
+    if any(p.kind == "replicate" and dist.get_rank(p.group) != d for p, d in digits):
+        return None
+    t = t.detach()
+    for p, d in reversed([(p, d) for p, d in digits if p.kind == "shard"]):
+        t = _gather_shard(t, p, to=d)
+        if t is None:
+            return None
+    return t
 
 
 def save_hf_checkpoint(module, folder, config=None) -> str:
@@ -195,11 +295,12 @@ def save_hf_checkpoint(module, folder, config=None) -> str:
     (one per writing rank, model-0000k-of-0000n.safetensors) listed in
     model.safetensors.index.json, and ``config`` beside them (an object with
     save_pretrained: the model's transformers config), so that from_pretrained(folder)
-    loads it. Each tensor is gathered whole on the ranks of its shard groups, one at a
-    time, and kept by one of them: a rank holds its part, its share of whole tensors and one
-    tensor being gathered, never the whole model. The files go to a temporary folder beside
-    ``folder``, which is published by renaming once every rank has written (an older
-    ``folder`` is replaced; a failed save leaves it as it was). Returns ``folder``."""
+    loads it. Each tensor is gathered whole to one rank of its shard groups, one at a
+    time, which streams it to its file (the writers take turns): a rank holds its part
+    and one whole tensor, never the model. The files go to a temporary folder
+    beside ``folder``, published by renaming once every rank has written (an older
+    ``folder`` is replaced; a save that fails on any rank is an OSError on every rank and
+    leaves it as it was). Returns ``folder``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     nonce = [uuid.uuid4().hex[:12] if rank == 0 else None]
@@ -207,49 +308,62 @@ def save_hf_checkpoint(module, folder, config=None) -> str:
         dist.broadcast_object_list(nonce, src=0)
     folder = os.path.abspath(folder)
     partial = f"{folder}.partial-{nonce[0]}"
-    mine = {}
-    for counter, (names, t) in enumerate(_saved_tensors(module)):
-        record = placements(t)
-        whole = whole_tensor(t, record)   # collective over its shard groups, in the modules' order
-        if world == 1 or _writes(record, counter):
-            for name in names:
-                mine[name] = whole.to("cpu", copy=True).contiguous()
-        del whole
-    counts = [None] * world   # every rank's {name: bytes}
-    sizes = {n: v.numel() * v.element_size() for n, v in mine.items()}
+    plan = [(names, t, placements(t), counter) for counter, (names, t) in enumerate(_saved_tensors(module))]
+
+    def writes(record, counter):
+        digits = _writer_digits(record, counter)
+        return world == 1 or (rank == 0 if digits is None else all(dist.get_rank(p.group) == d for p, d in digits))
+    entries = [(n, t.dtype, _whole_shape(t, record)) for names, t, record, c in plan if writes(record, c)
+               for n in names]
+    sizes = {n: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for n, dtype, shape in entries}
+    counts = [sizes]   # every rank's {name: bytes}: who writes, and the index
     if world > 1:
+        counts = [None] * world
         dist.all_gather_object(counts, sizes)
-    else:
-        counts = [sizes]
     writers = [r for r in range(world) if counts[r]]
-    file = f"model-{writers.index(rank) + 1:05d}-of-{len(writers):05d}.safetensors" if mine else None
-    error = None
+    file_name = lambda r: f"model-{writers.index(r) + 1:05d}-of-{len(writers):05d}.safetensors"   # noqa: E731
+    error, out = None, None
     try:
         os.makedirs(partial, exist_ok=True)
-        if mine:
-            tmp = os.path.join(partial, f"{file}.tmp")
-            save_file(mine, tmp, metadata={"format": "pt"})
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(partial, file))
+        if entries:
+            out = open(os.path.join(partial, file_name(rank) + ".tmp"), "wb")
+            out.write(_header(entries))
     except OSError as e:
         error = f"rank {rank}: {e}"
-    errors = [None] * world
+    for names, t, record, counter in plan:
+        whole = _whole_on_writer(t, record, counter) if world > 1 else t.detach()   # in the modules' order
+        if whole is not None and out is not None and error is None:
+            whole = whole.to("cpu").contiguous()
+            try:
+                for _ in names:
+                    out.write(_bytes(whole))
+            except OSError as e:
+                error = f"rank {rank}: {e}"
+        del whole
+    if out is not None:
+        try:
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+            if error is None:
+                os.replace(out.name, os.path.join(partial, file_name(rank)))
+        except OSError as e:
+            error = error or f"rank {rank}: {e}"
+    errors = [error]
     if world > 1:
+        errors = [None] * world
         dist.all_gather_object(errors, error)
-    else:
-        errors = [error]
     if any(errors):
+        if world > 1:
+            dist.barrier()   # every rank has closed its file before the folder goes
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise OSError(f"save_hf_checkpoint: {[e for e in errors if e]}; {folder} left as it was")
     if rank == 0:
-        weight_map = {n: f"model-{writers.index(r) + 1:05d}-of-{len(writers):05d}.safetensors"
-                      for r in writers for n in counts[r]}
-        total = sum(b for c in counts for b in c.values())
+        weight_map = {n: file_name(r) for r in writers for n in counts[r]}
         with open(os.path.join(partial, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
-                      indent=2)
+            json.dump({"metadata": {"total_size": sum(b for c in counts for b in c.values())},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         if config is not None:
             config.save_pretrained(partial)
         _fsync_dir(partial)

@@ -185,11 +185,20 @@ def count_parameters(model_or_parameters, process_group=None) -> int:
     return int(total.item())
 
 
-def _gather_shard(t, p):
-    """The tensor ``p`` cut ``t`` from, whole again (collective over p.group)."""
+def _gather_shard(t, p, to=None):
+    """The tensor ``p`` cut ``t`` from, whole again (collective over p.group); ``to``: only on
+    the group's rank ``to`` (a gather: None on the others)."""
     n = dist.get_world_size(p.group)
-    parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=p.group)
+    if to is None:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t.contiguous(), group=p.group)
+    else:
+        if t.device.type != "cpu" and dist.get_backend(p.group) == "gloo":
+            t = t.cpu()   # (gloo gathers host tensors)
+        parts = [torch.empty_like(t) for _ in range(n)] if dist.get_rank(p.group) == to else None
+        dist.gather(t.contiguous(), parts, dst=dist.get_global_rank(p.group or dist.group.WORLD, to), group=p.group)
+        if parts is None:
+            return None
     if not p.shape:   # a 0-d tensor, sharded as one row
         return torch.cat(parts)[:1].reshape(())
     full = torch.cat(parts, dim=p.dim).narrow(p.dim, 0, p.shape[p.dim])

@@ -302,6 +302,24 @@ def test_torch_s_composition_is_left_out_with_its_reason_where_it_cannot_run():
     assert "SequenceParallel" in nd.torch_skip(nd.mesh_of(pp=2, tp=2), sp, 1, "gloo", "cpu")
 
 
+@pytest.mark.parametrize("method", ["ours", "torch's DCP (FSDP2)"])
+def test_hf_checkpoint_rows_load_and_save_the_folder_exactly(tmp_path, method):
+    """--hf-checkpoint's worker on fsdp 2 (the script's table runs 8 ranks): the nano LM
+    from a sharded safetensors folder, saved again; the saved folder holds the same
+    tensors bit for bit, each rank held half the weights."""
+    from safetensors import safe_open
+    args = verify_args(2, context_length=16, model_size="nano")
+    source, out = str(tmp_path / "source"), str(tmp_path / "saved")
+    largest = nd.write_hf_source(args, source)
+    rows = common.launch(nd.hf_checkpoint_memory, args, nd.mesh_of(fsdp=2), method, source, out, world_size=2)
+    whole = common.lm_param_count("nano", 16) * 4 / 2**20
+    assert [r["phase"] for r in rows] == ["load", "save"] and largest > 0
+    for r in rows:
+        assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r
+        assert r["peak_mib"] >= r["start_mib"] and r["seconds"] > 0
+    assert nd._same_tensors(source, out, safe_open) == "exact"
+
+
 def test_setup_memory_rows_hold_the_ranks_part_and_the_meta_path_trains():
     """--setup-memory's worker on fsdp 2 (the script's table runs 8 ranks): each way of
     setting up leaves each rank half the weights; ours from meta then trains a step."""
