@@ -15,6 +15,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import diagnostics
 
+# Every rank a test spawns forks from one forkserver a pytest worker starts at its first
+# launch. Beside torch (common's list), it imports transformers' two models once, so the 22
+# ranks of the transformers tests do not import them each (2.4 s of CPU a rank); the
+# forkserver skips a module it cannot import (and, on Python 3.11, sees only site-packages).
+import multiprocessing  # noqa: E402
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo",
+                                        "transformers.models.llama.modeling_llama",
+                                        "transformers.models.qwen3_moe.modeling_qwen3_moe"])
+
 
 def load(script: str):
     """Import a digit-named script (e.g. '05_bucketed_ddp') as a module."""
