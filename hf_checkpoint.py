@@ -122,14 +122,20 @@ def _saved_tensors(module) -> list:
     return list(by_id.values())
 
 
-def _agree(problems: list, what: str):
-    """Every rank learns every rank's ``problems`` (collective) and raises the same error."""
-    everyone = [None] * dist.get_world_size() if dist.is_initialized() else None
-    if everyone is not None:
-        dist.all_gather_object(everyone, problems)
-    found = sorted({p for ps in (everyone or [problems]) for p in ps})
-    if found:
-        raise KeyError(f"{what} {found[:5]}{' ...' if len(found) > 5 else ''}")
+def _agree(missing: list, wrong: list, folder):
+    """Every rank learns every rank's problems (collective) and raises the same error: a
+    KeyError for the names the folder lacks, a ValueError for shapes that differ."""
+    everyone = [(missing, wrong)]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (missing, wrong))
+    missing = sorted({n for m, _ in everyone for n in m})
+    wrong = sorted({n for _, w in everyone for n in w})
+    if missing:
+        raise KeyError(f"load_hf_checkpoint: {folder} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if wrong:
+        raise ValueError(f"load_hf_checkpoint: shapes differ from the model's: {wrong[:5]}"
+                         f"{' ...' if len(wrong) > 5 else ''}")
 
 
 def per_expert_layout(experts="mlp.experts", gate_up=("gate_proj", "up_proj"), down="down_proj"):
@@ -221,8 +227,8 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
     tables) stay as the model computed them (placement.meta_parameters). ``pieces(name,
     whole shape)``: for a tensor the checkpoint keeps in pieces, [(checkpoint name, offsets
     in the whole)], else None (per_expert_layout(): transformers' experts, one tensor per
-    expert on disk). A tensor the checkpoint lacks is a KeyError naming it on every rank
-    (collective), before anything is read; a shape that differs, a ValueError. Returns
+    expert on disk). A tensor the checkpoint lacks is a KeyError naming it, and a shape
+    that differs a ValueError, on every rank (collective), before anything is read. Returns
     {"read": elements read, "held": elements this rank holds, its padding aside}."""
     weight_map = _weight_map(folder)
     plan = []
@@ -232,10 +238,6 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
         parts = [(found, (0,) * len(whole))] if found else next(
             (p for p in ((pieces(n, whole) if pieces else None) for n in names) if p), [(names[0], None)])
         plan.append((names[0], t, whole, parts))
-    _agree(sorted({n for _, _, _, parts in plan for n, _ in parts if n not in weight_map}),
-           f"load_hf_checkpoint: {folder} lacks")
-    if any(t.is_meta for ts in _tensors(module).values() for t in ts):
-        materialize(module, device or "cpu")
     files, stats = {}, {"read": 0, "held": 0}
 
     def file_of(name):
@@ -243,10 +245,14 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
             files[weight_map[name]] = SafetensorsFile(os.path.join(folder, weight_map[name]))
         return files[weight_map[name]]
     try:
+        missing = sorted({n for _, _, _, parts in plan for n, _ in parts if n not in weight_map})
+        wrong = [f"{parts[0][0]}: {file_of(parts[0][0]).shape(parts[0][0])} in the folder, {list(whole)} here"
+                 for _, _, whole, parts in plan if not missing and len(parts) == 1
+                 and tuple(file_of(parts[0][0]).shape(parts[0][0])) != whole]
+        _agree(missing, wrong, folder)   # every rank refuses, before anything is read
+        if any(t.is_meta for ts in _tensors(module).values() for t in ts):
+            materialize(module, device or "cpu")
         for name, t, whole, parts in plan:
-            if len(parts) == 1 and tuple(file_of(parts[0][0]).shape(parts[0][0])) != whole:
-                raise ValueError(f"load_hf_checkpoint: {parts[0][0]} is {file_of(parts[0][0]).shape(parts[0][0])} "
-                                 f"in {folder}, {list(whole)} in the model")
             stats["read"] += _read_into(t, placements(t), whole, parts, file_of)
             mine, held = _indices(placements(t), whole), 1
             for d in range(len(whole)):

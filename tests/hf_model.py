@@ -434,8 +434,9 @@ def checkpoints(ctx, args):
     """Both models, built on meta, on fsdp 8, dp 4 x tp 2 and pp 2 x fsdp 2 x tp 2 (Qwen3-MoE
     also with its experts split at ep 4, two copies each), each filled from a sharded
     checkpoint save_pretrained wrote, trained like one process, saved as a Hugging Face
-    folder and loaded back by from_pretrained; and a checkpoint that lacks a tensor."""
-    data, out = batches(), {}
+    folder and loaded back by from_pretrained (two steps: the round trip, not the training,
+    is what this checks); and a checkpoint that lacks a tensor, or has other shapes."""
+    data, out = batches(steps=2), {}   # (training like one process over 4 steps: test_hf_models)
     root = os.path.join(args.out, "hf")
     for kind in MODELS:
         ref = tiny(kind, 4, router_loss=False)
@@ -510,7 +511,8 @@ def _fused_qkv(ctx, root):
 
 def _missing(ctx, kind, src, root):
     """A copy of the checkpoint's index without one tensor: refused on every rank, naming
-    it, the model still on meta (nothing read)."""
+    it, the model still on meta (nothing read); and the same model at another width: its
+    shapes refused the same way."""
     lacking = os.path.join(root, f"{kind} lacking a tensor")
     if ctx.rank == 0:
         import shutil
@@ -523,8 +525,17 @@ def _missing(ctx, kind, src, root):
     dist.barrier()
     model = _from_meta(kind, 4)
     fsdp.FSDP(model, units=list(model.model.layers))
+    r = {}
     try:
         hfc.load_hf_checkpoint(model, lacking, pieces=hfc.per_expert_layout())
-        return {"refused": "not refused"}
+        r["refused"] = "not refused"
     except KeyError as e:
-        return {"refused": str(e), "untouched": all(p.is_meta for p in model.parameters())}
+        r.update(refused=str(e), untouched=all(p.is_meta for p in model.parameters()))
+    with placement.meta_parameters():   # the same names, another width: its shapes refused
+        other = type(model)(type(model.config)(**{**model.config.to_dict(), "hidden_size": 32, "head_dim": 4}))
+    try:
+        hfc.load_hf_checkpoint(other, src, pieces=hfc.per_expert_layout())
+        r["shapes"] = "not refused"
+    except ValueError as e:
+        r["shapes"] = str(e) if all(p.is_meta for p in other.parameters()) else f"changed: {e}"
+    return r

@@ -44,10 +44,11 @@ def test_a_save_that_fails_on_one_rank_is_refused_on_every_rank_and_the_folder_s
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
-def test_a_checkpoint_lacking_a_tensor_is_refused_on_every_rank_before_anything_is_read(results, kind):
+def test_a_checkpoint_lacking_a_tensor_or_of_other_shapes_is_refused_on_every_rank_before_anything_is_read(results, kind):
     for r in results[f"{kind}, missing"]:
         assert "lacks ['model.layers.1.self_attn.o_proj.weight']" in r["refused"]
         assert r["untouched"]
+        assert "model.embed_tokens.weight: [256, 64] in the folder, [256, 32] here" in r["shapes"], r["shapes"]
 
 
 def test_a_fused_qkv_split_by_heads_reads_each_ranks_rows_and_nothing_more(results):
