@@ -122,15 +122,21 @@ def _saved_tensors(module) -> list:
     return list(by_id.values())
 
 
-def _agree(missing: list, wrong: list, folder):
+def _agree(missing: list, wrong: list, folder, unmade=()):
     """Every rank learns every rank's problems (collective) and raises the same error: a
-    KeyError for the names the folder lacks, a ValueError for shapes that differ."""
-    everyone = [(missing, wrong)]
+    KeyError for the names the folder lacks, a ValueError for shapes that differ or for
+    buffers no checkpoint holds that were built on meta (``unmade``)."""
+    everyone = [(missing, wrong, list(unmade))]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (missing, wrong))
-    missing = sorted({n for m, _ in everyone for n in m})
-    wrong = sorted({n for _, w in everyone for n in w})
+        dist.all_gather_object(everyone, (missing, wrong, list(unmade)))
+    missing = sorted({n for m, _, _ in everyone for n in m})
+    wrong = sorted({n for _, w, _ in everyone for n in w})
+    unmade = sorted({n for _, _, u in everyone for n in u})
+    if unmade:
+        raise ValueError(f"load_hf_checkpoint: {unmade[:5]} are buffers the model computes in its constructor, "
+                         f"which no checkpoint holds, and they were built on meta (no values): build the model "
+                         f"under placement.meta_parameters(), which keeps them as its code computes them")
     if missing:
         raise KeyError(f"load_hf_checkpoint: {folder} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if wrong:
@@ -228,7 +234,9 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
     whole shape)``: for a tensor the checkpoint keeps in pieces, [(checkpoint name, offsets
     in the whole)], else None (per_expert_layout(): transformers' experts, one tensor per
     expert on disk). A tensor the checkpoint lacks is a KeyError naming it, and a shape
-    that differs a ValueError, on every rank (collective), before anything is read. Returns
+    that differs a ValueError, on every rank (collective), before anything is read; so is a
+    buffer no checkpoint holds left on meta (a model built under torch.device("meta")
+    instead of meta_parameters: it would hold no values). Returns
     {"read": elements read, "held": elements this rank holds, its padding aside}."""
     weight_map = _weight_map(folder)
     plan = []
@@ -249,7 +257,9 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
         wrong = [f"{parts[0][0]}: {file_of(parts[0][0]).shape(parts[0][0])} in the folder, {list(whole)} here"
                  for _, _, whole, parts in plan if not missing and len(parts) == 1
                  and tuple(file_of(parts[0][0]).shape(parts[0][0])) != whole]
-        _agree(missing, wrong, folder)   # every rank refuses, before anything is read
+        saved = {id(t) for _, t, _, _ in plan}
+        unmade = [n for n, ts in _tensors(module).items() for t in ts if t.is_meta and id(t) not in saved]
+        _agree(missing, wrong, folder, unmade)   # every rank refuses, before anything is read
         if any(t.is_meta for ts in _tensors(module).values() for t in ts):
             materialize(module, device or "cpu")
         for name, t, whole, parts in plan:

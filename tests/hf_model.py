@@ -511,8 +511,9 @@ def _fused_qkv(ctx, root):
 
 def _missing(ctx, kind, src, root):
     """A copy of the checkpoint's index without one tensor: refused on every rank, naming
-    it, the model still on meta (nothing read); and the same model at another width: its
-    shapes refused the same way."""
+    it, the model still on meta (nothing read); the same model at another width: its
+    shapes refused the same way; and the model built under torch.device("meta"), whose
+    rotary tables would hold no values: refused, naming them."""
     lacking = os.path.join(root, f"{kind} lacking a tensor")
     if ctx.rank == 0:
         import shutil
@@ -531,6 +532,13 @@ def _missing(ctx, kind, src, root):
         r["refused"] = "not refused"
     except KeyError as e:
         r.update(refused=str(e), untouched=all(p.is_meta for p in model.parameters()))
+    with torch.device("meta"):   # every tensor on meta: the rotary tables would hold no values
+        bare = tiny(kind, 4, router_loss=False)
+    try:
+        hfc.load_hf_checkpoint(bare, src, pieces=hfc.per_expert_layout())
+        r["bare meta"] = "not refused"
+    except ValueError as e:
+        r["bare meta"] = str(e) if all(p.is_meta for p in bare.parameters()) else f"changed: {e}"
     with placement.meta_parameters():   # the same names, another width: its shapes refused
         other = type(model)(type(model.config)(**{**model.config.to_dict(), "hidden_size": 32, "head_dim": 4}))
     try:

@@ -49,6 +49,8 @@ def test_a_checkpoint_lacking_a_tensor_or_of_other_shapes_is_refused_on_every_ra
         assert "lacks ['model.layers.1.self_attn.o_proj.weight']" in r["refused"]
         assert r["untouched"]
         assert "model.embed_tokens.weight: [256, 64] in the folder, [256, 32] here" in r["shapes"], r["shapes"]
+        assert "['model.rotary_emb.inv_freq', 'model.rotary_emb.original_inv_freq'] are buffers" in r["bare meta"]
+        assert "placement.meta_parameters()" in r["bare meta"]
 
 
 def test_a_fused_qkv_split_by_heads_reads_each_ranks_rows_and_nothing_more(results):
