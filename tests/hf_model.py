@@ -483,6 +483,7 @@ def checkpoints(ctx, args):
                 r["trained"] = compare(back.state_dict(), trained)["ok"]
             out[f"{kind}, {label}"] = everyone(r)
         out[f"{kind}, missing"] = everyone(_missing(ctx, kind, src, root))
+        out[f"{kind}, bf16 from float32"] = everyone(_cast(ctx, kind, src, ref))
     out["kit LM, fused qkv at tp 2"] = everyone(_fused_qkv(ctx, root))
     return out
 
@@ -507,6 +508,17 @@ def _fused_qkv(ctx, root):
     full = placement.full_state_dict(model, all_ranks=True)
     r["equal"] = all(torch.equal(full[k], v) for k, v in whole.state_dict().items())
     return r
+
+
+def _cast(ctx, kind, src, ref):
+    """The model built in bfloat16 (on meta, then FSDP over every rank) filled from the
+    float32 checkpoint: each tensor the checkpoint's, cast, bit for bit."""
+    model = _from_meta(kind, 4).to(torch.bfloat16)
+    fsdp.FSDP(model, units=list(model.model.layers))
+    hfc.load_hf_checkpoint(model, src, pieces=hfc.per_expert_layout())
+    full = placement.full_state_dict(model, all_ranks=True)
+    return {"dtypes": sorted({str(v.dtype) for v in full.values()}),
+            "equal": all(torch.equal(full[k], v.to(torch.bfloat16)) for k, v in ref.state_dict().items())}
 
 
 def _missing(ctx, kind, src, root):

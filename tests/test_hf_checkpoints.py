@@ -56,3 +56,9 @@ def test_a_checkpoint_lacking_a_tensor_or_of_other_shapes_is_refused_on_every_ra
 def test_a_fused_qkv_split_by_heads_reads_each_ranks_rows_and_nothing_more(results):
     for r in results["kit LM, fused qkv at tp 2"]:
         assert r["equal"] and r["read"] == r["held"], r
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_a_model_built_in_bf16_takes_the_float32_checkpoint_cast(results, kind):
+    for r in results[f"{kind}, bf16 from float32"]:
+        assert r == {"dtypes": ["torch.bfloat16"], "equal": True}
