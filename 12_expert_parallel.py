@@ -306,9 +306,7 @@ class MoE(nn.Module):
     def staged(self, device, group) -> bool:
         """Whether the exchanges over ``group`` go through host memory: ``host_staging``
         if given, else when the group is gloo and the tokens on a GPU."""
-        if self.host_staging is not None:
-            return self.host_staging
-        return device.type != "cpu" and dist.get_backend(group) == "gloo"
+        return _staged(self.host_staging, device, group)
 
     def _run_local(self, x, rows, flat):
         """Run the local experts on the rows that arrived: ``rows[r][j]`` rows from rank r for
@@ -340,9 +338,10 @@ class MoE(nn.Module):
 
 class _ExpertExchange:
     """The two forward hooks split_experts puts on a model's own experts module: before its
-    forward, each (token, choice) goes to the rank of its expert with its gate, and the
-    module runs on what arrived with one choice a row, its experts numbered locally; after
-    it, the rows go back and each token sums its choices' outputs."""
+    forward, each (token, choice) goes to the rank of its expert with its gate, sorted by
+    expert (so the counts exchanged first number the rows that arrive), and the module runs
+    on what arrived with one choice a row, its experts numbered locally; after it, the rows
+    go back and each token sums its choices' outputs."""
 
     def __init__(self, group, per, host_staging):
         self.group, self.per, self.host_staging, self.pending = group, per, host_staging, []
@@ -352,18 +351,18 @@ class _ExpertExchange:
         x, index, gates = _experts_inputs(args, kwargs)
         staged = _staged(self.host_staging, x.device, self.group)
         k, flat = index.shape[-1], index.reshape(-1)                          # token-major
-        rank_of = torch.div(flat, self.per, rounding_mode="floor")
-        order = rank_of.argsort(stable=True)                                  # by the expert's rank
-        counts = _count(rank_of, self.ep)
-        got = _exchange(counts, [1] * self.ep, [1] * self.ep, self.group, staged)
-        send, recv = counts.tolist(), got.tolist()                            # the one wait on the device
+        order = flat.argsort(stable=True)                                     # by expert: its rank, then its place
+        counts = _count(flat, self.ep * self.per)                             # rows for each expert
+        got = _exchange(counts, [self.per] * self.ep, [self.per] * self.ep, self.group, staged)   # for mine, by rank
+        sizes = torch.cat([counts.view(self.ep, self.per).sum(1), got.view(self.ep, self.per).sum(1)]).tolist()
+        send, recv = sizes[:self.ep], sizes[self.ep:]                         # the one wait on the device
         self.rows_out += sum(send) - send[self.me]
         token_of = order // k
         rows = _AllToAllV.apply(x[token_of], send, recv, self.group, staged)
-        local = _exchange((flat[order] - rank_of[order] * self.per)[:, None], send, recv, self.group, staged)
         weights = _AllToAllV.apply(gates.reshape(-1)[order][:, None], send, recv, self.group, staged)
+        local = torch.arange(self.per, device=got.device).repeat(self.ep).repeat_interleave(got, output_size=sum(recv))
         self.pending.append((token_of, send, recv, x.shape[0], staged))
-        return (rows, local, weights), {}
+        return (rows, local[:, None].to(index.dtype), weights), {}
 
     def after(self, module, args, kwargs, out):
         token_of, send, recv, n, staged = self.pending.pop()
@@ -380,6 +379,7 @@ def _experts_inputs(args, kwargs):
 
 
 def _staged(host_staging, device, group) -> bool:
+    """Whether exchanges go through host memory (MoE.staged)."""
     if host_staging is not None:
         return host_staging
     return device.type != "cpu" and dist.get_backend(group) == "gloo"
