@@ -1185,8 +1185,11 @@ def hf_checkpoint_memory(ctx, args, shape, method, source, out):
             model = phase("set up from initialized()", lambda: ParallelLM(Mesh(shape), whole, batch, levers).materialize(
                 ctx.device, placement.initialized(blueprint, seed=args.seed)))
         else:
-            model = phase("load", lambda: (lambda m: (hf_checkpoint.load_hf_checkpoint(m.stage, source, ctx.device),
-                                                      m)[1])(ParallelLM(Mesh(shape), whole, batch, levers)))
+            def load():
+                made = ParallelLM(Mesh(shape), whole, batch, levers)
+                hf_checkpoint.load_hf_checkpoint(made.stage, source, ctx.device)
+                return made
+            model = phase("load", load)
             phase("save", lambda: hf_checkpoint.save_hf_checkpoint(model.stage, out))
         held = sum(p.numel() * p.element_size() for p in model.stage.parameters()) / 2**20
     everyone = [None] * dist.get_world_size()
@@ -1205,7 +1208,6 @@ def report_hf_checkpoint(args):
     set up from it and saved again by each of HF_ROWS (and set up from initialized() on
     the first mesh), 8 ranks; the saved folders checked equal to the source, tensor by
     tensor."""
-    from safetensors import safe_open
     work = tempfile.mkdtemp(prefix="hf-checkpoint-")
     try:
         source = os.path.join(work, "source")
@@ -1218,7 +1220,7 @@ def report_hf_checkpoint(args):
             out = os.path.join(work, f"saved-{k}")
             got = common.launch(hf_checkpoint_memory, args, shape, method, source, out, world_size=8)
             if method != "initialized()":
-                got[-1]["round trip"] = _same_tensors(source, out, safe_open)
+                got[-1]["round trip"] = same_tensors(source, out)
             for row in got:
                 row.update(whole_mib=whole, part_and_largest_mib=row["held_mib"] + largest)
             rows += got
@@ -1234,13 +1236,15 @@ def report_hf_checkpoint(args):
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _same_tensors(a, b, safe_open) -> str:
-    """Whether two checkpoint folders hold the same tensors by name, bit for bit."""
-    def tensors(folder):
+def same_tensors(a, b) -> str:
+    """Whether two checkpoint folders hold the same tensors by name, bit for bit (read by
+    the safetensors library, not by the kit's reader)."""
+    from safetensors import safe_open
+    maps = []
+    for folder in (a, b):
         with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-            files = json.load(f)["weight_map"]
-        return files
-    left, right = tensors(a), tensors(b)
+            maps.append(json.load(f)["weight_map"])
+    left, right = maps
     if set(left) != set(right):
         return f"names differ: {sorted(set(left) ^ set(right))[:3]}"
     for name in left:

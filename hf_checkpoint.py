@@ -186,20 +186,21 @@ def _as_slice(positions):
 
 
 @torch.no_grad()
-def _read_into(target, record, shape, pieces, file_of) -> int:
+def _read_into(target, record, shape, pieces, file_of) -> tuple:
     """Copy into ``target`` (this rank's part of a tensor shaped ``shape``, laid out as
     ``record``) every element it holds, from ``pieces`` [(checkpoint name, offsets)], each a
     checkpoint tensor placed at ``offsets`` in the whole (with leading dims of one where it
     has fewer). Only this rank's elements are read: a box for each run of consecutive
     indices (one run a dim, unless an axis reordered it: a fused qkv's heads), from
-    ``file_of(name)``, the SafetensorsFile that holds it. Returns the number of elements read."""
+    ``file_of(name)``, the SafetensorsFile that holds it. Returns (elements read, elements
+    this rank holds, its padding aside)."""
     mine = _indices(record, shape)
     flat = target.view(1) if target.dim() == 0 else target
     want = [mine.get(d, torch.arange(shape[d] if shape else 1)) for d in range(max(len(shape), 1))]
     for d, idx in enumerate(want):   # this rank's padding (the last shard's tail) is zeros
         if (idx < 0).any():
             flat.index_fill_(d, (idx < 0).nonzero().flatten(), 0)
-    read = 0
+    read, held = 0, math.prod(int((idx >= 0).sum()) for idx in want)
     for name, offsets in pieces:
         file = file_of(name)
         own = file.shape(name)
@@ -221,7 +222,7 @@ def _read_into(target, record, shape, pieces, file_of) -> int:
             else:
                 grid = [torch.arange(w.start, w.stop) if isinstance(w, slice) else w for w in where]
                 flat[torch.meshgrid(*grid, indexing="ij")] = part.to(flat.device, flat.dtype)
-    return read
+    return read, held
 
 
 def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
@@ -263,10 +264,8 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
         if any(t.is_meta for ts in _tensors(module).values() for t in ts):
             materialize(module, device or "cpu")
         for name, t, whole, parts in plan:
-            stats["read"] += _read_into(t, placements(t), whole, parts, file_of)
-            mine, held = _indices(placements(t), whole), 1
-            for d in range(len(whole)):
-                held *= int((mine[d] >= 0).sum()) if d in mine else whole[d]
+            read, held = _read_into(t, placements(t), whole, parts, file_of)
+            stats["read"] += read
             stats["held"] += held
     finally:
         for file in files.values():
@@ -288,13 +287,19 @@ def _writer_digits(record, counter):
     return digits if record else None
 
 
-def _whole_on_writer(t, record, counter):
+def _writes(digits) -> bool:
+    """Whether this rank writes the tensor ``digits`` (_writer_digits') point at."""
+    if digits is None:
+        return not dist.is_initialized() or dist.get_rank() == 0
+    return all(dist.get_rank(p.group) == d for p, d in digits)
+
+
+def _whole_on_writer(t, digits):
     """``t`` whole on the rank that writes it, None elsewhere: each shard gathered to one
     rank of its group, innermost first, by the ranks that hold copies the writer's way
     (collective over those groups only)."""
-    digits = _writer_digits(record, counter)
     if digits is None:
-        return t.detach() if dist.get_rank() == 0 else None
+        return t.detach() if _writes(None) else None
     if any(p.kind == "replicate" and dist.get_rank(p.group) != d for p, d in digits):
         return None
     t = t.detach()
@@ -324,12 +329,9 @@ def save_hf_checkpoint(module, folder, config=None) -> str:
         dist.broadcast_object_list(nonce, src=0)
     folder = os.path.abspath(folder)
     partial = f"{folder}.partial-{nonce[0]}"
-    plan = [(names, t, placements(t), counter) for counter, (names, t) in enumerate(_saved_tensors(module))]
-
-    def writes(record, counter):
-        digits = _writer_digits(record, counter)
-        return world == 1 or (rank == 0 if digits is None else all(dist.get_rank(p.group) == d for p, d in digits))
-    entries = [(n, t.dtype, _whole_shape(t, record)) for names, t, record, c in plan if writes(record, c)
+    plan = [(names, t, _writer_digits(placements(t), counter) if world > 1 else None)
+            for counter, (names, t) in enumerate(_saved_tensors(module))]
+    entries = [(n, t.dtype, _whole_shape(t, placements(t))) for names, t, digits in plan if _writes(digits)
                for n in names]
     sizes = {n: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for n, dtype, shape in entries}
     counts = [sizes]   # every rank's {name: bytes}: who writes, and the index
@@ -346,8 +348,8 @@ def save_hf_checkpoint(module, folder, config=None) -> str:
             out.write(_header(entries))
     except OSError as e:
         error = f"rank {rank}: {e}"
-    for names, t, record, counter in plan:
-        whole = _whole_on_writer(t, record, counter) if world > 1 else t.detach()   # in the modules' order
+    for names, t, digits in plan:
+        whole = _whole_on_writer(t, digits)   # collective over its groups, in the modules' order
         if whole is not None and out is not None and error is None:
             whole = whole.to("cpu").contiguous()
             try:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 
 import common
+import hf_checkpoint as hfc
 import placement
 from own_model import MAX_NORM, batches, compare, cpm, ddp, everyone, ep, fsdp, nd, pp, tp
 
@@ -361,7 +362,6 @@ def composed(ctx, args):
 
 
 # ---- Hugging Face checkpoints in and out (hf_checkpoint.py) ----------------------------
-hfc = __import__("hf_checkpoint")
 CHECKPOINT_MESHES = {   # 8 ranks each
     "fsdp 8": {"pp": 1, "dp": 1, "fsdp": 8, "cp": 1, "tp": 1},
     "dp 4 x tp 2": {"pp": 1, "dp": 4, "fsdp": 1, "cp": 1, "tp": 2},

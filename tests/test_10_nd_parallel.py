@@ -307,7 +307,6 @@ def test_hf_checkpoint_rows_load_and_save_the_folder_exactly(tmp_path, method):
     """--hf-checkpoint's worker on fsdp 2 (the script's table runs 8 ranks): the nano LM
     from a sharded safetensors folder, saved again; the saved folder holds the same
     tensors bit for bit, each rank held half the weights."""
-    from safetensors import safe_open
     args = verify_args(2, context_length=16, model_size="nano")
     source, out = str(tmp_path / "source"), str(tmp_path / "saved")
     largest = nd.write_hf_source(args, source)
@@ -317,7 +316,7 @@ def test_hf_checkpoint_rows_load_and_save_the_folder_exactly(tmp_path, method):
     for r in rows:
         assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r
         assert r["peak_mib"] >= r["start_mib"] and r["seconds"] > 0
-    assert nd._same_tensors(source, out, safe_open) == "exact"
+    assert nd.same_tensors(source, out) == "exact"
 
 
 def test_setup_memory_rows_hold_the_ranks_part_and_the_meta_path_trains():
