@@ -772,6 +772,17 @@ def predicted_mb(args, world_size, tp, naive=False, sp=False, keep=False) -> flo
     return (tp_bytes + (held * 4 if dp > 1 else 0)) / 1e6
 
 
+def torch_sp_skip(backend, device) -> str | None:
+    """Why torch's SequenceParallel cannot run beside ours on this setting (None: it can):
+    over gloo with CUDA tensors its all-gather of the sequence (a functional collective)
+    crashes the process, a segmentation fault inside torch (seen on an H200 with torch 2.11),
+    instead of raising; it runs under NCCL, one GPU per rank, and on the CPU."""
+    if backend == "gloo" and device == "cuda":
+        return ("over gloo with CUDA tensors its all-gather of the sequence crashes the process (segmentation "
+                "fault inside torch, seen with torch 2.11); it needs NCCL, one GPU per rank")
+    return None
+
+
 def benchmark(ctx, args, tps):
     """At this world size: DP alone, then for each TP degree in ``tps`` ours (TP alone, or
     TP x DP), and at TP over all ranks torch's TP and the naive TP, steps alternating."""
@@ -810,10 +821,10 @@ def benchmark(ctx, args, tps):
                         method(f"TP {W} (torch parallelize_module)", lambda: torch_tensor_parallel_lm(build(), mesh),
                                dp_group, tp),
                         *([method(f"TP {W} + SP (ours)", lambda t=tp_group: tensor_parallel_lm(
-                            build(), t, sequence_parallel=True), dp_group, tp, sp=True),
-                           method(f"TP {W} + SP (torch SequenceParallel)", lambda: torch_tensor_parallel_lm(
-                               build(), mesh, sequence_parallel=True), dp_group, tp, sp=True, keep=True)]
-                          if args.sp else []),
+                            build(), t, sequence_parallel=True), dp_group, tp, sp=True)] if args.sp else []),
+                        *([method(f"TP {W} + SP (torch SequenceParallel)", lambda: torch_tensor_parallel_lm(
+                            build(), mesh, sequence_parallel=True), dp_group, tp, sp=True, keep=True)]
+                          if args.sp and not torch_sp_skip(args.backend, ctx.device.type) else []),
                         method(f"TP {W}, naive (all-gather per layer)",
                                lambda t=tp_group: naive_tensor_parallel_lm(build(), t), dp_group, tp, naive=True)])
     rows = common.time_methods(ctx, args, methods, global_batch=True)
@@ -823,7 +834,7 @@ def benchmark(ctx, args, tps):
     by_name = {r["method"]: r for r in rows}
     for ours, theirs in ((f"TP {W} (ours)", f"TP {W} (torch parallelize_module)"),
                          (f"TP {W} + SP (ours)", f"TP {W} + SP (torch SequenceParallel)")):
-        if ours in by_name:   # steps alternate, so compare them pair by pair
+        if ours in by_name and theirs in by_name:   # steps alternate, so compare them pair by pair
             by_name[ours].update(common.vs_paired(by_name[ours], by_name[theirs]))
     return rows
 
@@ -872,8 +883,9 @@ def sequence_parallel_accounting(ctx, args):
               lambda m: tensor_parallel_lm(m, group, sequence_parallel=True, keep_gathered=True),
               {"sp": True, "keep": True}),
              (f"TP {W} (torch parallelize_module)", W, lambda m: torch_tensor_parallel_lm(m, mesh), None),
-             (f"TP {W} + SP (torch SequenceParallel)", W,
-              lambda m: torch_tensor_parallel_lm(m, mesh, sequence_parallel=True), None)]
+             *([(f"TP {W} + SP (torch SequenceParallel)", W,
+                 lambda m: torch_tensor_parallel_lm(m, mesh, sequence_parallel=True), None)]
+               if not torch_sp_skip(args.backend, ctx.device.type) else [])]
     for name, tp, convert, formula in cases:
         model = convert(common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
         h = model.tok(x) + model.pos(torch.arange(x.shape[1], device=ctx.device))
@@ -966,19 +978,22 @@ def checked_args(p, argv):
 def run_benchmark(args, sizes, plan):
     """TP beside DP and torch's TP at each world size (and with --sp, the sequence-parallel
     accounting), one job per world size, the tables rewritten after each."""
-    rows = []
+    rows, sp_skip = [], torch_sp_skip(args.backend, args.device) if args.sp else None
+    note = f"SKIP torch SequenceParallel: {sp_skip}" if sp_skip else ""
+    if sp_skip and common.is_reporter():
+        print(f"benchmark: {note}")
     for w in sizes:   # one job per world size; the table is rewritten after each
         rows += common.launch(benchmark, args, plan[w], world_size=w)
         if common.is_reporter():
             table = common.save_results(args.out, NAME, rows, {**common.lm_settings(args), "world_size": sizes},
-                                        headers=HEADERS, title=TITLE)
+                                        headers=HEADERS, title=TITLE, note=note)
     sp_rows = []
     for w in sizes if args.sp else []:
         sp_rows += common.launch(sequence_parallel_accounting, args, world_size=w)
         if common.is_reporter():
             sp_table = common.save_results(args.out, SP_NAME, sp_rows, {**common.lm_settings(args),
                                                                         "world_size": sizes},
-                                           headers=SP_HEADERS, title=SP_TITLE)
+                                           headers=SP_HEADERS, title=SP_TITLE, note=note)
     if common.is_reporter():
         print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, global batch {args.batch_size}x"
               f"{args.context_length}; times in ms, median [min, max] of {args.steps} steps; comm_ms: time the "

@@ -86,14 +86,15 @@ def _traced(name, fn):
     where = {k: params.index(k) for k in ("group", "async_op") if k in params}
 
     def traced(*args, **kwargs):
+        if name == "batch_isend_irecv":   # torch's own isend/irecv, from any thread (a GPU's backward
+            args = (_unwrapped_ops(args[0]), *args[1:])   # runs on autograd's device thread)
         if not _OBSERVERS or threading.current_thread() is not threading.main_thread():
             return fn(*args, **kwargs)
         group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
         async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
             kwargs.get("async_op", args[where["async_op"]] if len(args) > where.get("async_op", 1 << 30) else False)
         tokens = [o.enter(name, args, kwargs, group, async_op) for o in list(_OBSERVERS)]
-        result = fn(_unwrapped_ops(args[0]), *args[1:], **kwargs) if name == "batch_isend_irecv" else \
-            fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
         for o, token in zip(list(_OBSERVERS), tokens):
             o.exit(token, result)
         return result

@@ -125,3 +125,10 @@ def test_a_refusal_concerns_only_what_the_command_runs():
     p = run_inline("08_tensor_parallel.py", "--world-sizes", "4", "--model-size", "nano", "--tp", "4", "--no-bench",
                    launch=lambda *a, **k: {"case": {"ok": True, "max_diff": 0.0}})
     assert p.returncode == 0, p.stderr
+
+
+def test_torch_sequence_parallel_is_left_out_only_where_it_crashes():
+    """Over gloo with CUDA tensors torch's SequenceParallel all-gather segfaults the rank (the
+    H200 at 0c463d5, torch 2.11): left out there with its reason, run everywhere else."""
+    assert "segmentation fault" in tp.torch_sp_skip("gloo", "cuda")
+    assert tp.torch_sp_skip("gloo", "cpu") is None and tp.torch_sp_skip("nccl", "cuda") is None

@@ -586,18 +586,35 @@ def pipeline_staged_equals_direct(ctx, args):
 
 
 def ring_staged_equals_direct(ctx, args):
-    """11's ring attention over 2 ranks, direct and staged through host memory (forced):
-    the same output and gradients, bit for bit."""
+    """11's ring attention over 2 ranks, direct, staged through host memory (forced), and
+    staged with its backward on another thread (as a GPU's autograd runs it, the ring's
+    messages then sent from that thread under the flight recorder): the same output and
+    gradients, bit for bit."""
+    import threading
     cpm = common.load_script(os.path.join(common.ROOT, "11_context_parallel.py"))
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (cpm.shard_sequence(torch.randn(1, 2, 16, 8, generator=g), ctx.rank, 2, dim=2) for _ in range(4))
     got = []
-    for staging in (False, True):
+    for staging, thread in ((False, False), (True, False), (True, True)):
         mine = [x.clone().requires_grad_() for x in (q, k, v)]
         out = cpm.context_parallel_attention(*mine, method="ring", host_staging=staging)
-        out.backward(dout)
+        failed = []
+
+        def backward():
+            try:
+                out.backward(dout)
+            except BaseException as e:   # raised here, on the main thread
+                failed.append(e)
+        if thread:
+            t = threading.Thread(target=backward)
+            t.start()
+            t.join()
+        else:
+            backward()
+        if failed:
+            raise failed[0]
         got.append([out.detach()] + [x.grad for x in mine])
-    same = all(torch.equal(a, b) for a, b in zip(*got))
+    same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*got))
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, same)
     return everyone
