@@ -127,11 +127,11 @@ def _sample_sockets(p, sockets):
         time.sleep(0.3)
 
 
-def _report(job):
+def _report(job, after=None):
     """The first stall report once the rank misbehaved (a start slower than the window on a
-    loaded machine is a stall too, and may be reported before): (the second it was printed,
-    its lines)."""
-    lines, after = job["lines"], job["misbehaved"] or 0.0
+    loaded machine is a stall too, and may be reported before), or once ``after``: (the
+    second it was printed, its lines)."""
+    lines, after = job["lines"], after or job["misbehaved"] or 0.0
     i = next((i for i, (t, ln) in enumerate(lines) if ln.startswith("stall: ") and t >= after), None)
     assert i is not None, "no stall report:\n" + "\n".join(ln for _, ln in lines) + job["stderr"]
     block = [lines[i][1]] + [ln for _, ln in lines[i + 1:i + 12] if ln.startswith(("|", "  "))]
@@ -144,8 +144,13 @@ def _report(job):
 def test_the_rank_the_others_wait_for_is_named_within_the_stall_window(jobs, mode, how, state):
     job = jobs[(mode, how)]
     when, report = _report(job)
-    assert report[0].startswith(f"stall: the ranks wait for rank 1 ({state}"), report
+    assert report[0].startswith("stall: the ranks wait for rank 1 ("), report
     assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
+    if mode == "loop" and "not responding (alive, its recorder silent)" in report[0]:
+        # a loaded machine may starve the busy rank's beat thread past the window: the next
+        # report, STALL s on, has its state (the stopped rank's comes from /proc, never late)
+        when, report = _report(job, after=when + 0.5)
+    assert report[0].startswith(f"stall: the ranks wait for rank 1 ({state}"), report
     rows = {ln.split("|")[1].strip(): ln for ln in report if ln.startswith("| ") and ln[2].isdigit()}
     assert "waits in all_reduce #4 on the world" in rows["0"] and "last" not in rows["0"]
     if mode == "loop":
