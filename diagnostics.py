@@ -64,7 +64,13 @@ class _P2POp(dist.P2POp):
     the wrapped one, so code comparing it with dist.isend still finds it)."""
 
     def __new__(cls, op, *args, **kwargs):
-        return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+        return super().__new__(cls, _real(op), *args, **kwargs)
+
+
+def _real(fn):
+    """torch's own function behind one of our traced wrappers (any other function as it is:
+    torch's own may carry a __wrapped__ of its own decorators)."""
+    return fn.__wrapped__ if getattr(fn, "_kit_traced", False) else fn
 
 
 def _unwrapped_ops(ops):
@@ -72,7 +78,7 @@ def _unwrapped_ops(ops):
     out = []
     for p in ops:
         q = object.__new__(type(p))
-        q.__dict__.update(p.__dict__, op=getattr(p.op, "__wrapped__", p.op))
+        q.__dict__.update(p.__dict__, op=_real(p.op))
         out.append(q)
     return out
 
@@ -101,7 +107,7 @@ def _traced(name, fn):
     # torch.compile leaves the wrapper to run eagerly (a clean graph break where the call is,
     # as for the call itself), rather than tracing into the recorder's bookkeeping
     traced = torch.compiler.disable(traced)
-    traced.__wrapped__, traced.__name__, traced.__doc__ = fn, fn.__name__, fn.__doc__
+    traced.__wrapped__, traced.__name__, traced.__doc__, traced._kit_traced = fn, fn.__name__, fn.__doc__, True
     return traced
 
 
