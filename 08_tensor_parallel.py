@@ -50,7 +50,6 @@ import common
 
 # ---- begin copy: tensor-parallel layers (need torch, the standard library and placement.py) ----
 import contextlib
-import fnmatch
 import math
 from datetime import timedelta
 
@@ -60,7 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
-                       load_full_state_dict, place, placements)   # noqa: F401 (what a loop needs, from here too)
+                       load_full_state_dict, path_matches, place, placements)   # noqa: F401 (what a loop needs, from here too)
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -411,13 +410,6 @@ def sync_rng(process_group=None):
         torch.cuda.set_rng_state(states[1])
 
 
-def _matches(path: str, pattern: str) -> bool:
-    """A module path against a plan key: the same number of dotted names, each matched by
-    fnmatch (``*`` for any one name, as in torch's parallelize_module plans)."""
-    names, keys = path.split("."), pattern.split(".")
-    return len(names) == len(keys) and all(fnmatch.fnmatchcase(n, k) for n, k in zip(names, keys))
-
-
 def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) -> nn.Module:
     """Put ``module``'s submodules named in ``plan`` in tensor-parallel form, in place. A key
     is a module path under ``module``, where ``*`` stands for any one name
@@ -450,7 +442,7 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         if kind not in ("column", "row", "dropout", "divide", "sum"):
             raise ValueError(f"plan[{key!r}]: unknown kind {kind!r} (column, row, dropout, divide or sum)")
         owner_key, _, attr = key.rpartition(".") if kind == "divide" else (key, "", "")
-        found = [n for n in modules if _matches(n, owner_key)]
+        found = [n for n in modules if path_matches(n, owner_key)]
         if kind == "divide":
             found = [n for n in found if isinstance(getattr(modules[n], attr, None), int)]
         if not found:

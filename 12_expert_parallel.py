@@ -43,7 +43,6 @@ import statistics
 import common
 
 # ---- begin copy: mixture of experts (needs torch, the standard library and placement.py) ----
-import fnmatch
 import math
 import time
 
@@ -53,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from placement import (clip_grad_norm_, full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
-                       load_full_state_dict, place, placements)   # noqa: F401 (what a loop needs, from here too)
+                       load_full_state_dict, path_matches, place, placements)   # noqa: F401 (what a loop needs, from here too)
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -406,7 +405,7 @@ def split_experts(model: nn.Module, pattern: str, process_group=None, copies=Non
         reduce_expert_gradients(model)        # summed over copies, divided by the data ranks
 
     Built on the meta device, the slices stay on meta for materialize to fill."""
-    found = {name: m for name, m in model.named_modules() if _path_matches(name, pattern)}
+    found = {name: m for name, m in model.named_modules() if path_matches(name, pattern)}
     if not found:
         raise ValueError(f"split_experts: {pattern!r} matches no module")
     ep, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -431,11 +430,6 @@ def split_experts(model: nn.Module, pattern: str, process_group=None, copies=Non
         m.register_forward_pre_hook(m.expert_exchange.before, with_kwargs=True)
         m.register_forward_hook(m.expert_exchange.after, with_kwargs=True)
     return model
-
-
-def _path_matches(path: str, pattern: str) -> bool:
-    names, keys = path.split("."), pattern.split(".")
-    return len(names) == len(keys) and all(fnmatch.fnmatchcase(n, k) for n, k in zip(names, keys))
 
 
 def _split_modules(model):

@@ -10,11 +10,19 @@ needs only torch and the standard library: a copy is this whole file, and every 
 region that names placement.py needs it beside it.
 """
 import contextlib
+import fnmatch
 import math
 
 import torch
 import torch.distributed as dist
 
+
+def path_matches(path: str, pattern: str) -> bool:
+    """A module path against a pattern of the same number of dotted names, each matched by
+    fnmatch (``*`` for any one name, as in torch's parallelize_module plans): 08's plan keys
+    and 12's split_experts."""
+    names, keys = path.split("."), pattern.split(".")
+    return len(names) == len(keys) and all(fnmatch.fnmatchcase(n, k) for n, k in zip(names, keys))
 
 class Placement:
     """How one axis laid a tensor out over ``group`` (a process group; None: every rank):
