@@ -1,6 +1,7 @@
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,12 +99,23 @@ def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
             os.kill(pid, 0)
 
 
-def test_workers_end_when_the_launcher_is_killed(tmp_path):
+@pytest.fixture
+def scratch():
+    """The launcher's TMPDIR, a short path: the forkserver's socket goes in a folder there,
+    and a Unix socket's path has at most 107 bytes (pytest's own tmp_path, pytest-NNN and the
+    test's name, leaves too few once the session count reaches three digits)."""
+    import shutil
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="t02-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_workers_end_when_the_launcher_is_killed(tmp_path, scratch):
+    # (scratch holds the job's result file, which a killed launcher cannot remove)
     import signal
     import subprocess
     import sys
-    scratch = tmp_path / "tmp"   # the job's result file, which a killed launcher cannot remove, lands here
-    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers.py"), str(tmp_path), "sleep_forever"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "TMPDIR": str(scratch)})
@@ -121,14 +133,12 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
-def test_a_terminated_launcher_ends_its_workers_and_leaves_no_files(tmp_path):
+def test_a_terminated_launcher_ends_its_workers_and_leaves_no_files(tmp_path, scratch):
     """SIGTERM (a timeout, a scheduler's kill) ends the job as Ctrl-C does: the ranks are
     ended at once and the job's result file is removed."""
     import signal
     import subprocess
     import sys
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers.py"), str(tmp_path), "sleep_forever"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(scratch)})
