@@ -44,6 +44,7 @@ NATURAL = {
                            "--dp", "2"], "10_nd_parallel.py:train_step", 3),
 }
 LAUNCHES = ("spawned", "torchrun")
+LISTENING = ("busy", "skip", "stop")   # the spawned jobs whose listening sockets are looked at (they end three ways)
 
 
 def _command(case, how, folder, env):
@@ -64,7 +65,7 @@ def _command(case, how, folder, env):
 
 def _run(case, how, folder, env):
     """One job: exit status, stdout lines with the second each arrived, stderr, when its rank
-    misbehaved, and (spawned) every socket its processes listened on."""
+    misbehaved, and (spawned, LISTENING) every socket its processes listened on."""
     folder.mkdir(parents=True, exist_ok=True)
     cmd, env = _command(case, how, folder, env)
     began = time.time()
@@ -73,14 +74,15 @@ def _run(case, how, folder, env):
     reader = threading.Thread(target=_read_errors, args=(p, err, how), daemon=True)
     reader.start()
     sampler = threading.Thread(target=_sample_sockets, args=(p, sockets), daemon=True)
-    if how == "spawned":
+    sampled = how == "spawned" and case in LISTENING   # (each look reads every process's /proc/N/stat)
+    if sampled:
         sampler.start()
     for line in p.stdout:
         lines.append((time.time(), line.rstrip("\n")))
     p.wait(timeout=240)
     reader.join(10)
     err = ["".join(err)]
-    if how == "spawned":
+    if sampled:
         sampler.join(10)
     bad = folder / "misbehaved"
     return {"rc": p.returncode, "lines": lines, "stderr": err[0] if err else "", "sockets": sockets,
@@ -247,13 +249,18 @@ def test_a_wait_the_recorder_cannot_see_is_reported_as_no_progress_and_named_at_
     whose stack moves, is busy; the failure at --timeout names rank 0 first."""
     job = jobs[("thread", how)]
     when, report = _report(job)
+    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
+    if "ranks 0, 1 have not moved" in report[0]:
+        # a loaded machine may keep the computing rank off the CPU through every look at
+        # its stack in the window (each look then finds it at one call): the next report,
+        # STALL s on, has seen it move
+        when, report = _report(job, after=when + 0.5)
     assert report[0].startswith("stall: no rank entered or completed a recorded call for ") and \
         "rank 0 has not moved: in no recorded call, its stack unmoved for" in report[0], report
     assert "cannot see" in report[1]
     rows = {ln.split("|")[1].strip(): ln for ln in report if ln.startswith("| ") and ln[2].isdigit()}
     assert "_all_reduce_in_a_thread: t.join()" in rows["0 *"], rows
     assert "busy in no call, at workers.py" in rows["1"] and "stall_scenario: _spin()" in rows["1"], rows
-    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
     assert job["rc"] != 0
     if how == "spawned":
         assert job["stderr"].startswith("stall_job.py: error: rank 0 stuck first: in no recorded call"), job["stderr"]
@@ -270,7 +277,7 @@ def test_a_failed_job_prints_the_launchers_lines_only_and_leaves_nothing_running
     assert not workers_left()
 
 
-@pytest.mark.parametrize("mode", ["busy", "skip", "stop"])
+@pytest.mark.parametrize("mode", LISTENING)
 def test_a_spawned_job_listens_on_loopback_only_when_it_completes_fails_or_stalls(jobs, mode):
     """The launcher's rendezvous store and the ranks' gloo sockets: nothing of a spawned job
     listens on 0.0.0.0 or ::, whether it completes ("busy"), fails at once ("skip", refused
