@@ -15,6 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import diagnostics
 
+# What this process has imported (torch, the kit) is not garbage: the collector's full
+# passes, each 0.1 to 0.2 s, skip it (as every spawned rank's do, common._spawn_entry)
+import gc  # noqa: E402
+gc.freeze()
+
 # Every rank a test spawns forks from one forkserver a pytest worker starts at its first
 # launch. Beside torch (common's list), it imports transformers' two models once, so the 22
 # ranks of the transformers tests do not import them each (2.4 s of CPU a rank); the
