@@ -58,6 +58,10 @@ def classes(ctx, args):
     error it raised, which ends the job: the other rank may be waiting in the middle of a
     step), and the seconds it took (its compilation included)."""
     W, r, data, out = ctx.world_size, ctx.rank, batches(steps=STEPS), {}
+    # inductor compiles in this process: no pool of compile workers, each importing torch
+    # again (the ranks already share the machine's cores; a pool only adds their start)
+    import torch._inductor.config
+    torch._inductor.config.compile_threads = 1
     torch.manual_seed(0)
     base = llama.Transformer(llama.ModelArgs())
     trained = compiled_layers(copy.deepcopy(base))
