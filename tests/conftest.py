@@ -12,6 +12,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# A rank of one (or this process) computes with every core's thread, and OpenMP's idle
+# threads spin between its ops: on a machine the tests fill with ranks that is CPU taken from
+# them (a fifth of the GPU dry run's). Idle threads sleep instead; read when torch loads
+# OpenMP (below), and inherited by every process a test starts. Results do not change.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import common  # noqa: E402
 import diagnostics
 
