@@ -95,3 +95,18 @@ def test_a_meta_built_model_is_made_real_under_the_audit_where_its_sources_are(o
         moved = device.to(host.device)                 # where ``host`` is: the host
         assert audit.of(moved)[0] == diagnostics.HOST and audit.of(host.index_select(0, moved))[0] == diagnostics.HOST
         assert audit.of(host.to(device.device))[0] == diagnostics.DEVICE
+
+
+def test_the_audit_finds_the_tensors_of_a_call_as_pytree_does():
+    """Its own walk of tuples, lists and dicts (pytree for anything else): the same tensors,
+    the same objects, in the same order, as torch's pytree finds."""
+    import collections
+    from torch.utils._pytree import tree_leaves
+    pair = collections.namedtuple("pair", "a b")
+    t, u, w = torch.ones(2), torch.zeros(3), torch.nn.Parameter(torch.ones(1))
+    calls = [((t, 1.0, None), {"out": u}), ([t, [u, (w,)]], {}), (pair(t, u),), ({"x": t, "y": [u]},),
+             (torch.Size([2]), t), (torch.topk(torch.arange(5.0), 2),), (collections.OrderedDict(a=t, b=(u, 2)),),
+             (slice(1, 2), ..., torch.float32, torch.device("cpu"), t, "s", 3 + 0j), ()]
+    for call in calls:
+        got, want = diagnostics._tensors(call), [x for x in tree_leaves(call) if torch.is_tensor(x)]
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), call
