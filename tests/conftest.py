@@ -1,5 +1,6 @@
 import argparse
 import contextlib
+import gc
 import io
 import os
 import subprocess
@@ -23,7 +24,6 @@ import diagnostics
 
 # What this process has imported (torch, the kit) is not garbage: the collector's full
 # passes, each 0.1 to 0.2 s, skip it (as every spawned rank's do, common._spawn_entry)
-import gc  # noqa: E402
 gc.freeze()
 
 # Every rank a test spawns forks from one forkserver a pytest worker starts at its first

@@ -251,9 +251,8 @@ def test_a_wait_the_recorder_cannot_see_is_reported_as_no_progress_and_named_at_
     when, report = _report(job)
     assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
     if "ranks 0, 1 have not moved" in report[0]:
-        # a loaded machine may keep the computing rank off the CPU through every look at
-        # its stack in the window (each look then finds it at one call): the next report,
-        # STALL s on, has seen it move
+        # a loaded machine may starve the computing rank's beat thread: its last state, read
+        # again, looks still; the next report, STALL s on, has its fresh state (it moves)
         when, report = _report(job, after=when + 0.5)
     assert report[0].startswith("stall: no rank entered or completed a recorded call for ") and \
         "rank 0 has not moved: in no recorded call, its stack unmoved for" in report[0], report
