@@ -18,6 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # them (a fifth of the GPU dry run's). Idle threads sleep instead; read when torch loads
 # OpenMP (below), and inherited by every process a test starts. Results do not change.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The kit's modules compiled once, not in every process: a spawned rank imports common, the
+# scripts and these tests' modules again, and without their bytecode cached (an environment
+# with PYTHONDONTWRITEBYTECODE set) compiles each from source, a tenth of a second of CPU a
+# rank, most of what its imports cost. This process writes each one's .pyc beside it (in
+# __pycache__, which git ignores) as it imports it; the ranks, the fork servers and the
+# scripts a test starts read them (and write those this process did not import).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import common  # noqa: E402
 import diagnostics
