@@ -47,6 +47,12 @@ import diagnostics
 import placement
 import sharded_checkpoint
 
+# What torch and the kit made as they were imported (some 280,000 objects) lives as long as
+# the process: the collector's full passes, the last one as the process exits, skip it from
+# here on (0.25 s of CPU less for each script's launcher and torchrun worker here; a spawned
+# rank does the same for what its fork server imported, _spawn_entry)
+gc.freeze()
+
 ROOT = Path(__file__).resolve().parent
 # runs of one's own land here (git ignores it); make all passes --out results, the tracked tables
 DEFAULT_OUT = str(ROOT / "runs")
