@@ -1,6 +1,5 @@
 import argparse
 import contextlib
-import gc
 import io
 import os
 import subprocess
@@ -27,12 +26,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-import common  # noqa: E402
+import common  # noqa: E402   (frozen as it imports: the collector's full passes skip torch and the kit)
 import diagnostics
-
-# What this process has imported (torch, the kit) is not garbage: the collector's full
-# passes, each 0.1 to 0.2 s, skip it (as every spawned rank's do, common._spawn_entry)
-gc.freeze()
 
 # Every rank a test spawns forks from one forkserver a pytest worker starts at its first
 # launch. Beside torch (common's list), it imports transformers' two models once, so the 22
