@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import dis
 import json
+import linecache
 import os
 import platform
 import statistics
 import sys
 import threading
 import time
-import traceback
 import zlib
 from pathlib import Path
 
@@ -415,13 +415,21 @@ class CollectiveMismatch(RuntimeError):
     """Ranks called different collectives at the same place of a group (--check-collectives)."""
 
 
-def _stack(frame, limit=6) -> list:
-    """The last ``limit`` frames of a thread's Python stack, outside torch, as file:line func: code."""
+def _stack(thread_id, limit=6) -> list:
+    """The last ``limit`` frames of a thread's Python stack, outside torch, as file:line func:
+    code. The frames are read first and let go before any line of source is looked up (that
+    may read a file, letting the GIL go): a frame held past its function's return would keep
+    the function's locals, the thread's tensors, alive."""
+    places, frame = [], sys._current_frames().get(thread_id)
+    while frame is not None:
+        places.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
     lines = []
-    for fs in traceback.extract_stack(frame)[::-1]:
-        if fs.filename.startswith(_TORCH_DIR) or fs.filename == threading.__file__:
+    for path, line, name in places:
+        if path.startswith(_TORCH_DIR) or path == threading.__file__:
             continue
-        lines.append(f"{Path(fs.filename).name}:{fs.lineno} {fs.name}: {(fs.line or '').strip()}")
+        linecache.checkcache(path)
+        lines.append(f"{Path(path).name}:{line} {name}: {linecache.getline(path, line or 0).strip()}")
         if len(lines) == limit:
             break
     return lines
@@ -624,10 +632,9 @@ class FlightRecorder:
         done = _brief(self.done) if self.done else None
         seq = dict(self.seq)
         blocked = any(r["t1"] is None and not r["async"] for r in self.flight)
-        frame = sys._current_frames().get(self.main.ident)
+        lines = _stack(self.main.ident) if stack and not blocked else []
         return {"rank": self.rank, "pid": os.getpid(), "host": platform.node(), "t": time.time(),
-                "flight": flight, "done": done, "seq": seq, "groups": self.groups,
-                "stack": _stack(frame) if stack and frame is not None and not blocked else [],
+                "flight": flight, "done": done, "seq": seq, "groups": self.groups, "stack": lines,
                 "entered": self.entered, "completed": self.completed, "cpu": self._cpu(),
                 "frames": self._frames() if stack and not blocked else None}
 
@@ -649,6 +656,7 @@ class FlightRecorder:
             while f is not None and len(where) < 3:
                 where.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:{f.f_lasti}")
                 f = f.f_back
+            f = None   # not held through the pause: a frame held past its return keeps its locals alive
             seen.add(" <- ".join(where))
             if i + 1 < samples:
                 time.sleep(0.0005)
