@@ -633,10 +633,11 @@ class FlightRecorder:
         seq = dict(self.seq)
         blocked = any(r["t1"] is None and not r["async"] for r in self.flight)
         lines = _stack(self.main.ident) if stack and not blocked else []
+        frames = self._frames() if stack and not blocked else None
+        # t: when the state is whole, after the looks (a starved thread's looks may take seconds)
         return {"rank": self.rank, "pid": os.getpid(), "host": platform.node(), "t": time.time(),
                 "flight": flight, "done": done, "seq": seq, "groups": self.groups, "stack": lines,
-                "entered": self.entered, "completed": self.completed, "cpu": self._cpu(),
-                "frames": self._frames() if stack and not blocked else None}
+                "entered": self.entered, "completed": self.completed, "cpu": self._cpu(), "frames": frames}
 
     def _frames(self, samples=32) -> dict:
         """Where the main thread is, looked at ``samples`` times half a millisecond apart:
