@@ -445,9 +445,9 @@ def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
                     return worker(ctx, args, *job)
             return worker(ctx, args, *job)
     except BaseException:
-        if watch and recorder.watch.diagnosis:   # named before the traceback torchrun shows
-            print(f"rank {ctx.rank} fails after a stall: {recorder.watch.diagnosis['stuck']}", file=sys.stderr,
-                  flush=True)
+        stall = recorder.watch.last_word(ticking=True) if watch else None
+        if stall:   # named before the traceback torchrun shows
+            print(f"rank {ctx.rank} fails after a stall: {stall['stuck']}", file=sys.stderr, flush=True)
         raise
     finally:
         recorder.finish()
@@ -565,12 +565,12 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
                 alive.tick()
                 watch.tick()
         except mp.ProcessRaisedException:
-            raise LaunchError(_failure_report(result_path, world_size, stall=watch.diagnosis)) from None
+            raise LaunchError(_failure_report(result_path, world_size, stall=watch.last_word())) from None
         except mp.ProcessExitedException as e:
             how = f"signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             raise LaunchError(_failure_report(result_path, world_size,
                                               (time.time(), e.error_index, f"died ({how}) without a Python error"),
-                                              stall=watch.diagnosis)) from None
+                                              stall=watch.last_word())) from None
         except BaseException:
             for p in procs.processes:
                 if p.is_alive():

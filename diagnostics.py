@@ -875,8 +875,11 @@ class _View:
         text = "\n".join([head + (waited or ""), *[f"  {n}" for n in notes],
                           "| rank | state | last call completed | where (innermost first) |", "|---|---|---|---|",
                           *rows])
+        # unsure: a named rank not responding whose process this host does not see stopped or
+        # gone (its recorder's thread starved, or its host another): its next state may tell more
+        unsure = [r for r in culprits if r in self.silent and r in self.states and self.proc.get(r) is None]
         return {"culprits": culprits, "text": text, "first": f"rank {culprits[0]} {self.status(culprits[0])}",
-                "stuck": stuck, "kind": kind, "silent": sorted(self.silent)}
+                "stuck": stuck, "kind": kind, "silent": sorted(self.silent), "unsure": unsure}
 
 
 def _chain(view, stalled) -> dict:
@@ -999,14 +1002,7 @@ class StallWatch:
                     h["cpu"][r] = s["cpu"] - before[2]
 
     def tick(self):
-        now = time.time()
-        states = self.states()
-        progress = self.history["progress"]
-        self._track(states, now)
-        d = diagnose(states, now, self.world, self.stall_report, history=self.history)
-        keep = self.diagnosis is not None and self.history["progress"] == progress and (
-            any(s.get("flight") for s in states.values()) or self.diagnosis["kind"] in ("silent", "still"))
-        self.diagnosis = d or (self.diagnosis if keep else None)
+        now, states, d = self._update()
         if d is None or now - self.shown < self.stall_report:
             return
         if self.me is not None:   # under torchrun: the first rank whose state is fresh prints
@@ -1015,6 +1011,30 @@ class StallWatch:
                 return
         self.shown = now
         print(d["text"], file=self.out, flush=True)
+
+    def _update(self):
+        """Read the states, track the history, diagnose: (now, states, this tick's diagnosis)."""
+        now = time.time()
+        states = self.states()
+        progress = self.history["progress"]
+        self._track(states, now)
+        d = diagnose(states, now, self.world, self.stall_report, history=self.history)
+        keep = self.diagnosis is not None and self.history["progress"] == progress and (
+            any(s.get("flight") for s in states.values()) or self.diagnosis["kind"] in ("silent", "still"))
+        self.diagnosis = d or (self.diagnosis if keep else None)
+        return now, states, d
+
+    def last_word(self, ticking=False, wait=3 * BEAT) -> dict | None:
+        """The diagnosis a failed job names first (None: no stall). One that names a rank
+        not responding while its process lives (on a loaded machine its recorder's thread
+        may be starved for seconds) waits up to ``wait`` seconds for states that say more:
+        read here, or, with ``ticking``, by the thread that ticks (a torchrun rank's beat)."""
+        deadline = time.time() + wait
+        while self.diagnosis is not None and self.diagnosis.get("unsure") and time.time() < deadline:
+            time.sleep(0.1)
+            if not ticking:
+                self._update()
+        return self.diagnosis
 
 
 def recorder_modes(ctx, args, make, global_batch=False) -> list:

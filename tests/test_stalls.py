@@ -164,7 +164,8 @@ def test_the_rank_the_others_wait_for_is_named_within_the_stall_window(jobs, mod
         assert lines[1].startswith("  then, after waiting: rank 0 failed: RuntimeError:") and "Timed out" in lines[1]
         assert lines[-1].startswith("  every failed rank's traceback: ") and len(lines) <= 4, job["stderr"]
     else:   # torchrun prints each rank's traceback: the stall's line comes before it
-        assert f"rank 0 fails after a stall: rank 1 stuck first: {state}" in job["stderr"]
+        assert f"rank 0 fails after a stall: rank 1 stuck first: {state}" in job["stderr"], \
+            [ln for ln in job["stderr"].splitlines() if "stall" in ln or "stuck" in ln]
         assert job["stderr"].index("fails after a stall") < job["stderr"].index("Traceback")
 
 
@@ -444,3 +445,55 @@ def test_diagnose_names_a_rank_that_has_not_moved_while_no_rank_makes_progress()
 
 def diagnose(states, now, alive=lambda pid, host: None):
     return diagnostics.diagnose(states, now, world=len(states), stall_after=30.0, alive=alive)
+
+
+@pytest.mark.parametrize("ticking", [False, True], ids=["launcher reads", "beat ticks"])
+def test_a_failed_jobs_first_line_waits_for_the_next_state_of_a_rank_that_seemed_silent_but_lives(ticking):
+    """On a loaded machine a rank computing in Python may publish late, its beat thread
+    starved: the failure's first line (StallWatch.last_word) then waits, up to three beats,
+    for that rank's next state rather than call it not responding; read by the launcher
+    itself, or, under torchrun, by the failing rank's beat thread, which goes on ticking.
+    A rank this host sees stopped is named at once."""
+    import io
+    import platform
+    import torch
+    store = torch.distributed.HashStore()
+    watch = diagnostics.StallWatch(store, 2, 3.0, out=io.StringIO())
+    call = _call("all_reduce", "0", 4, [0, 1], time.time() - 10)
+
+    def publish(rank1_at, **rank1):
+        store.set("state/0", json.dumps(_state(0, time.time(), {"0": 4}, [call])))
+        store.set("state/1", json.dumps({**_state(1, rank1_at, {"0": 3}, stack=["workers.py:9 _spin: pass"]), **rank1}))
+    publish(time.time() - 5)   # its last state 5 s old, its process not seen from here (another host)
+    watch.tick()
+    assert watch.diagnosis["stuck"].startswith("rank 1 stuck first: not responding (alive, its recorder silent)")
+    assert watch.diagnosis["unsure"] == [1]
+    late = threading.Timer(0.5, lambda: publish(time.time()))
+    late.start()
+    done = threading.Event()
+    beat = threading.Thread(target=lambda: [watch.tick() for _ in iter(lambda: done.wait(0.2), True)])
+    if ticking:
+        beat.start()
+    began = time.time()
+    try:
+        d = watch.last_word(ticking=ticking)
+    finally:
+        done.set()
+        late.join()
+        if ticking:
+            beat.join()
+    assert d["stuck"].startswith("rank 1 stuck first: busy in no call, at workers.py:9 _spin: pass (") and not d["unsure"]
+    assert time.time() - began < 2.5
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        publish(time.time() - 5, pid=stopped.pid, host=platform.node())
+        watch.tick()
+        began = time.time()
+        d = watch.last_word(ticking=ticking)
+        assert d["stuck"].startswith("rank 1 stuck first: not responding: stopped") and not d["unsure"]
+        assert time.time() - began < 0.5
+    finally:
+        stopped.kill()
+        stopped.wait()
