@@ -411,6 +411,15 @@ _POST = 0.02                          # seconds a compared call waits before pos
 _SLICE = 1.0                          # seconds between looks at where the missing ranks are
 
 
+def _next_pause(pause, waited):
+    """The next pause of a rank polling for the others at a compared call: doubling from
+    50 us to 5 ms, then growing with the wait, a tenth of it, to at most 0.1 s. A rank
+    that waits long (while another computes a one-process reference, or in a pipeline's
+    bubble) looks a few times a second, not 200 (each look is one to three store round
+    trips), and starts its call at most a tenth of its wait (5 ms for a short one) late."""
+    return min(2 * pause, max(0.005, 0.1 * waited), 0.1)
+
+
 class CollectiveMismatch(RuntimeError):
     """Ranks called different collectives at the same place of a group (--check-collectives)."""
 
@@ -565,8 +574,8 @@ class FlightRecorder:
         start, pause, posted, look = time.time(), 5e-5, False, 0.0
         while self.store.add(count, 0) < len(ranks):   # (polled: a store's wait that times out logs warnings)
             time.sleep(pause)
-            pause = min(2 * pause, 0.005)
             now = time.time()
+            pause = _next_pause(pause, now - start)
             if now > start + self.timeout:
                 raise RuntimeError(f"--check-collectives: the other ranks did not call #{seq} on "
                                    f"{_label(key, ranks, self.world)} within --timeout {self.timeout:g} s")
