@@ -474,26 +474,23 @@ def test_a_failed_jobs_first_line_waits_for_the_next_state_of_a_rank_that_seemed
     beat = threading.Thread(target=lambda: [watch.tick() for _ in iter(lambda: done.wait(0.2), True)])
     if ticking:
         beat.start()
-    began = time.time()
     try:
-        d = watch.last_word(ticking=ticking)
+        d = watch.last_word(ticking=ticking, wait=30.0)   # (three beats by default; here a loaded machine's margin)
     finally:
         done.set()
         late.join()
         if ticking:
             beat.join()
     assert d["stuck"].startswith("rank 1 stuck first: busy in no call, at workers.py:9 _spin: pass (") and not d["unsure"]
-    assert time.time() - began < 2.5
     stopped = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        while diagnostics._process_state(stopped.pid, platform.node()) != "stopped":
+            time.sleep(0.01)
         publish(time.time() - 5, pid=stopped.pid, host=platform.node())
         watch.tick()
-        began = time.time()
-        d = watch.last_word(ticking=ticking)
-        assert d["stuck"].startswith("rank 1 stuck first: not responding: stopped") and not d["unsure"]
-        assert time.time() - began < 0.5
+        assert not watch.diagnosis["unsure"]   # nothing to wait for: last_word returns it as it is
+        assert watch.last_word(ticking=ticking)["stuck"].startswith("rank 1 stuck first: not responding: stopped")
     finally:
         stopped.kill()
         stopped.wait()
