@@ -424,21 +424,27 @@ class CollectiveMismatch(RuntimeError):
     """Ranks called different collectives at the same place of a group (--check-collectives)."""
 
 
+def _places(thread_id, limit=None) -> list:
+    """(code, line, bytecode offset) of a thread's frames, innermost first, ``limit`` of them
+    at most, read without keeping any frame: a frame held past its function's return would
+    keep the function's locals, the thread's tensors, alive."""
+    places, frame = [], sys._current_frames().get(thread_id)
+    while frame is not None and len(places) != limit:
+        places.append((frame.f_code, frame.f_lineno, frame.f_lasti))
+        frame = frame.f_back
+    return places
+
+
 def _stack(thread_id, limit=6) -> list:
     """The last ``limit`` frames of a thread's Python stack, outside torch, as file:line func:
-    code. The frames are read first and let go before any line of source is looked up (that
-    may read a file, letting the GIL go): a frame held past its function's return would keep
-    the function's locals, the thread's tensors, alive."""
-    places, frame = [], sys._current_frames().get(thread_id)
-    while frame is not None:
-        places.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
+    code (the lines of source looked up once its frames are let go: that may read a file)."""
     lines = []
-    for path, line, name in places:
+    for code, line, _ in _places(thread_id):
+        path = code.co_filename
         if path.startswith(_TORCH_DIR) or path == threading.__file__:
             continue
         linecache.checkcache(path)
-        lines.append(f"{Path(path).name}:{line} {name}: {linecache.getline(path, line or 0).strip()}")
+        lines.append(f"{Path(path).name}:{line} {code.co_name}: {linecache.getline(path, line or 0).strip()}")
         if len(lines) == limit:
             break
     return lines
@@ -641,8 +647,9 @@ class FlightRecorder:
         done = _brief(self.done) if self.done else None
         seq = dict(self.seq)
         blocked = any(r["t1"] is None and not r["async"] for r in self.flight)
-        lines = _stack(self.main.ident) if stack and not blocked else []
-        frames = self._frames() if stack and not blocked else None
+        looked = stack and not blocked
+        lines = _stack(self.main.ident) if looked else []
+        frames = self._frames() if looked else None
         # t: when the state is whole, after the looks (a starved thread's looks may take seconds)
         return {"rank": self.rank, "pid": os.getpid(), "host": platform.node(), "t": time.time(),
                 "flight": flight, "done": done, "seq": seq, "groups": self.groups, "stack": lines,
@@ -657,17 +664,12 @@ class FlightRecorder:
         at one call of a tight loop), hence many looks."""
         seen, running = set(), False
         for i in range(samples):
-            f = sys._current_frames().get(self.main.ident)
-            if f is None:
+            places = _places(self.main.ident, 3)
+            if not places:
                 break
-            code = f.f_code.co_code
-            running |= 0 <= f.f_lasti < len(code) and dis.opname[code[f.f_lasti]] not in _CALL_OPS
-            where = []
-            while f is not None and len(where) < 3:
-                where.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:{f.f_lasti}")
-                f = f.f_back
-            f = None   # not held through the pause: a frame held past its return keeps its locals alive
-            seen.add(" <- ".join(where))
+            ops, lasti = places[0][0].co_code, places[0][2]
+            running |= 0 <= lasti < len(ops) and dis.opname[ops[lasti]] not in _CALL_OPS
+            seen.add(" <- ".join(f"{os.path.basename(c.co_filename)}:{line}:{at}" for c, line, at in places))
             if i + 1 < samples:
                 time.sleep(0.0005)
         return {"at": sorted(seen), "running": running}
@@ -716,14 +718,11 @@ def _stop_when(rank, main, stopped):
     def look():
         import signal
         while not stopped.wait(0.001):
-            f = sys._current_frames().get(main.ident)
-            while f is not None:
-                if spec["in"] in f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}":
-                    with open(spec["file"], "w") as out:
-                        out.write(repr(time.time()))
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                    return
-                f = f.f_back
+            if any(spec["in"] in f"{os.path.basename(c.co_filename)}:{c.co_name}" for c, _, _ in _places(main.ident)):
+                with open(spec["file"], "w") as out:
+                    out.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
     threading.Thread(target=look, name="kit-stop-when", daemon=True).start()
 
 
