@@ -116,8 +116,11 @@ def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
         for b in (0.1, 10):
             r = ours[m, b]
             assert r["collectives"] == r["n_buckets"] and torch_rows[m, b]["collectives"] >= 1
-            assert r["vs_torch_ddp"] == pytest.approx(r["step_ms"] / torch_rows[m, b]["step_ms"], rel=0.5)
+            # paired with torch DDP's row at the same cap: the median of the pairs' ratios and the ratio
+            # of the medians (a median is monotone) both lie within the pairs' smallest and largest ratio
             assert r["vs_torch_ddp_min"] <= r["vs_torch_ddp"] <= r["vs_torch_ddp_max"]
+            of_medians = r["step_ms"] / torch_rows[m, b]["step_ms"]
+            assert r["vs_torch_ddp_min"] * (1 - 1e-9) <= of_medians <= r["vs_torch_ddp_max"] * (1 + 1e-9)
     model = json.loads((tmp_path / "05_overhead_model.json").read_text())
     assert model["analysis"]["bucket_opt_mb"] > 0 and model["fit"]["o_s"] > 0
     assert (tmp_path / "05_bucket_sweep.png").read_bytes()[:4] == b"\x89PNG"
