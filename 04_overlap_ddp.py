@@ -18,6 +18,7 @@ import common
 
 # ---- begin copy: DDPIndividualParameters (needs only torch and the standard library) ----
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -61,8 +62,12 @@ class DDPIndividualParameters(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def _make_hook(self, i):
+        me = weakref.ref(self)   # not self: torch keeps the hook where Python's collector cannot see
+        # it, so a hook holding the wrapper would keep it, the model and its group alive for good
+
         def hook(p):
-            if not self._sync:
+            self = me()
+            if self is None or not self._sync:
                 return
             if self._ready[i]:
                 raise RuntimeError("backward ran twice without finish_gradient_synchronization(); "

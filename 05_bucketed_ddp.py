@@ -33,6 +33,7 @@ import diagnostics
 
 # ---- begin copy: DDPBucketed (needs torch, the standard library and placement.py) ----
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -156,9 +157,13 @@ class DDPBucketed(nn.Module):
             self._sync = prev
 
     def _make_hook(self, i):
+        me = weakref.ref(self)   # not self: torch keeps the hook where Python's collector cannot see
+        # it, so a hook holding the wrapper would keep it, the model and its group alive for good
+
         @torch.no_grad()
         def hook(p):
-            if p.grad is None:          # autograd passed no gradient (FSDP inside hands its own over later)
+            self = me()
+            if self is None or p.grad is None:   # autograd passed no gradient (FSDP inside hands its own over later)
                 return
             if not self._rebuilt:
                 self._arrived.append(i)

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 import common
 
 # ---- begin copy: sharded optimizers (ShardedOptimizer, ShardedGradientOptimizer; need only torch and the standard library) ----
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -212,10 +214,16 @@ class ShardedGradientOptimizer(torch.optim.Optimizer):
             b[1] += nbytes
         self.buckets[first:] = [_GradBucket(ps, self.rank, self.world_size, self.process_group, self._src)
                                 for ps in self.buckets[first:]]
+        me = weakref.WeakMethod(self._hook)   # not self._hook: torch keeps a parameter's hook where Python's
+        # collector cannot see it, so a hook holding the optimizer would keep it and its state alive for good
+
+        def hook(p):
+            if me() is not None:
+                me()(p)
         for bucket in self.buckets[first:]:
             for j, p in enumerate(bucket.params):
                 self._slot[p] = (bucket, j)
-                p.register_post_accumulate_grad_hook(self._hook)
+                p.register_post_accumulate_grad_hook(hook)
         mine = {**{k: v for k, v in group.items() if k != "params"},
                 "params": [piece for b in self.buckets[first:] for piece in b.pieces.values()]}
         if self.optim is None:

@@ -21,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -468,7 +469,8 @@ class FlightRecorder:
         self.rank, self.world, self.store, self.check = ctx.rank, ctx.world_size, store, check
         self.stall_report, self.timeout = stall_report, timeout
         self.calls = collections.deque(maxlen=RECORDER_SIZE)
-        self.seq, self.groups, self.flight, self.done, self.on, self._by_id = {}, {}, [], None, True, {}
+        self.seq, self.groups, self.flight, self.done, self.on = {}, {}, [], None, True
+        self._names = weakref.WeakKeyDictionary()   # group -> its name (held, a group would keep its threads)
         self.unsettled = []   # --check-collectives: async collectives whose comparison is not settled yet
         self.entered, self.completed, self.stopped = 0, 0, threading.Event()
         self.main = threading.main_thread()
@@ -481,12 +483,12 @@ class FlightRecorder:
     # -- the calls
     def _group(self, group):
         """(name, global ranks) of a process group (None: the world), cached by the object."""
-        got = self._by_id.get(id(group))
-        if got is None or got[2] is not group:
-            pg = group or dist.group.WORLD
-            self.groups[pg.group_name] = dist.get_process_group_ranks(pg)
-            got = self._by_id[id(group)] = (pg.group_name, self.groups[pg.group_name], group)
-        return got[0], got[1]
+        pg = group or dist.group.WORLD
+        name = self._names.get(pg)
+        if name is None:
+            name = self._names[pg] = pg.group_name
+            self.groups[name] = dist.get_process_group_ranks(pg)
+        return name, self.groups[name]
 
     def enter(self, op, args, kwargs, group, async_op):
         if not self.on:

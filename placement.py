@@ -12,6 +12,7 @@ region that names placement.py needs it beside it.
 import contextlib
 import fnmatch
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -77,15 +78,16 @@ def placements(tensor) -> tuple:
     return getattr(tensor, "placement_record", ())
 
 
-_RANKS = {}
+_RANKS = weakref.WeakKeyDictionary()   # a group's ranks while the group lives (held, it would keep its threads)
 
 
 def _ranks(group) -> frozenset:
     """The global ranks of ``group`` (None: every rank)."""
-    key = id(group)
-    if key not in _RANKS:
-        _RANKS[key] = (group, frozenset(dist.get_process_group_ranks(group or dist.group.WORLD)))
-    return _RANKS[key][1]
+    pg = group or dist.group.WORLD
+    got = _RANKS.get(pg)
+    if got is None:
+        got = _RANKS[pg] = frozenset(dist.get_process_group_ranks(pg))
+    return got
 
 
 def _counted(tensor, process_group, known=()) -> bool:

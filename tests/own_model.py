@@ -485,3 +485,82 @@ def composed(ctx, args):
     finally:
         placement._counted = counted
     return out
+
+
+def dropped(ctx, args):
+    """Each class trains one step on the Llama and is dropped, as a loop that builds several
+    models in one process drops them: {class: whether its parameters were freed} (the last
+    layer's first parameter, after gc.collect). The control: a post-accumulate-grad hook
+    that holds its wrapper (torch keeps such a hook where Python's collector cannot see)."""
+    import gc
+    import weakref
+    overlap = common.load_script(os.path.join(common.ROOT, "04_overlap_ddp.py"))
+    zero = common.load_script(os.path.join(common.ROOT, "06_sharded_optimizer.py"))
+    (x, y), = batches(steps=1)
+    W, r, out = ctx.world_size, ctx.rank, {}
+    mine = lambda t: t.chunk(W)[r]   # noqa: E731
+    a = llama.ModelArgs()
+
+    def case(name, build, step):
+        def trained():
+            torch.manual_seed(0)
+            model = llama.Transformer(a)
+            step(build(model))
+            return weakref.ref(next(model.layers[-1].parameters()))
+        held = trained()
+        gc.collect()
+        out[name] = held() is None
+        dist.barrier()
+
+    def data_parallel(m):
+        llama.loss_fn(m(mine(x)), mine(y)).backward()
+        m.finish_gradient_synchronization()
+
+    def optimizer(cls):
+        def build(model):
+            return model, cls(model.parameters(), torch.optim.AdamW, lr=1e-3)
+
+        def step(built):
+            model, opt = built
+            llama.loss_fn(model(mine(x)), mine(y)).backward()
+            opt.step()
+        return build, step
+
+    def stage(model):
+        s = pp.PipelineStage(model, "layers", r, W, embed, head, first=["tok_embeddings"], last=["norm", "output"])
+        s.pipe = pp.Pipeline(s, W, llama.loss_fn, "1f1b")
+        return s
+
+    def with_experts(model):
+        for layer in model.layers:
+            layer.feed_forward = ep.MoE(a.dim, a.ffn_hidden, 4, top_k=2,
+                                        expert=lambda: llama.FeedForward(a.dim, a.ffn_hidden))
+            layer.feed_forward.distribute()
+        return ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
+
+    def in_context(model):
+        xs, ys, pos = x.clone(), y.clone(), torch.arange(x.shape[1])
+        with cpm.context_parallel(None, buffers=[xs, ys, pos], seq_dims=[1, 1, 0], method="ring"):
+            llama.loss_fn(model(xs, pos), ys).backward()
+
+    class Holding(torch.nn.Module):   # the control
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+            def hook(p):
+                assert self.module is not None   # the wrapper, in the hook's closure
+            for p in module.parameters():
+                p.register_post_accumulate_grad_hook(hook)
+
+    case("DDPIndividualParameters", overlap.DDPIndividualParameters, data_parallel)
+    case("DDPBucketed", lambda m: ddp.DDPBucketed(m, 1), data_parallel)
+    case("ShardedOptimizer", *optimizer(zero.ShardedOptimizer))
+    case("ShardedGradientOptimizer", *optimizer(zero.ShardedGradientOptimizer))
+    case("FSDP", lambda m: fsdp.FSDP(m, units=list(m.layers)), lambda m: llama.loss_fn(m(mine(x)), mine(y)).backward())
+    case("parallelize", lambda m: tp.parallelize(m, TP_PLAN), lambda m: llama.loss_fn(m(x), y).backward())
+    case("PipelineStage", stage, lambda s: s.pipe.step(x if s.pipe.first else None, y if s.pipe.last else None))
+    case("context_parallel", lambda m: m, in_context)
+    case("MoE", with_experts, lambda m: (data_parallel(m), ep.reduce_expert_gradients(m.module)))
+    case("a hook holding its wrapper (the control)", Holding, lambda m: llama.loss_fn(m.module(x), y).backward())
+    return out

@@ -130,3 +130,16 @@ def test_the_composition_takes_a_llama_built_on_meta_each_rank_holding_its_part(
 
 def test_without_the_placement_record_the_count_is_wrong(composed):
     assert composed["control count"] > 1.2   # tp's whole weights (embedding, norms, head) counted twice
+
+
+def test_each_class_dropped_after_training_frees_the_model():
+    """A loop that builds one model after another in a process (a sweep, a notebook) gets
+    each one's memory back, and its process groups' threads: no class keeps its model alive
+    through a gradient hook torch holds where Python's collector cannot see (DDPBucketed,
+    DDPIndividualParameters and ShardedGradientOptimizer did); the control, a hook that
+    holds its wrapper, keeps it."""
+    r = run("dropped", 2)
+    control = "a hook holding its wrapper (the control)"
+    assert not r.pop(control)
+    assert r == dict.fromkeys(["DDPIndividualParameters", "DDPBucketed", "ShardedOptimizer", "ShardedGradientOptimizer",
+                               "FSDP", "parallelize", "PipelineStage", "context_parallel", "MoE"], True), r
