@@ -470,6 +470,7 @@ def compare(model: ParallelLM, ref, norms=(), tol=None, extra_ok=True) -> dict:
             "max_diff": max(r["max_diff"] for r in everyone)}
 
 
+@common.groups_freed()   # its mesh's groups, not kept for the cases after it
 def verify_mesh(ctx, args, shape, levers=Levers(), checkpoint=None, meta=False):
     """Train the verification LM over ``shape`` and one process on the same global batches
     (AdamW, clipped at MAX_NORM), VERIFY_STEPS steps; compare. ``checkpoint`` = (path, "save"
@@ -831,6 +832,7 @@ def measured_memory(model: ParallelLM, optimizer) -> dict:
             "activations": model.pipe.peak_activation_bytes}
 
 
+@common.groups_freed()   # its mesh's groups, not kept for the cases after it
 def account(ctx, args, shape, dims, batch, levers=Levers()):
     """One counted step of ``shape`` (after two to settle the buckets and the units' order):
     every rank's bytes per axis and memory, each beside its prediction."""

@@ -429,6 +429,26 @@ def _groups_time_out_at(timeout):
         c10d._get_default_timeout = real
 
 
+@contextlib.contextmanager
+def groups_freed():
+    """The process groups made inside the block are destroyed as it ends, after a barrier
+    (every rank of the world runs the block, as new_group requires). gloo gives each group a
+    thread that wakes 100 times a second until the group is gone: a job that lays out a
+    mesh for each of its cases kept them all (10's checks: 170 groups a rank by the last
+    case; freed, the test of every mesh took 48 core-seconds, not 57). A block that raises
+    leaves them: its job is failing.
+    ``with common.groups_freed():`` or, on a function, ``@common.groups_freed()``."""
+    c10d = dist.distributed_c10d
+    before = set(c10d._world.pg_map)
+    yield
+    made = [pg for pg in c10d._world.pg_map if pg not in before]
+    if made:
+        dist.barrier()
+        for pg in made:
+            dist.destroy_process_group(pg)
+        gc.collect()   # the groups' last references may sit in cycles (a model's hooks), holding the threads
+
+
 def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
     """``worker(ctx, args, *job)`` with its flight recorder publishing to ``store`` (and
     comparing collectives with --check-collectives), under the device audit where asked (a
@@ -540,6 +560,11 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
         if not dist.is_initialized():   # the group lives on for the script's next launch
+            # torch._dynamo, which the flight recorder's wrappers (torch.compiler.disable) and the
+            # first optimizer import, before the rendezvous (a spawned rank's fork server has it):
+            # its seconds on a loaded machine are then a slow start, not a rank the others wait
+            # for in their first collective, reported as a stall
+            import torch._dynamo  # noqa: F401
             store = _attempt_store(timeout)
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout), store=store,
                                     **({"rank": ctx.rank, "world_size": world_size} if store is not None else {}))
