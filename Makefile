@@ -49,11 +49,13 @@ $(TEST_STAMP): requirements-test.txt $(STAMP)
 	$(PY) -m pip install -r requirements-test.txt
 	touch $(TEST_STAMP)
 
-# two workers, each file on one of them (a file's tests share their spawned jobs), the slowest
-# 25 tests listed at the end so the next slow one is seen
+# two workers, each file on one of them (a file's tests share their spawned jobs), the files in
+# conftest.py's order (the longest first; xdist would start the files with the most tests
+# first, and left the longest for the end), the slowest 25 tests listed at the end so the next
+# slow one is seen
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # 3 timed iterations a size after 1 warm-up (the script's default is 10 after 5; a 1 GB
 # all-reduce at 6 ranks takes 2.5 s here): make all stays under 15 minutes

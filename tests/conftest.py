@@ -199,9 +199,12 @@ def is_loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
-# the files whose tests take longest start first: with two workers (make test), neither is
-# left running one of them alone at the end
-FIRST = ("test_stalls.py", "test_compiled.py", "test_gpu.py", "test_10_nd_parallel.py", "test_09_pipeline.py")
+# the files whose tests take longest start first (make test keeps this order: xdist's
+# --no-loadscope-reorder): with two workers, neither is left running one of them alone at the
+# end. The stall jobs mostly wait: the other worker computes beside them
+FIRST = ("test_stalls.py", "test_compiled.py", "test_10_nd_parallel.py", "test_gpu.py", "test_09_pipeline.py",
+         "test_07_fsdp.py", "test_05_bucketed.py", "test_06_sharded.py", "test_02_naive.py", "test_08_tensor_parallel.py",
+         "test_hf_models.py", "test_12_expert_parallel.py", "test_11_context_parallel.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
