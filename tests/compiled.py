@@ -79,11 +79,6 @@ def classes(ctx, args):
 
     def case(name, build, step, clip, full):
         began = time.perf_counter()
-        # each case compiles as in a process of its own (inductor's cache on disk kept): the
-        # code its layers share with the cases before it is not generalized to dynamic shapes
-        # because those ran other shapes (the cold test: 121 -> 95 core-s here)
-        torch._dynamo.reset()
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         try:
             module = build()
             opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-6)
@@ -102,7 +97,7 @@ def classes(ctx, args):
         except Exception as e:   # the other rank may wait in the middle of the step: end the job now
             raise RuntimeError(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         res["seconds"] = time.perf_counter() - began
-        res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs   # this case's (not eager)
+        res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]   # compiled so far (not eager)
         everyone = [None] * W
         dist.all_gather_object(everyone, res)
         out[name] = next(x for x in everyone if x)
@@ -140,7 +135,6 @@ def classes(ctx, args):
     moe_trained = compiled_layers(copy.deepcopy(moe))
     aux = lambda m: sum(x.aux for x in m.modules() if isinstance(x, ep.MoE))   # noqa: E731
     moe_loss = lambda m, x, y: llama.loss_fn(m(x), y) + 0.01 * aux(m)   # noqa: E731
-    torch._dynamo.reset()   # (as each case)
     refs["MoE"], wants["MoE"] = moe_trained, _reference(moe_trained, data, W, moe_loss)
 
     def moe_build():
