@@ -1318,54 +1318,53 @@ def benchmark(ctx, args, shapes, dims, trace=None):
     peak = peak_flops(ctx.device, args.peak_tflops)
     levers = dataclasses.replace(levers_of(args), tie=False)   # the timed LM is untied
     for shape in shapes:
-        with common.groups_freed():   # this mesh's groups (ours, torch's), not kept for the meshes after it
-            m, name = levers.m(shape), label(shape, False, levers.schedule, levers.v) + lever_label(levers)
-            batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
-            holder, steps = {}, []
-            mesh_levers = dataclasses.replace(levers, cuts=measured_cuts(ctx, args, dims, shape, batch, levers)) \
-                if shape["pp"] > 1 and getattr(args, "split", "measured") == "measured" else levers
+        m, name = levers.m(shape), label(shape, False, levers.schedule, levers.v) + lever_label(levers)
+        batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
+        holder, steps = {}, []
+        mesh_levers = dataclasses.replace(levers, cuts=measured_cuts(ctx, args, dims, shape, batch, levers)) \
+            if shape["pp"] > 1 and getattr(args, "split", "measured") == "measured" else levers
 
-            def ours():
-                whole = moe_lm(dims, args.context_length, False, args.seed, args.experts, args.top_k, ctx.device) \
-                    if args.ep > 1 else lm(dims, args.context_length, False, args.seed, ctx.device)
-                model = ParallelLM(Mesh(shape), whole, batch, mesh_levers, timed=shape["pp"] > 1)
-                opt = make_optimizer(model)
-                holder.update(model=model, opt=opt)
+        def ours():
+            whole = moe_lm(dims, args.context_length, False, args.seed, args.experts, args.top_k, ctx.device) \
+                if args.ep > 1 else lm(dims, args.context_length, False, args.seed, ctx.device)
+            model = ParallelLM(Mesh(shape), whole, batch, mesh_levers, timed=shape["pp"] > 1)
+            opt = make_optimizer(model)
+            holder.update(model=model, opt=opt)
 
-                def step(b, clock):   # (with pp: each step's record, for its bubble)
-                    train_step(model, opt, model.part(b), clock)
-                    if shape["pp"] > 1:
-                        steps.append(pp_mod.step_record(model.pipe, clock))
-                return step
+            def step(b, clock):   # (with pp: each step's record, for its bubble)
+                train_step(model, opt, model.part(b), clock)
+                if shape["pp"] > 1:
+                    steps.append(pp_mod.step_record(model.pipe, clock))
+            return step
 
-            def theirs():
-                return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch,
-                                         mesh_levers)
-            timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
-            methods = {f"{name} (ours)": ours}
-            if torch_skip(shape, levers, args.ep, ctx.backend, ctx.device.type) is None:   # main says why not
-                methods[f"{name} (torch)"] = theirs
-            # with pp, the stages start each step together: the bubble is the schedule's, not the skew
-            # a previous step (the other composition's, an optimizer's) leaves
-            got = common.time_methods(ctx, timing, methods, global_batch=True, start_together=shape["pp"] > 1)
-            tokens = batch * args.context_length
-            for r in got:
-                r.update(mesh=name, world_size=dist.get_world_size(), microbatches=m, batch=batch,
-                         tokens_per_s_per_rank=tokens / (r["step_ms"] / 1e3) / dist.get_world_size())
-                if peak:
-                    r["mfu"] = flops_per_token(dims, args.context_length) * tokens / (r["step_ms"] / 1e3) / \
-                        dist.get_world_size() / peak
-            if len(got) == 2:   # steps alternate: compare them pair by pair
-                got[0].update(common.vs_paired(got[0], got[1]))
-            if shape["pp"] > 1:
-                got[0].update(bubble_of_mesh(ctx, steps[-args.steps:], shape, m, mesh_levers))
-            rows += got
-            if shape == trace:
-                timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
-            holder.clear()
-            if levers.dtype == "float32":   # the formulas count float32 bytes
-                accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
-                                   "ranks": account(ctx, args, shape, dims, batch, mesh_levers)})
+        def theirs():
+            return torch_composition(ctx, shape, lm(dims, args.context_length, False, args.seed, ctx.device), batch,
+                                     mesh_levers)
+        timing = argparse.Namespace(**{**vars(args), "batch_size": batch})   # this mesh's global batch
+        methods = {f"{name} (ours)": ours}
+        if torch_skip(shape, levers, args.ep, ctx.backend, ctx.device.type) is None:   # main says why not
+            methods[f"{name} (torch)"] = theirs
+        # with pp, the stages start each step together: the bubble is the schedule's, not the skew
+        # a previous step (the other composition's, an optimizer's) leaves
+        got = common.time_methods(ctx, timing, methods, global_batch=True, start_together=shape["pp"] > 1)
+        tokens = batch * args.context_length
+        for r in got:
+            r.update(mesh=name, world_size=dist.get_world_size(), microbatches=m, batch=batch,
+                     tokens_per_s_per_rank=tokens / (r["step_ms"] / 1e3) / dist.get_world_size())
+            if peak:
+                r["mfu"] = flops_per_token(dims, args.context_length) * tokens / (r["step_ms"] / 1e3) / \
+                    dist.get_world_size() / peak
+        if len(got) == 2:   # steps alternate: compare them pair by pair
+            got[0].update(common.vs_paired(got[0], got[1]))
+        if shape["pp"] > 1:
+            got[0].update(bubble_of_mesh(ctx, steps[-args.steps:], shape, m, mesh_levers))
+        rows += got
+        if shape == trace:
+            timeline = trace_step(ctx, args, holder["model"], holder["opt"], batch)
+        holder.clear()
+        if levers.dtype == "float32":   # the formulas count float32 bytes
+            accounting.append({"mesh": name, "shape": shape, "batch": batch, "microbatches": m,
+                               "ranks": account(ctx, args, shape, dims, batch, mesh_levers)})
     return rows, accounting, timeline
 
 
