@@ -218,8 +218,9 @@ class ShardedGradientOptimizer(torch.optim.Optimizer):
         # collector cannot see it, so a hook holding the optimizer would keep it and its state alive for good
 
         def hook(p):
-            if me() is not None:
-                me()(p)
+            method = me()
+            if method is not None:
+                method(p)
         for bucket in self.buckets[first:]:
             for j, p in enumerate(bucket.params):
                 self._slot[p] = (bucket, j)

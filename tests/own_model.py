@@ -501,10 +501,10 @@ def dropped(ctx, args):
     mine = lambda t: t.chunk(W)[r]   # noqa: E731
     a = llama.ModelArgs()
 
-    def case(name, build, step):
+    def case(name, build, step, make=lambda: llama.Transformer(a)):
         def trained():
             torch.manual_seed(0)
-            model = llama.Transformer(a)
+            model = make()
             step(build(model))
             return weakref.ref(next(model.layers[-1].parameters()))
         held = trained()
@@ -533,8 +533,6 @@ def dropped(ctx, args):
 
     def with_experts(model):
         for layer in model.layers:
-            layer.feed_forward = ep.MoE(a.dim, a.ffn_hidden, 4, top_k=2,
-                                        expert=lambda: llama.FeedForward(a.dim, a.ffn_hidden))
             layer.feed_forward.distribute()
         return ddp.DDPBucketed(model, 1, ignore_parameters=ep.expert_parameters(model))
 
@@ -561,6 +559,6 @@ def dropped(ctx, args):
     case("parallelize", lambda m: tp.parallelize(m, TP_PLAN), lambda m: llama.loss_fn(m(x), y).backward())
     case("PipelineStage", stage, lambda s: s.pipe.step(x if s.pipe.first else None, y if s.pipe.last else None))
     case("context_parallel", lambda m: m, in_context)
-    case("MoE", with_experts, lambda m: (data_parallel(m), ep.reduce_expert_gradients(m.module)))
+    case("MoE", with_experts, lambda m: (data_parallel(m), ep.reduce_expert_gradients(m.module)), make=llama_moe)
     case("a hook holding its wrapper (the control)", Holding, lambda m: llama.loss_fn(m.module(x), y).backward())
     return out
