@@ -594,8 +594,8 @@ def main(argv=None):
         print(f"verify {args.name}: {'FAIL' if failed else 'PASS'} (every op's result checked against known values "
               f"before it was timed, in {len(jobs) - len(failed)} of {len(jobs)} jobs)")
         print("\n".join([f"\n{table}", *describe(analysis),
-                         f"wrote {args.out}/{args.name}.json, .md, _time.png, _busbw.png"
-                         + (", _ring_tree.png" if analysis else "")]))
+                         common.wrote(args.out, f"{args.name}.json, .md, _time.png, _busbw.png"
+                                     + (", _ring_tree.png" if analysis else ""))]))
     if failed:
         raise common.LaunchError("; ".join(failed))
 

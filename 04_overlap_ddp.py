@@ -247,7 +247,7 @@ def main(argv=None):
             path = f"{args.out}/04_timeline_{name}.png"
             draw_timeline(events, f"{name} DDP, one step on rank 0 ({args.model_size} LM, "
                                   f"{args.world_size} x {args.backend}/{args.device})", path)
-            print(f"wrote {path}")
+            print(common.wrote(path))
 
 
 if __name__ == "__main__":

@@ -644,7 +644,7 @@ def report_overhead_model(args, rows, fit):
         for b, v in a["predicted_overhead_ms"].items()], common.lm_settings(args),
         title="Bucketed DDP: overhead model against measurement", extra={"fit": fit, "analysis": a})
     plot(rows, args)
-    print(f"wrote {args.out}/05_bucket_sweep.png and 05_overhead_model.json, .md")
+    print(common.wrote(args.out, "05_bucket_sweep.png and 05_overhead_model.json, .md"))
 
 
 def main(argv=None):

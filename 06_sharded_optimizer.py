@@ -818,7 +818,7 @@ def zero_stages(args):
               f"rank, the largest rank's: state kept after a step (parameters, gradients, AdamW's moments) and the "
               f"peak of live tensor bytes during a step; step_ms median of {args.steps}; vs_torch: ours over its "
               f"twin, paired steps; comm_MB: bytes a rank's collectives carry per step)\n{table}\n"
-              f"wrote {args.out}/{STAGE_NAME}.json and .md")
+              f"{common.wrote(args.out, f'{STAGE_NAME}.json and .md')}")
     return rows
 
 
@@ -840,7 +840,7 @@ def report_memory(args, mem, timing):
           f"{table}\noptimizer state per rank, sharded / unsharded: {summary['opt_state_ratio']:.3f} "
           f"(bar: <= {summary['opt_state_bar']:.3f})\nstep time, sharded / unsharded: "
           f"{summary['time_ratio_vs_unsharded']:.3f}; sharded / ZeroRedundancyOptimizer: "
-          f"{summary['time_ratio_vs_zero']:.3f}\nwrote {args.out}/06_sharded_memory.json and .md")
+          f"{summary['time_ratio_vs_zero']:.3f}\n{common.wrote(args.out, '06_sharded_memory.json and .md')}")
 
 
 def main(argv=None):

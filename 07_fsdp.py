@@ -1308,7 +1308,7 @@ def report_memory(args, mem, also=""):
             f"recomputed: over FSDP2 with the same checkpoint_wrapper). One job per method." + (f" {also}" if also else ""))
     table = common.save_results(args.out, "07_fsdp_memory", mem, common.lm_settings(args), headers=MEM_HEADERS,
                                 title="FSDP against DDP and torch's FSDP2: memory per rank (MiB)", note=note)
-    print(f"\nMemory per rank (MiB; {note})\n{table}\nwrote {args.out}/07_fsdp_memory.json and .md")
+    print(f"\nMemory per rank (MiB; {note})\n{table}\n{common.wrote(args.out, '07_fsdp_memory.json and .md')}")
 
 if __name__ == "__main__":
     common.run_main(main)

@@ -990,11 +990,11 @@ def run_benchmark(args, sizes, plan):
         print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, global batch {args.batch_size}x"
               f"{args.context_length}; times in ms, median [min, max] of {args.steps} steps; comm_ms: time the "
               f"collectives ran in one profiled step; MB per rank per step)\n{table}\n"
-              f"wrote {args.out}/{NAME}.json and .md")
+              f"{common.wrote(args.out, f'{NAME}.json and .md')}")
         if sp_rows:
             print(f"\n{SP_TITLE}\n(act_MB: bytes the blocks keep for backward on a rank, largest rank, counted as "
                   f"autograd saves them; sent_MB: bytes a rank sends in a step, from the collectives counted; "
-                  f"each beside its formula)\n{sp_table}\nwrote {args.out}/{SP_NAME}.json and .md")
+                  f"each beside its formula)\n{sp_table}\n{common.wrote(args.out, f'{SP_NAME}.json and .md')}")
 
 
 def main(argv=None):

@@ -1639,7 +1639,7 @@ def run_benchmark(args, schedules, stages, worlds) -> list:
               f"schedule's formula; p2p_MB: bytes the busiest stage sends, beside the formula)\n{table}\n\n"
               f"The splits (cuts: each chunk's first block, then the number of blocks; chunk_ms: each chunk's "
               f"measured forward and backward, its embeddings or head included)\n{split_table}\n"
-              f"wrote {args.out}/{NAME}.json, .md and 09_split.*")
+              f"{common.wrote(args.out, f'{NAME}.json, .md and 09_split.*')}")
     return rows
 
 
@@ -1657,7 +1657,7 @@ def run_recompute(args, modes, stages, worlds):
         print(f"\n{RC_TITLE}\n({args.model_size} LM, 1F1B, m {m}; per stage: mb_act_MB one micro-batch's bytes "
               f"kept for backward, counted, beside the formula; peak_act_MB the most held in a step, beside "
               f"1F1B's; step times in ms over {args.steps} steps, vs_none: paired ratio)\n{rc_table}\n"
-              f"wrote {args.out}/{RC_NAME}.json and .md")
+              f"{common.wrote(args.out, f'{RC_NAME}.json and .md')}")
 
 
 def draw_timelines(args, schedules, stages, worlds):
@@ -1673,7 +1673,7 @@ def draw_timelines(args, schedules, stages, worlds):
             v = f", {args.chunks} chunks a stage" if schedule == "interleaved" else ""
             draw_timeline(stage_lanes, f"{schedule.upper()}: {deepest} stages{v}, {m} micro-batches, one step "
                                        f"({args.model_size} LM, {args.backend}/{args.device})", path)
-            print(f"wrote {path}")
+            print(common.wrote(path))
 
 
 def main(argv=None):

@@ -1071,7 +1071,7 @@ def report_setup_memory(args):
     def show(name, title, rows, headers, note):
         if common.is_reporter():
             table = common.save_results(args.out, name, rows, settings, headers=headers, title=title, note=note)
-            print(f"\n{title}\n{table}\nwrote {args.out}/{name}.json and .md", flush=True)
+            print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{name}.json and .md')}", flush=True)
     for shape in SETUP_MESHES:
         for method in SETUP_METHODS:
             try:
@@ -1233,7 +1233,7 @@ def report_hf_checkpoint(args):
                        "above_start_mib", "seconds", "round trip"]
             table = common.save_results(args.out, "10_hf_checkpoint", rows, settings, headers=headers, title=title,
                                         note=HF_NOTE)
-            print(f"\n{title}\n{table}\nwrote {args.out}/10_hf_checkpoint.json and .md", flush=True)
+            print(f"\n{title}\n{table}\n{common.wrote(args.out, '10_hf_checkpoint.json and .md')}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -1666,7 +1666,7 @@ def report(args, rows, accounting, dims):
           f"{table}\n\n"
           f"Bytes each axis sends per step, per rank of each pipeline stage (MB)\n{t2}\n\n"
           f"Memory per rank (MiB): counted, and predicted\n{t3}\n"
-          f"wrote {args.out}/{NAME}.*, 10_accounting.*, 10_memory.*", flush=True)
+          f"{common.wrote(args.out, f'{NAME}.*, 10_accounting.*, 10_memory.*')}", flush=True)
 
 
 def report_plan(args):
@@ -1719,7 +1719,7 @@ def report_plan(args):
         extra={"answers": a, "pick": pick, "all_meshes": rows})
     print(f"Meshes for {args.model_size} on {args.devices} {args.hardware} devices ({hw['memory_gb']:g} GB, "
           f"{hw['flops']:.3g} FLOP/s, links {hw['link']:.3g} B/s; bound_tokens: the fewest tokens a step at which "
-          f"compute covers every axis's communication)\n{table}\n\n{note}\nwrote {args.out}/10_plan.json and .md")
+          f"compute covers every axis's communication)\n{table}\n\n{note}\n{common.wrote(args.out, '10_plan.json and .md')}")
     return out
 
 
@@ -1947,7 +1947,7 @@ def run_benchmark(args, shape, single, timed):
                 path = f"{args.out}/10_timeline.png"
                 draw_timeline(lanes, f"One step of {label(trace)} ({args.model_size} LM, {args.backend}/{args.device})",
                               path)
-                print(f"wrote {path}")
+                print(common.wrote(path))
 
 
 def main(argv=None):

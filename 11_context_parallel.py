@@ -1204,7 +1204,7 @@ def run_sweep(args, methods):
     if common.is_reporter():
         print(f"\nOne causal attention, forward and backward ({args.model_size}'s heads, {args.dtype}; ms, the "
               f"slowest rank's median of {args.steps}; peak live MB per rank)\n{save_sweep(args, rows)}\n"
-              f"wrote {args.out}/11_sweep.{{json,md,png}}")
+              f"{common.wrote(args.out, '11_sweep.{json,md,png}')}")
 
 
 def run_benchmark(args, methods, cp_skip):
@@ -1243,7 +1243,7 @@ def run_measurements(args, methods):
         path = f"{args.out}/11_timeline.png"
         draw_timeline(lanes, f"One ring attention forward: cp {cp}, {t} tokens ({args.model_size}'s heads, "
                              f"{args.backend}/{args.device})", path)
-        print(f"wrote {args.out}/{NAME}.*, 11_memory.*, 11_balance.*, {path}")
+        print(common.wrote(args.out, f"{NAME}.*, 11_memory.*, 11_balance.*, {os.path.basename(path)}"))
 
 
 def main(argv=None):

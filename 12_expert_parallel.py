@@ -1230,7 +1230,7 @@ def run_tables(args, ep):
     if report:
         files = {"benchmark": f"{NAME}.*, 12_time_model.*, 12_routing.*, 12_accounting.*", "capacity": "12_capacity.*",
                  "grouped": "12_grouped.*"}
-        print("\n\n".join(printed) + f"\nwrote {args.out}/" + ", ".join(files[t] for t in TABLES if t in args.tables))
+        print("\n\n".join(printed) + "\n" + common.wrote(args.out, ", ".join(files[t] for t in TABLES if t in args.tables)))
 
 
 def main(argv=None):

@@ -45,7 +45,9 @@ import torch.utils.checkpoint
 
 import diagnostics
 import placement
+import result_files
 import sharded_checkpoint
+from result_files import folder_problem, save_file, unsaved, wrote   # (wrote: for the scripts)
 
 # What torch and the kit made as they were imported (some 280,000 objects) lives as long as
 # the process: the collector's full passes, the last one as the process exits, skip it from
@@ -85,32 +87,37 @@ def _terminated(signum, frame):
 
 
 def run_main(main_fn):
-    """Run a script's main(): bad input exits 2 with one line, a failed rank exits 1."""
+    """Run a script's main(): bad input exits 2 with one line, a failed rank exits 1, and so
+    does a run whose results could not all be saved where asked (one line a folder, naming
+    the files and where they went instead; save_file)."""
     prog = Path(sys.argv[0]).name
     _announce_next[:] = [True]
+    result_files.reset()
     previous = None   # a kill (timeout, a scheduler) ends the ranks and cleans up like Ctrl-C
     if not under_torchrun() and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminated)
+    code, message = 0, None
     try:
         main_fn()
     except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code, message = 2, f"error: {e}"
     except LaunchError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        code, message = 1, f"error: {e}"
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        sys.exit(130)
+        code, message = 130, "interrupted"
     except _Terminated:
-        print(f"{prog}: terminated", file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
+        code, message = 128 + signal.SIGTERM, "terminated"
     finally:
         _announce_next.clear()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if under_torchrun() and dist.is_initialized():
             dist.destroy_process_group()
+    lost = [f"error: {line}" for line in unsaved()]
+    for line in [message] * bool(message) + lost:
+        print(f"{prog}: {line}", file=sys.stderr)
+    if code or lost:
+        sys.exit(code or 1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -342,19 +349,12 @@ def check_divisible(batch: int, world_size: int, flag: str):
                          f"use a positive multiple of {world_size}")
 
 
-def check_out(out):
-    """The results folder must be a folder this process can write, or one it can make:
-    found out now, not after the run. Nothing is created here (a refused run leaves the
-    disk as it was)."""
-    path = Path(out).absolute()
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {out} is a file, not a folder: choose a folder")
-    existing = next(q for q in [path, *path.parents] if q.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--out {out} cannot be written to ({existing} is a file, not a folder): choose a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out} cannot be written to ({existing} is not writable): "
-                         f"choose a folder you can write")
+def check_out(out, flag="--out"):
+    """The folder ``flag`` names must be one this process can write files in, or one it can
+    make: found out now, by the file system (folder_problem), not after the run."""
+    problem = folder_problem(out)
+    if problem:
+        raise UsageError(f"{flag} {out} {problem}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -984,7 +984,7 @@ def report_table(args, name: str, title: str, rows: list, headers=BENCH_HEADERS,
     table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
     print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, global batch "
           f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps)\n"
-          f"{table}\nwrote {args.out}/{name}.json and .md", flush=True)
+          f"{table}\n{wrote(args.out, f'{name}.json and .md')}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1240,6 +1240,8 @@ def load_mnist(root, download: bool):
     found = {}
     for name in MNIST_FILES:
         if download and not (raw / name).exists() and not (raw / (name + ".gz")).exists():
+            if problem := folder_problem(raw):   # before anything is fetched
+                raise UsageError(f"--data-root {root}: {raw} {problem}")
             _fetch_mnist(raw, name)
         found[name] = next((p for p in (raw / name, raw / (name + ".gz")) if p.exists()), None)
     if None in found.values():
@@ -1442,24 +1444,6 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
-def _atomic_write(path: Path, write):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o666 & ~_UMASK)   # mkstemp makes it private; results are for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def markdown_table(rows: list[dict], headers: list[str] | None = None) -> str:
     from tabulate import tabulate
     headers = headers or list(rows[0])
@@ -1501,10 +1485,10 @@ def save_results(out_dir, name: str, rows: list[dict], settings: dict, *, header
     table = markdown_table(rows, headers) if rows else "(no rows)"
     doc = {"name": name, "title": title, "settings": settings, "machine": info, "rows": rows,
            "time": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {})}
-    _atomic_write(out / f"{name}.json", lambda f: f.write(json.dumps(doc, indent=1, default=str).encode()))
+    save_file(out / f"{name}.json", lambda f: f.write(json.dumps(doc, indent=1, default=str).encode()))
     md = (f"# {title or name}\n\nMachine: {info['device']}, torch {info['torch']}, "
           f"{doc['time']}.\nSettings: {json.dumps(settings, default=str)}\n\n{table}\n")
-    _atomic_write(out / f"{name}.md", lambda f: f.write((md + (f"\n{note}\n" if note else "")).encode()))
+    save_file(out / f"{name}.md", lambda f: f.write((md + (f"\n{note}\n" if note else "")).encode()))
     return fit_width(rows, headers) if rows else table
 
 
@@ -1516,8 +1500,8 @@ def pyplot():
 
 
 def save_figure(fig, path):
-    """Save a matplotlib figure atomically as PNG and close it."""
-    _atomic_write(Path(path), lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    """Save a matplotlib figure atomically as PNG (save_file) and close it."""
+    save_file(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     pyplot().close(fig)
 
 
@@ -1595,10 +1579,7 @@ def check_train_flags(args):
     if args.checkpoint_async and not args.checkpoint_every:
         raise UsageError("--checkpoint-async needs --checkpoint-every: how often to save")
     if args.checkpoint_dir:
-        try:
-            check_out(args.checkpoint_dir)
-        except UsageError as e:
-            raise UsageError(str(e).replace("--out", "--checkpoint-dir")) from None
+        check_out(args.checkpoint_dir, "--checkpoint-dir")
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ def test_tiny_grid_checks_sums_and_writes_results(tmp_path):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (n - 1) / n)
         assert r["algbw_GBps"] == pytest.approx(r["size_mb"] * 1e6 / (r["time_ms"] / 1e3) / 1e9)
     assert doc["machine"]["torch"] and doc["settings"]["sizes_mb"] == [0.01, 0.1]
-    assert (tmp_path / "01_allreduce.json").stat().st_mode & 0o777 == 0o666 & ~bench.common._UMASK  # not private
+    assert (tmp_path / "01_allreduce.json").stat().st_mode & 0o777 == 0o666 & ~bench.common.result_files.UMASK  # not private
     md = (tmp_path / "01_allreduce.md").read_text()
     assert "| gloo" in md and "busbw_GBps" in md
     for png in ("01_allreduce_time.png", "01_allreduce_busbw.png"):

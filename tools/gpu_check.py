@@ -26,6 +26,7 @@ tensor on the wrong device fails here. Exit status 1 if a row failed or did not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -38,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import result_files  # noqa: E402  (the standard library only, as this file)
 SCRIPTS = [f"{n:02d}" for n in range(1, 13)]
 PARTS = ("kernels", "measure", "smoke")
 AUDIT_ENV = "KIT_DEVICE_AUDIT"   # diagnostics.AUDIT_ENV (this file imports no torch: it only starts jobs)
@@ -177,19 +180,24 @@ class Check:
                       "| measurement | ours | torch / baseline | ratio | detail |", "|---|---|---|---|---|"]
             lines += [f"| {m['measurement']} | {m['ours']} | {m['torch']} | {m['ratio']} | {m['detail']} |"
                       for m in self.measured]
-        for name, text in (("SUMMARY.md", "\n".join(lines) + "\n"),
+        self.text = "\n".join(lines) + "\n"
+        for name, text in (("SUMMARY.md", self.text),
                            ("SUMMARY.json", json.dumps({"header": self.header, "rows": rows,
                                                         "measured": self.measured}, indent=1))):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.out / name)   # a reader never sees half a file
+            # a reader never sees half a file; a save that fails goes elsewhere, said at the end
+            result_files.save_file(self.out / name, lambda f: f.write(text.encode()))
 
     def run(self, cmd, log: Path, box: float, env=None) -> tuple:
         """Run ``cmd`` in its own process group, its output into ``log``, for at most ``box``
         seconds (then the group is ended: exit status 124, as timeout(1) says). Returns
         (exit status, seconds)."""
         t0 = time.time()
-        with open(log, "w") as f:
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            f = open(log, "w")
+        except OSError as e:   # the folder gone or full mid-run: the log goes elsewhere, said at the end
+            f = open(result_files.elsewhere(log, e) or os.devnull, "w")
+        with f:
             p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                  env={**os.environ, **(env or {})})
             with self.lock:
@@ -272,7 +280,8 @@ def part_kernels(check: Check):
 
 def part_measure(check: Check, scripts):
     folder = check.out / "measure"
-    folder.mkdir(exist_ok=True)
+    with contextlib.suppress(OSError):   # (where it cannot be made, each job refuses its --out: a FAIL row)
+        folder.mkdir(parents=True, exist_ok=True)
     for name, cmd, read in measure_jobs(scripts, check.args.device, check.args.nccl, check.args.size):
         box = min(check.args.measure_box, check.left())
         if check.left() < 10:
@@ -294,7 +303,8 @@ def part_measure(check: Check, scripts):
 
 def part_smoke(check: Check, scripts):
     folder = check.out / ("smoke" if check.args.parts != ["smoke"] else "")
-    folder.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):   # (where it cannot be made, each job refuses its --out: a FAIL row)
+        folder.mkdir(parents=True, exist_ok=True)
     env = {AUDIT_ENV: "1"} if check.args.device == "cpu" else {}
 
     def one(job):
@@ -343,6 +353,10 @@ def main(argv=None) -> int:
                         f"here {450 * scale:g})")
     p.add_argument("--python", default=sys.executable, help="the interpreter the jobs run with")
     args = p.parse_args(argv)
+    problem = result_files.folder_problem(args.out)
+    if problem:   # found before any job starts
+        print(f"gpu_check.py: error: --out {args.out} {problem}", file=sys.stderr)
+        return 2
     check = Check(args)
     check.write()
     previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -360,8 +374,11 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         check.end_all()
-    print((check.out / "SUMMARY.md").read_text())
-    return 1 if any(r["verdict"] in ("FAIL", "TIMEOUT", "NOT STARTED") for r in check.rows) else 0
+    print(check.text)
+    lost = result_files.unsaved()
+    for line in lost:
+        print(f"gpu_check.py: error: {line}", file=sys.stderr)
+    return 1 if lost or any(r["verdict"] in ("FAIL", "TIMEOUT", "NOT STARTED") for r in check.rows) else 0
 
 
 if __name__ == "__main__":
