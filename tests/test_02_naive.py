@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import common
-from conftest import check_equivalence, ROOT, refused, run_inline, run_script, spawned_workers, workers_left, verify_args, write_fake_mnist
+from conftest import (check_equivalence, ROOT, refused, run_inline, run_script, seconds, spawned_workers, workers_left,
+                      verify_args, write_fake_mnist)
 
 CASES = list(common.VERIFY_CASES)
 
@@ -82,9 +83,8 @@ def test_bad_input_exits_2_with_one_line_and_spawns_nothing(argv, words):
 
 
 def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
-    t0 = time.time()
-    p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), timeout=60)
-    assert time.time() - t0 < 30
+    p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), timeout=120)
+    assert time.time() - float((tmp_path / "failed_at").read_text()) < seconds(20)   # from the failure to the end
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()   # the first failure first, its exception's last line
     assert lines[0].endswith("error: rank 1 failed first: ValueError: boom from the test"), p.stderr

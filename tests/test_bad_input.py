@@ -9,7 +9,7 @@ import time
 import pytest
 
 import common
-from conftest import ROOT, load, refused, run_inline
+from conftest import ROOT, load, refused, run_inline, seconds
 
 TOO_MANY = str(common.max_ranks("gloo") + 1)   # one process more than this machine may spawn
 
@@ -81,7 +81,7 @@ def test_bad_input_is_refused_at_once_and_leaves_no_trace(tmp_path, script, argv
     out = tmp_path / "results"
     t0 = time.perf_counter()
     line = refused(script, *argv, "--out", str(out))   # exit 2, one line on stderr, no job, nothing printed
-    assert time.perf_counter() - t0 < 5   # in this process: parsing alone, no worker starting up
+    assert time.perf_counter() - t0 < seconds(5)   # in this process: parsing alone, no worker starting up
     assert words in line, line
     assert not out.exists()   # a refused run leaves the results folder as it was
 

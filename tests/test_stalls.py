@@ -15,9 +15,9 @@ import pytest
 
 import common
 import diagnostics
-from conftest import ROOT, is_loopback, listening_sockets, process_tree, workers_left
+from conftest import ROOT, is_loopback, listening_sockets, process_tree, seconds, workers_left
 
-STALL, TIMEOUT, BUSY = 3.0, 20.0, 10.0   # (20 s: gloo connects within --timeout, and six jobs start at once)
+STALL, TIMEOUT, BUSY = 3.0, seconds(20.0), 10.0   # (20 s: gloo connects within --timeout, and six jobs start at once)
 # (mode, extra flags): the stall report names rank 1 within the window; the job fails at --timeout
 # (the mismatches at once, refused by --check-collectives); "busy" computes BUSY s and completes;
 # "thread": rank 0 waits for an all_reduce issued from another thread, where the recorder cannot see
@@ -147,7 +147,7 @@ def test_the_rank_the_others_wait_for_is_named_within_the_stall_window(jobs, mod
     job = jobs[(mode, how)]
     when, report = _report(job)
     assert report[0].startswith("stall: the ranks wait for rank 1 ("), report
-    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
+    assert when - job["misbehaved"] <= STALL + seconds(5), f"reported {when - job['misbehaved']:.1f} s after the stall"
     if mode == "loop" and "not responding (alive, its recorder silent)" in report[0]:
         # a loaded machine may starve the busy rank's beat thread past the window: the next
         # report, STALL s on, has its state (the stopped rank's comes from /proc, never late)
@@ -177,7 +177,7 @@ def test_a_rank_stopped_in_backward_is_named_while_the_other_waits_on_its_async_
     job = jobs[("ddp_stop", how)]
     when, report = _report(job)
     assert report[0].startswith("stall: the ranks wait for rank 1 (not responding: stopped"), report
-    assert when - job["misbehaved"] <= STALL + 5
+    assert when - job["misbehaved"] <= STALL + seconds(5)
     row0 = next(ln for ln in report if ln.startswith("| 0 |"))
     assert "waits for its async all_reduce #" in row0 and "05_bucketed_ddp.py:" in row0, row0
     assert job["rc"] != 0
@@ -231,7 +231,7 @@ def test_a_rank_stopped_in_a_scripts_step_is_named_within_the_window_wherever_th
     assert f"rank {rank}" in report[0] and "not responding: stopped" in report[0], report
     if case == "05 torch DDP":   # no rank waits in a recorded call: the silent rank is a stall on its own
         assert report[0].startswith(f"stall: rank {rank} is not responding: stopped"), report
-    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stop"
+    assert when - job["misbehaved"] <= STALL + seconds(5), f"reported {when - job['misbehaved']:.1f} s after the stop"
     assert any(ln.startswith(f"| {rank} * |") for ln in report), report
     assert job["rc"] != 0
     stuck = f"rank {rank} stuck first: not responding: stopped"
@@ -250,7 +250,7 @@ def test_a_wait_the_recorder_cannot_see_is_reported_as_no_progress_and_named_at_
     whose stack moves, is busy; the failure at --timeout names rank 0 first."""
     job = jobs[("thread", how)]
     when, report = _report(job)
-    assert when - job["misbehaved"] <= STALL + 5, f"reported {when - job['misbehaved']:.1f} s after the stall"
+    assert when - job["misbehaved"] <= STALL + seconds(5), f"reported {when - job['misbehaved']:.1f} s after the stall"
     if "ranks 0, 1 have not moved" in report[0]:
         # a loaded machine may starve the computing rank's beat thread: its last state, read
         # again, looks still; the next report, STALL s on, has its fresh state (it moves)

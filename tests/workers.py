@@ -47,12 +47,21 @@ def verify_broken(ctx, args):
     return {"plain": run.compare(model.module)}
 
 
+def failed_at(folder):
+    """The moment a rank fails on purpose, in ``folder``/failed_at: a test measures how fast
+    the job reacts from there, not from its command's start (which counts every
+    interpreter's start-up, twice as long on a slow machine)."""
+    with open(os.path.join(folder, "failed_at"), "w") as f:
+        f.write(repr(time.time()))
+
+
 def fail_on_rank_1(ctx, args):
     """Rank 1 raises while rank 0 waits in a collective that can never complete."""
     with open(os.path.join(args.pid_dir, f"{ctx.rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     if ctx.rank == 1:
         time.sleep(0.5)
+        failed_at(args.pid_dir)
         raise ValueError("boom from the test")
     dist.all_reduce(torch.ones(1))
     time.sleep(600)
@@ -453,6 +462,7 @@ def pipeline_stage_fails(ctx, args):
         def forward(x):
             calls[0] += 1
             if calls[0] == 2:
+                failed_at(args.pid_dir)
                 raise ValueError("stage 1 broke on purpose")
             return real(x)
         stage.forward = forward
