@@ -127,4 +127,4 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_worker_start
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     line = refused(script, "--out", str(blocker / "results"))   # nothing verified, nothing measured
-    assert "--out" in line and "cannot be written" in line
+    assert "--out" in line and "cannot be made" in line and "is a file, not a folder" in line
