@@ -78,9 +78,13 @@ class DDPIndividualParameters(nn.Module):
                 self._next += 1
         return hook
 
-    @torch.no_grad()
     def _launch(self, i, buf):
-        buf.div_(self.world_size)  # average by dividing before the sum
+        if self.world_size > 1:    # average by dividing before the sum
+            if torch.is_grad_enabled():   # backward(create_graph=True): no part of a graph
+                with torch.no_grad():
+                    buf.div_(self.world_size)
+            else:
+                buf.div_(self.world_size)
         self._pending.append((dist.all_reduce(buf, group=self.process_group, async_op=True), i, buf))
 
     def forward(self, *args, **kwargs):

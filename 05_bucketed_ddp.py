@@ -26,6 +26,7 @@ keeps what it measured; --time-box stops starting new sizes after that many seco
 import argparse
 import copy
 import math
+import statistics
 import time
 
 import common
@@ -160,26 +161,26 @@ class DDPBucketed(nn.Module):
         me = weakref.ref(self)   # not self: torch keeps the hook where Python's collector cannot see
         # it, so a hook holding the wrapper would keep it, the model and its group alive for good
 
-        @torch.no_grad()
-        def hook(p):
-            self = me()
-            if self is None or p.grad is None:   # autograd passed no gradient (FSDP inside hands its own over later)
+        def hook(p):   # each parameter's, every step: only what must be done per parameter
+            self, grad = me(), p.grad
+            if self is None or grad is None:   # autograd passed no gradient (FSDP inside hands its own over later)
                 return
             if not self._rebuilt:
                 self._arrived.append(i)
             bucket, j = self._slot[i]
             if not self._sync:
-                bucket.attach(j, p, 1)      # accumulate in the bucket, unscaled
+                bucket.attach(j, p, grad)   # accumulate in the bucket
                 return
             if bucket.ready[j]:
                 raise RuntimeError("backward ran twice without finish_gradient_synchronization(); "
                                    "wrap all but the last micro-batch in no_sync()")
-            bucket.attach(j, p, self.world_size)   # move in and divide in one pass
+            bucket.attach(j, p, grad)
             bucket.ready[j] = True
             bucket.remaining -= 1
-            while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
-                self.buckets[self._next].launch(self.world_size)
-                self._next += 1
+            if bucket.remaining == 0:
+                while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
+                    self.buckets[self._next].launch(self.world_size)
+                    self._next += 1
         return hook
 
     @torch.no_grad()
@@ -225,7 +226,7 @@ class _Bucket:
         for p in params:
             self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.flags = self.buffer[numel:]
+        self.grads, self.flags = self.buffer[:numel], self.buffer[numel:]
         self.flags.fill_(1)
         self.work = None
         self.missing = False
@@ -235,19 +236,19 @@ class _Bucket:
         self.ready = [False] * len(self.params)
         self.remaining = len(self.params)
 
-    def attach(self, j, p, divisor):
-        """Make p.grad the bucket's view, divided by ``divisor`` (averaging by dividing
-        before the sum); a fresh gradient is moved in, in the same pass."""
+    def attach(self, j, p, grad):
+        """Make p.grad (``grad``) the bucket's view: a fresh gradient is moved in (one copy;
+        nothing where autograd accumulated into the view itself)."""
         view = self.views[j]
-        if p.grad.data_ptr() != view.data_ptr():
-            if divisor == 1:
-                view.copy_(p.grad)
+        if grad is not view:
+            if torch.is_grad_enabled():     # backward(create_graph=True): the copy is no part of a graph
+                with torch.no_grad():
+                    view.copy_(grad)
             else:
-                torch.div(p.grad, divisor, out=view)
+                view.copy_(grad)
             p.grad = view
-        elif divisor != 1:
-            view.div_(divisor)
 
+    @torch.no_grad()
     def launch(self, world_size, partial=False):
         self.missing = False
         if partial:
@@ -257,7 +258,9 @@ class _Bucket:
                     self.flags[j] = 0
                     self.missing = True
                 elif not self.ready[j]:     # accumulated earlier (no_sync) or kept by zero_grad
-                    self.attach(j, p, world_size)
+                    self.attach(j, p, p.grad)
+        if world_size > 1:                  # average by dividing before the sum: once, the whole bucket
+            self.grads.div_(world_size)
         self.work = dist.all_reduce(self.buffer, group=self.process_group, async_op=True)
 
     def finish(self):
@@ -488,6 +491,106 @@ def recorder_cost(ctx, args, cap):
     return diagnostics.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
 
 
+# --per-param: what each hook-driven class costs a parameter a step, where the CPU's work
+# around each parameter is all there is to see (the GPU's case: its kernels are fast)
+PER_PARAM_SIZES = (801, 1601)
+PER_PARAM_HEADERS = ["ranks", "params", "method", "step_ms", "step_min_ms", "step_max_ms", "us_off", "us_on",
+                     "us_checking", "vs", "vs_min", "vs_max", "against", "collectives"]
+PER_PARAM_NOTE = ("The probe: a tiny embedding of the LM batch's tokens, then 10 blocks (FSDP's and FSDP2's units) of "
+                  "Linear(32, 32) + LayerNorm(32) pairs, 4 tensors each, the output's mean square as the loss, SGD, "
+                  "one thread a rank; "
+                  "every method built in the same processes (three times: the flight recorder, which every job runs "
+                  "under, off, on, and on with --check-collectives) and their steps alternating. step_ms: the "
+                  "recorder on. us_off, us_on, us_checking: what the method adds to plain training's step a "
+                  "parameter, in microseconds, the median over paired steps of (its step - plain training's) / "
+                  "parameters, by recorder setting. vs: the median of the paired steps' ratios over the method "
+                  "named in against, the recorder on [min, max]. At 1 rank there is nothing to send: the whole "
+                  "difference is the CPU's work around each parameter, what a GPU waits for when its kernels are "
+                  "faster than that work.")
+
+
+class ManyParams(nn.Module):
+    """The per-parameter probe: ``n_params`` tensors (a tiny embedding of each sequence's
+    first 8 tokens, then 10 blocks of Linear(32, 32) + LayerNorm(32) pairs, 4 tensors a
+    pair; ``n_params`` - 1 a multiple of 40); the loss is the output's mean square."""
+
+    def __init__(self, n_params, seed=0):
+        super().__init__()
+        if n_params < 41 or (n_params - 1) % 40:
+            raise ValueError(f"the probe has 1 + 40 k parameters, not {n_params}")
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(*[m for _ in range((n_params - 1) // 40)
+                                                    for m in (nn.Linear(32, 32), nn.LayerNorm(32))])
+                                    for _ in range(10))
+
+    def forward(self, idx, targets=None):
+        h = self.embed(idx[:, :8] % 64)   # 8 tokens a sequence: little compute beside the parameters
+        for block in self.blocks:
+            h = block(h)
+        return h.square().mean()
+
+
+def per_param(ctx, args, n_params):
+    """--per-param: plain training, torch DDP, 04's DDPIndividualParameters, DDPBucketed,
+    06's ShardedGradientOptimizer, 07's FSDP and torch's FSDP2 on the probe, each under
+    the flight recorder off, on and checking, steps alternating."""
+    overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
+    sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
+    fsdp = common.load_script(common.ROOT / "07_fsdp.py")
+    rec = diagnostics._RECORDER[0]
+    torch.set_num_threads(1)   # one a rank at 1 rank too: tiny ops gain nothing from more, and OpenMP's
+    # handing each op to a second thread took half of a 1-rank step here, hiding what is measured
+
+    def method(wrap, optimizer=None, on=True, check=False):
+        def make():
+            model = ManyParams(n_params, args.seed).to(ctx.device)
+            wrapped = wrap(model)
+            opt = optimizer(model) if optimizer else torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+
+            def step(batch, clock):
+                before = rec.on, rec.check
+                rec.on, rec.check = on, check
+                try:
+                    train_step(wrapped, opt, batch, clock)
+                finally:
+                    rec.on, rec.check = before
+            return step
+        return make
+    classes = {
+        "torch DDP": (lambda m: torch_ddp(m, 25, ctx.device), None, None),
+        "DDPIndividualParameters (04)": (overlap.DDPIndividualParameters, None, "torch DDP"),
+        "DDPBucketed": (lambda m: DDPBucketed(m, 25), None, "torch DDP"),
+        "ShardedGradientOptimizer (06)": (LoopWrapper, lambda m: sharded.ShardedGradientOptimizer(
+            m.parameters(), torch.optim.SGD, bucket_mb=25, module=m, lr=1e-3), "torch DDP"),
+        "FSDP2": (lambda m: fsdp.torch_fsdp2(m, ctx), None, None),
+        "FSDP (07)": (fsdp.FSDP, None, "FSDP2")}
+    modes = {"off": (False, False), "on": (True, False), "on, checking": (True, True)}
+    methods = {("plain training", "on"): method(no_wrapper)}
+    for name, (wrap, optimizer, _) in classes.items():
+        for mode, (on, check) in modes.items():
+            methods[(name, mode)] = method(wrap, optimizer, on, check)
+    timed = {tuple(r["method"].split(" | ")): r
+             for r in common.time_methods(ctx, args, {f"{n} | {m}": make for (n, m), make in methods.items()})}
+    plain = timed[("plain training", "on")]["stats"]["step"]["all"]
+
+    def extra(r):   # microseconds a parameter over plain training, paired step by step
+        return statistics.median((a - b) / n_params * 1e6 for a, b in zip(r["stats"]["step"]["all"], plain))
+    rows = []
+    for name in ["plain training", *classes]:
+        on = timed[(name, "on")]
+        row = {"ranks": ctx.world_size, "params": n_params, "method": name, "step_ms": on["step_ms"],
+               "step_min_ms": on["step_min_ms"], "step_max_ms": on["step_max_ms"], "collectives": on["collectives"],
+               "steps_s": {m: timed[(name, m)]["stats"]["step"]["all"] for m in modes if (name, m) in timed}}
+        for mode, key in zip(modes, ("us_off", "us_on", "us_checking")):
+            row[key] = extra(timed[(name, mode)]) if (name, mode) in timed else None
+        against = classes.get(name, (None, None, None))[2]
+        if against:
+            row.update(common.vs_paired(on, timed[(against, "on")], "vs"), against=against)
+        rows.append(row)
+    return rows
+
+
 def benchmark_baselines(ctx, args):
     """The two unbucketed ends: per-parameter overlapped (04) and one flat all-reduce (03)."""
     overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
@@ -597,6 +700,10 @@ def parser():
     p.add_argument("--recorder-cost", action="store_true",
                    help="instead of the sweep: DDPBucketed at the first --bucket-mb with the flight recorder off, on, "
                         "and on with --check-collectives, steps alternating (05_recorder_cost)")
+    p.add_argument("--per-param", nargs="*", type=common.COUNT, default=None, metavar="N",
+                   help="instead of the sweep: what each hook-driven class (04, 05, 06, 07) costs a parameter a step "
+                        "beside torch DDP and FSDP2, on a probe of N small parameters (1 + 40 k; given alone: "
+                        f"{' and '.join(map(str, PER_PARAM_SIZES))}) at 1 rank and --world-size (05_per_param)")
     return p
 
 
@@ -647,8 +754,29 @@ def report_overhead_model(args, rows, fit):
     print(common.wrote(args.out, "05_bucket_sweep.png and 05_overhead_model.json, .md"))
 
 
+def run_per_param(args):
+    """--per-param: one job per world size (1, then --world-size) and probe size; the
+    table rewritten after each."""
+    sizes = list(dict.fromkeys(args.per_param or PER_PARAM_SIZES))
+    rows = []
+    for ranks in dict.fromkeys([1, args.world_size] if not common.under_torchrun() else [args.world_size]):
+        for n in sizes:
+            rows += common.launch(per_param, args, n, world_size=ranks)
+            if common.is_reporter():
+                table = common.save_results(args.out, "05_per_param", rows, common.lm_settings(args),
+                                            headers=PER_PARAM_HEADERS, note=PER_PARAM_NOTE,
+                                            title="What each hook-driven class costs a parameter a step")
+    if common.is_reporter():
+        print(f"\nWhat each hook-driven class costs a parameter a step ({args.backend}/{args.device}; "
+              f"median of {args.steps} paired steps)\n{table}\n{common.wrote(args.out, '05_per_param.json and .md')}")
+
+
 def main(argv=None):
     args = common.parse(parser(), argv)
+    bad = [n for n in args.per_param or () if n < 41 or (n - 1) % 40]
+    if bad:
+        raise common.UsageError(f"--per-param {bad[0]}: the probe has 1 + 40 k parameters (10 blocks of "
+                                f"Linear + LayerNorm pairs and an embedding): use 41, 81, ..., 801, 1601")
     caps = list(dict.fromkeys(args.bucket_mb))   # each size once
     if not args.no_verify:   # the toy caps, and the first size asked for
         results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": caps[0], **TOY_CAPS})
@@ -657,6 +785,8 @@ def main(argv=None):
             common.check_verification(common.launch(verify_bf16, args), f"{NAME}, bf16, at {args.world_size} rank(s)")
     if args.no_bench:
         return
+    if args.per_param is not None:
+        return run_per_param(args)
     if args.recorder_cost:
         rows = common.launch(recorder_cost, args, caps[0])
         return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "

@@ -234,19 +234,20 @@ class ShardedGradientOptimizer(torch.optim.Optimizer):
         for k, v in self.optim.param_groups[-1].items():
             group.setdefault(k, v)
 
-    @torch.no_grad()
-    def _hook(self, p):
-        if p.grad is None:
+    def _hook(self, p):   # each parameter's, every backward: only what must be done per parameter
+        grad = p.grad
+        if grad is None:
             return
         if not self._callback_queued:   # when this backward ends: send what did not fill
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         bucket, j = self._slot[p]
-        bucket.add(j, p.grad)
+        bucket.add(j, grad)
         p.grad = None
-        while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
-            self._launch(self.buckets[self._next])   # in order: every rank issues the same collectives
-            self._next += 1
+        if bucket.remaining == 0:
+            while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
+                self._launch(self.buckets[self._next])   # in order: every rank issues the same collectives
+                self._next += 1
 
     def _launch(self, bucket):
         while len(self._flying) >= self.in_flight:
@@ -395,6 +396,7 @@ class _GradBucket:
         lo, hi = rank * self.k, (rank + 1) * self.k
         self.grad = torch.zeros(self.k, dtype=p0.dtype, device=p0.device)   # this rank's slice, summed
         self.flags = torch.zeros(len(params), dtype=p0.dtype, device=p0.device)   # gradients given, summed
+        self.all_given = torch.ones_like(self.flags)   # (the usual case, sent without a copy from the host)
         self.pieces, self.piece_range, self._piece_slot = {}, {}, {}
         for j, (p, (a, b)) in enumerate(zip(params, self.ranges)):
             s, e = max(a, lo), min(b, hi)
@@ -402,17 +404,23 @@ class _GradBucket:
                 self.pieces[p] = self.flat[s:e]
                 self.piece_range[p] = (s - a, e - a)
                 self._piece_slot[p] = (j, s - lo, e - lo)
+        self._piece_grad = {p: (j, self.grad[s:e]) for p, (j, s, e) in self._piece_slot.items()}   # (made once)
         self.buffer, self.given, self.work = None, None, None
         self.remaining, self._seen = len(params), [False] * len(params)
 
     def add(self, j, grad):
-        """Move parameter j's gradient in (divided by world_size: the sum becomes the mean)."""
+        """Move parameter j's gradient in (one copy; the bucket is divided by world_size as
+        it launches: the sum becomes the mean)."""
         if self.buffer is None:   # the whole bucket's gradients, only while it is in flight
             self.buffer = torch.zeros(self.k * self.world_size, dtype=grad.dtype, device=grad.device)
-            self.given = torch.zeros(len(self.params), dtype=grad.dtype, device=grad.device)
+            self.given = [0.0] * len(self.params)
         a, b = self.ranges[j]
-        torch.div(grad.reshape(-1), self.world_size, out=self.buffer[a:b])
-        self.given[j] = 1
+        if torch.is_grad_enabled():   # backward(create_graph=True): the copy is no part of a graph
+            with torch.no_grad():
+                self.buffer[a:b].view(grad.shape).copy_(grad)
+        else:
+            self.buffer[a:b].view(grad.shape).copy_(grad)
+        self.given[j] = 1.0
         if not self._seen[j]:
             self._seen[j] = True
             self.remaining -= 1
@@ -421,10 +429,14 @@ class _GradBucket:
         """Reduce-scatter the gradients (zeros where none came) and sum the flags, async."""
         if self.buffer is None:
             self.buffer = torch.zeros(self.k * self.world_size, dtype=self.grad.dtype, device=self.grad.device)
-            self.given = torch.zeros_like(self.flags)
+            self.given = [0.0] * len(self.params)
+        if self.world_size > 1:   # average by dividing before the sum: once, the whole bucket
+            self.buffer.div_(self.world_size)
+        given = self.all_given.clone() if all(self.given) else \
+            torch.tensor(self.given, dtype=self.flags.dtype, device=self.flags.device)   # (a copy from the host)
         out = torch.empty_like(self.grad)
-        self.work = (out, self.given, _reduce_scatter(out, self.buffer, group=self.group, async_op=True),
-                     dist.all_reduce(self.given, group=self.group, async_op=True))
+        self.work = (out, given, _reduce_scatter(out, self.buffer, group=self.group, async_op=True),
+                     dist.all_reduce(given, group=self.group, async_op=True))
         self.buffer, self.given = None, None   # freed once the collective is done with it
         self.remaining, self._seen = len(self.params), [False] * len(self.params)
 
@@ -438,10 +450,12 @@ class _GradBucket:
 
     def expose_gradients(self):
         """Each piece's gradient: a view of the summed slice, or None if no rank gave p one
-        (and it had none kept by zero_grad(set_to_none=False))."""
+        (and it had none kept by zero_grad(set_to_none=False)). The flags are read once
+        (one copy to the host a bucket, not one a parameter)."""
+        flags = self.flags.tolist()
         for p, piece in self.pieces.items():
-            j, s, e = self._piece_slot[p]
-            piece.grad = self.grad[s:e] if self.flags[j] > 0 or piece.grad is not None else None
+            j, view = self._piece_grad[p]
+            piece.grad = view if flags[j] > 0 or piece.grad is not None else None
 
     def all_gather(self):
         return _all_gather(self.flat, self.flat[self.rank * self.k:(self.rank + 1) * self.k].clone(),

@@ -10,6 +10,9 @@
 #            about 30 seconds; not in `all`)
 # make cp-sweep one attention from 1k to 32k tokens, one process beside every context-parallel
 #            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 6 minutes)
+# make per-param what each hook-driven class (04, 05, 06, 07) costs a parameter a step beside torch DDP
+#            and FSDP2, on a probe of many small parameters at 1 rank and 2, the recorder off, on and
+#            checking (about 6 minutes; not in `all`)
 # make recorder-cost what the flight recorder (every job runs under it) and --check-collectives cost a step:
 #            05's DDPBucketed and 10's pp 2 x dp 2 mesh, steps alternating (about 1 minute; not in `all`)
 # make setup-memory each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
@@ -28,7 +31,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
+.PHONY: all test setup docs clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -90,6 +93,9 @@ clean-results:
 
 07: $(STAMP)
 	$(PY) 07_fsdp.py --out results
+
+per-param: $(STAMP)
+	$(PY) 05_bucketed_ddp.py --per-param --no-verify --steps 30 --out results
 
 recorder-cost: $(STAMP)
 	$(PY) 05_bucketed_ddp.py --recorder-cost --bucket-mb 25 --no-verify --steps 40 --out results

@@ -246,3 +246,46 @@ def test_the_first_bucket_is_small(one_rank):
     big = common.build_lm("nano", 128, "cpu")   # a first tensor larger than 1 MiB gets a bucket of its own
     first = next(p for p in reversed(list(big.parameters())))
     assert bucketed.DDPBucketed(big, 25).buckets[0].params == [first]
+
+
+def test_per_parameter_work_is_one_copy_and_the_rest_is_per_bucket():
+    """At 2 ranks, what DDPBucketed adds to a step beside the plain model's: one copy per
+    parameter (none where autograd accumulated into the bucket's views, zero_grad keeping
+    them), the division by the world size once per bucket, and nothing else per parameter;
+    the same for ZeRO-2's ShardedGradientOptimizer (no flag written per parameter). The
+    average is one process's."""
+    import argparse
+    import workers
+    r = common.launch(workers.per_parameter_work, argparse.Namespace(world_size=2, backend="gloo", device="cpu",
+                                                                     timeout=60.0))
+    n, buckets = r["params"], r["buckets"]
+    assert buckets < n and r["close"]
+    fresh, kept = r[("DDPBucketed", True)], r[("DDPBucketed", False)]
+    assert fresh.pop("copy_.default") == n and "copy_.default" not in kept
+    for ops in (fresh, kept):
+        assert ops.pop("div_.Tensor") == buckets and all(v <= buckets for v in ops.values()), ops
+    zero2 = r[("ShardedGradientOptimizer", True)]
+    assert zero2["div_.Tensor"] == r["sharded_buckets"] and zero2["copy_.default"] >= n
+    assert not [k for k in zero2 if k.split(".")[0] in ("fill_", "index_put_", "div", "mul", "mul_")], zero2
+
+
+def test_per_param_times_every_hook_driven_class_beside_torchs_at_1_rank_and_2(tmp_path):
+    """--per-param on its smallest probe, 2 steps: a row per class and rank count, what each
+    adds a parameter under each recorder setting, ours against torch DDP or FSDP2."""
+    p = run_inline("05_bucketed_ddp.py", "--per-param", "41", "--no-verify", "--steps", "2", "--warmup", "2",
+                   "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "05_per_param.json").read_text())["rows"]
+    methods = ["plain training", "torch DDP", "DDPIndividualParameters (04)", "DDPBucketed",
+               "ShardedGradientOptimizer (06)", "FSDP2", "FSDP (07)"]
+    assert [(r["ranks"], r["method"]) for r in rows] == [(n, m) for n in (1, 2) for m in methods]
+    for r in rows:
+        assert r["params"] == 41 and all(isinstance(r[k], float) for k in ("us_off", "us_on", "us_checking")) \
+            or r["method"] == "plain training" and r["us_on"] == 0.0 and r["us_off"] is None
+        assert r.get("against") == {"torch DDP": None, "FSDP2": None, "plain training": None,
+                                    "FSDP (07)": "FSDP2"}.get(r["method"], "torch DDP")
+        if r.get("against"):
+            assert r["vs_min"] <= r["vs"] <= r["vs_max"]
+    by = {(r["ranks"], r["method"]): r for r in rows}
+    assert by[(2, "DDPIndividualParameters (04)")]["collectives"] > 41 >= by[(2, "DDPBucketed")]["collectives"]
+    assert "wrote " in p.stdout and "05_per_param" in p.stdout

@@ -33,6 +33,7 @@ CASES = [   # (script, argv, words the one line must hold)
     ("05_bucketed_ddp.py", ["--bucket-mb", "0"], "argument --bucket-mb: must be more than 0"),
     ("05_bucketed_ddp.py", ["--time-box", "-1"], "argument --time-box: must be more than 0"),
     ("05_bucketed_ddp.py", ["--bucket", "10"], "unrecognized arguments: --bucket"),
+    ("05_bucketed_ddp.py", ["--per-param", "801", "42"], "--per-param 42: the probe has 1 + 40 k parameters"),
     ("06_sharded_optimizer.py", ["--seed", "-1"], "argument --seed: must be at least 0"),
     ("07_fsdp.py", ["--steps", "inf"], "argument --steps: a whole number expected"),
     ("08_tensor_parallel.py", ["--world-sizes", TOO_MANY], f"{TOO_MANY} processes on"),

@@ -1,4 +1,5 @@
 """Module-level workers for tests (spawned processes find them again by file and name)."""
+import contextlib
 import copy
 import dataclasses
 import os
@@ -1154,4 +1155,63 @@ def steps_start_together(ctx, args):
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, spans)
         out[together] = everyone
+    return out
+
+
+def per_parameter_work(ctx, args):
+    """The aten ops DDPBucketed (both zero_grad modes) and ShardedGradientOptimizer add to a
+    step's backward and gradient synchronization, over the same model's plain backward:
+    {(class, set_to_none): {op: count}}, beside the numbers of parameters and buckets; and
+    whether DDPBucketed's averaged gradients are one process's over the world size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    bucketed = common.load_script(os.path.join(common.ROOT, "05_bucketed_ddp.py"))
+    sharded = common.load_script(os.path.join(common.ROOT, "06_sharded_optimizer.py"))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.__name__] = self.ops.get(func.__name__, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def counted(module, opt, finish, set_to_none=True, steps=3):   # the last step's ops
+        for step in range(steps):
+            opt.zero_grad(set_to_none=set_to_none)
+            ops = Ops()
+            with ops if step == steps - 1 else contextlib.nullcontext():
+                module(x).square().sum().backward()
+                finish()
+            opt.step()
+        return ops.ops
+
+    def more(ops, base):
+        return {k: v - base.get(k, 0) for k, v in ops.items() if v != base.get(k, 0)}
+    out = {}
+    for set_to_none in (True, False):
+        m = model()
+        base = counted(m, torch.optim.SGD(m.parameters(), lr=0.1), lambda: None, set_to_none)
+        ddp = bucketed.DDPBucketed(model(), 300 / 2**20)   # 300 bytes: 6 buckets, a layer's 2 tensors each
+        ops = counted(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), ddp.finish_gradient_synchronization,
+                      set_to_none)   # (the second step rebuilt the buckets)
+        out[("DDPBucketed", set_to_none)] = more(ops, base)
+    out["buckets"], out["params"] = len(ddp.buckets), len(list(ddp.parameters()))
+    m = model()
+    opt = sharded.ShardedGradientOptimizer(m.parameters(), torch.optim.SGD, bucket_mb=300 / 2**20, lr=0.1)
+    out[("ShardedGradientOptimizer", True)] = more(counted(m, opt, opt._wait), base)
+    out["sharded_buckets"] = len(opt.buckets)
+    plain, one = model(), model()   # the average against one process: the ranks' x together, / world size
+    everyone = torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(ctx.world_size)])
+    ddp = bucketed.DDPBucketed(plain, 1000)
+    ddp(x).square().sum().backward()
+    ddp.finish_gradient_synchronization()
+    one(everyone).square().sum().div(ctx.world_size).backward()
+    out["close"] = all(torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6) for a, b in zip(plain.parameters(),
+                                                                                       one.parameters()))
     return out
