@@ -12,7 +12,7 @@
 #            method at cp 2 and 4: time and peak memory (results/11_sweep/; about 6 minutes)
 # make per-param what each hook-driven class (04, 05, 06, 07) costs a parameter a step beside torch DDP
 #            and FSDP2, on a probe of many small parameters at 1 rank and 2, the recorder off, on and
-#            checking (about 6 minutes; not in `all`)
+#            checking (about 4 minutes; not in `all`)
 # make recorder-cost what the flight recorder (every job runs under it) and --check-collectives cost a step:
 #            05's DDPBucketed and 10's pp 2 x dp 2 mesh, steps alternating (about 1 minute; not in `all`)
 # make setup-memory each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
