@@ -68,7 +68,7 @@ def _reduce_scatter(out, inp, group, async_op=False):
 class FSDP(nn.Module):
     """Fully sharded data parallelism by units, as torch's FSDP2 does it.
 
-        model = FSDP(MyModel().to(device))     # units: each block of the model's ModuleLists, and the root
+        model = FSDP(MyModel().to(device))     # units: each decoder layer (or ModuleList block), and the root
         opt = torch.optim.AdamW(model.parameters())   # this rank's shards, under their own names
         loss = loss_fn(model(x_local), y_local)   # each unit gathered whole before it runs, freed after
         loss.backward()                           # gathered again; gradients reduce-scattered per unit
@@ -94,7 +94,8 @@ class FSDP(nn.Module):
     while the forward is recomputed, so the recomputation gathers nothing more. A frozen
     unit a backward passes through (trained layers before it) is gathered for that backward
     and freed by finish_gradient_synchronization. ``units``: the submodules to use as units
-    (None: the default above). ``compute_dtype``: weights gathered, computed and reduced in
+    (None: the modules a transformers model names in its ``_no_split_modules``, its decoder
+    layers, where the model has any; else each module of the model's ModuleLists). ``compute_dtype``: weights gathered, computed and reduced in
     it (float16, bfloat16); shards, their gradients and the optimizer state stay float32.
     ``reduce_dtype``: the gradients reduced in it instead (float32 with a bfloat16
     compute_dtype: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
@@ -142,8 +143,11 @@ class FSDP(nn.Module):
             for t in [p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()):
                 if not t.is_meta:
                     dist.broadcast(t, src=src, group=process_group)
-        if units is None:   # each module of a ModuleList, outermost ones only
-            units = [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+        if units is None:   # what the model says must stay whole (transformers' decoder layers), else
+            # each module of a ModuleList; outermost ones only
+            whole_kinds = {n for m in module.modules() for n in getattr(m, "_no_split_modules", None) or ()}
+            units = [m for m in module.modules() if type(m).__name__ in whole_kinds] or \
+                [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]
         units = [u for u in units if u is not module]
         unit_of = {}   # module -> the unit it belongs to (None: the root)
         for u in units:

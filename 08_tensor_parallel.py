@@ -479,6 +479,60 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     return module
 
 
+# transformers' plan styles (config.base_model_tp_plan) in parallelize's words, and those whose
+# layer the kit keeps whole on every rank instead: the same numbers as HF's form, unsplit
+HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "sum"}
+HF_KEPT_WHOLE = {
+    "colwise_gather_output": "a column split whose output is gathered again: computed whole on every rank",
+    "rowwise_split_input": "a row split of a whole input: computed whole on every rank",
+    "embedding_rowwise": "a vocabulary-parallel embedding: kept whole on every rank",
+    "sequence_parallel": "sequence parallelism is not taken from a plan (08's --sp): kept whole",
+    "packed_colwise": "experts' fused tensors: split them by expert parallelism (12's split_experts)",
+    "moe_tp_experts": "experts: split them by expert parallelism (12's split_experts)"}
+
+
+def model_plan(model: nn.Module) -> tuple:
+    """The plan a transformers model ships for itself (``config.base_model_tp_plan``) in
+    parallelize's words, its keys under the model's own names (the base model's prefix,
+    ``model.`` or ``gpt_neox.``, put in front where ``model`` holds the base model):
+    (plan, whole). colwise, rowwise and replicated_with_grad_allreduce become column, row
+    and sum; a style the kit does not split (HF_KEPT_WHOLE: a split whose output is gathered
+    again or whose input is a whole one's, a vocabulary-parallel embedding, experts, which
+    12's split_experts splits) leaves its layer whole on every rank, which computes the same
+    numbers, and goes into ``whole`` ({key: why}); so does an entry naming a parameter rather
+    than a module. Entries for modules this configuration does not build (a dense MLP in an
+    all-sparse MoE) are left out. ValueError: no plan, or a style it does not know.
+
+        plan, whole = model_plan(model)
+        parallelize(model, plan, tp_group)
+    """
+    config = getattr(model, "config", None)
+    hf = getattr(config, "base_model_tp_plan", None)
+    if not hf:
+        raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan): "
+                         f"write one for parallelize")
+    prefix = getattr(model, "base_model_prefix", "")
+    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    modules = [n for n, _ in model.named_modules()]
+    parameters = [n for n, _ in model.named_parameters()]
+    plan, whole = {}, {}
+    for key, style in hf.items():
+        key = base + key
+        if style not in HF_STYLES and style not in HF_KEPT_WHOLE:
+            raise ValueError(f"plan key {key!r}: style {style!r} is not one the kit knows "
+                             f"({', '.join([*HF_STYLES, *HF_KEPT_WHOLE])}): write the plan yourself")
+        if not any(path_matches(n, key) for n in modules):
+            if any(path_matches(n, key) for n in parameters):   # (experts' 3D tensors)
+                whole[key] = HF_KEPT_WHOLE["packed_colwise"] if ".experts." in f".{key}." else \
+                    "a parameter, not a module: kept whole on every rank"
+            continue   # a module this configuration does not build
+        if style in HF_KEPT_WHOLE:
+            whole[key] = HF_KEPT_WHOLE[style]
+        else:
+            plan[key] = HF_STYLES[style]
+    return plan, whole
+
+
 def replicated_over(module: nn.Module, process_group=None):
     """Record a "replicate" placement over the group on every parameter of ``module`` that
     no split over it placed: whole and the same on every rank of the group."""

@@ -32,6 +32,16 @@ MLP = {"model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "
 HEAD_NORMS = {"model.layers.*.self_attn.q_norm": "sum", "model.layers.*.self_attn.k_norm": "sum"}   # per head
 PLANS = {"llama": {**ATTENTION, **MLP}, "qwen3-moe": {**ATTENTION, **HEAD_NORMS}}   # HF views heads with -1
 EXPERTS = "model.layers.*.mlp.experts"
+# More families, tiny, by their own plans (08's model_plan): what each splits, and what it keeps
+# whole (an all-sparse MoE's plan names a dense MLP it does not build; OLMo-2 and Phi-3 gather
+# their attention's projections, Phi-3 its fused MLP; GPT-NeoX's embedding is vocabulary-parallel)
+FAMILIES = {
+    "qwen2-moe, all sparse": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(intermediate_size=128)),
+    "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(intermediate_size=128)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(intermediate_size=128, pad_token_id=0))}
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
 # AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
 # differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
@@ -49,6 +59,9 @@ def tiny(kind, layers=2, router_loss=True, experts=4):
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=128, **common_cfg))
+    if kind in FAMILIES:   # the other families, each as transformers builds it
+        cls, cfg_cls, own = FAMILIES[kind]
+        return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**common_cfg, **own}))
     cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=2,
                                       output_router_logits=router_loss, router_aux_loss_coef=AUX, **common_cfg)
     return transformers.Qwen3MoeForCausalLM(cfg)
@@ -107,12 +120,12 @@ def _mine(t, rank, n):
 
 
 def data_parallel(ctx, kind, data, wrap, seen=None):
-    """dp = world: DDPBucketed, 04's DDPIndividualParameters ("dp 04"), or FSDP with each
-    decoder layer a unit; each rank its share.
+    """dp = world: DDPBucketed, 04's DDPIndividualParameters ("dp 04"), or FSDP with its
+    default units (each decoder layer: the model's own _no_split_modules); each rank its share.
     ``seen``: what the wrapped model returned, by type name."""
     def put(model):
         if wrap == "fsdp":
-            module = fsdp.FSDP(model, units=list(model.model.layers))
+            module = fsdp.FSDP(model)
         elif wrap == "dp 04":
             module = overlap.DDPIndividualParameters(model)
         else:
@@ -126,10 +139,13 @@ def data_parallel(ctx, kind, data, wrap, seen=None):
     return against_one_process(kind, data, put, parts=ctx.world_size)
 
 
-def tensor_parallel(ctx, kind, data, plan=None):
-    """tp = world: the whole-model plan on the model's own names (``plan``: another)."""
+def tensor_parallel(ctx, kind, data, plan=None, own=None):
+    """tp = world: the whole-model plan on the model's own names (``plan``: another; ``own``:
+    a dict that gets the model's own plan, 08's model_plan, which is then the one applied)."""
     def put(model):
-        tp.parallelize(model, plan or PLANS[kind])
+        if own is not None:
+            own["plan"], own["whole"] = tp.model_plan(model)
+        tp.parallelize(model, own["plan"] if own is not None else plan or PLANS[kind])
         return model, lambda x, y: loss_of(model, x, y).backward(), lambda n: tp.clip_grad_norm_(model, n), \
             lambda: tp.full_state_dict(model, all_ranks=True)
     return against_one_process(kind, data, put)
@@ -275,16 +291,22 @@ def expert_parallel(ctx, kind, data, rest):
 def axes(ctx, args):
     """Every axis at 2 ranks, both models: dp (DDPBucketed), fsdp, tp, pp with each
     schedule, cp with each method; Qwen3-MoE's own experts split, with dp and with fsdp."""
-    data, out, seen = batches(), {"outputs": {}}, {}
+    data, out, seen = batches(), {"outputs": {}, "own plans": {}, "units": {}}, {}
     for kind in MODELS:
         for wrap in ("dp", "dp 04", "fsdp"):
             out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap, seen.setdefault(wrap, []))
             out["outputs"][wrap] = seen[wrap][-1]
         out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data)
+        out["own plans"][kind] = tp.model_plan(tiny(kind))
+        out["units"][kind] = sorted({type(u.module).__name__ for u in fsdp.FSDP(tiny(kind))._units if u.module})
         for schedule in pp.SCHEDULES:
             out[f"{kind}, pp {schedule}"] = pipeline(ctx, kind, data, schedule)
         for method in cpm.METHODS:
             out[f"{kind}, cp {method}"] = context_parallel(ctx, kind, data, method)
+    for kind in FAMILIES:   # each by its own plan, nothing written for it
+        own = {}
+        out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
+        out["own plans"][kind] = (own["plan"], own["whole"])
     for rest in ("dp", "fsdp"):
         out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
     out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control

@@ -70,6 +70,27 @@ def test_one_gather_per_unit_prefetched_ahead_in_forward_and_backward(one_rank):
     assert ev.count("gather") == 1 + 2 * 3 and ev.count("reduce_scatter") == 4   # the root stays whole
 
 
+def test_units_default_to_what_the_model_says_must_stay_whole(one_rank):
+    """A model naming its whole-kept layers (transformers' _no_split_modules) gets them as
+    units wherever they sit (here in an nn.Sequential, which the ModuleList default never
+    looked into); a model naming none keeps the ModuleList default."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    class Net(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = torch.nn.Sequential(Block(), Block()), torch.nn.Linear(4, 2)
+    net = Net()
+    assert [u.module for u in fsdp.FSDP(net)._units if u.module is not None] == list(net.body)
+    plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]))
+    assert [u.module for u in fsdp.FSDP(plain)._units if u.module is not None] == list(plain[0])
+
+
 def test_no_sync_communicates_no_gradient(one_rank):
     torch.manual_seed(0)
     model = fsdp.FSDP(common.TransformerLM(32, 64, 2, 4, context_length=16))

@@ -2,6 +2,8 @@
 LlamaForCausalLM and Qwen3MoeForCausalLM, their source and config classes as shipped, on
 every axis and on two 8-rank meshes, each trained like one process with documented calls
 only (tests/hf_model.py). One spawned job a world size serves every case."""
+import re
+
 import pytest
 
 import common
@@ -74,3 +76,48 @@ def test_transformers_models_composed_on_eight_ranks_train_like_one_process(case
     ("divide", "2 ranks do not divide model.layers.0.mlp.experts's 3 experts")])
 def test_split_experts_refuses_what_it_cannot_split_before_changing_the_model(case, words):
     assert words in run("axes", 2)["refusals"][case]
+
+
+@pytest.mark.parametrize("kind", ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3"])
+def test_a_family_trains_by_its_own_tp_plan_like_one_process(kind):
+    """08's model_plan reads the plan the model ships (config.base_model_tp_plan), nothing
+    written per family: what it splits trains like one process; what it cannot split it
+    keeps whole, saying why; an all-sparse MoE's entries for a dense MLP it never builds are
+    left out (parallelize refused the whole plan for them)."""
+    r = run("axes", 2)
+    assert r[f"{kind}, tp"]["ok"], f"max diff {r[f'{kind}, tp']['max_diff']}"
+    assert r[f"{kind}, tp"]["norms"]
+    plan, whole = r["own plans"][kind]
+    split = {"qwen2-moe, all sparse": ["q_proj", "k_proj", "v_proj", "o_proj"],
+             "olmo2": ["gate_proj", "up_proj", "down_proj"],
+             "gpt-neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], "phi3": []}[kind]
+    assert sorted(k.rsplit(".", 1)[1] for k in plan) == sorted(split)
+    assert not [k for k in plan if ".mlp.gate_proj" in k] or kind == "olmo2"   # the dense MLP it does not build
+    reasons = " ".join(whole.values())
+    assert {"qwen2-moe, all sparse": "expert parallelism", "olmo2": "gathered again", "gpt-neox": "vocabulary-parallel",
+            "phi3": "gathered again"}[kind] in reasons
+
+
+def test_the_models_own_plan_is_the_hand_written_one_and_fsdp_units_are_its_decoder_layers():
+    r = run("axes", 2)
+    llama, qwen = r["own plans"]["llama"], r["own plans"]["qwen3-moe"]
+    import hf_model
+    assert llama[0] == hf_model.PLANS["llama"] and not llama[1]
+    assert {k: v for k, v in qwen[0].items() if ".mlp." not in k} == hf_model.PLANS["qwen3-moe"]
+    assert set(qwen[1]) == {f"{hf_model.EXPERTS}{s}" for s in ("", ".gate_up_proj", ".down_proj")}
+    assert r["units"] == {"llama": ["LlamaDecoderLayer"], "qwen3-moe": ["Qwen3MoeDecoderLayer"]}
+
+
+def test_a_model_with_no_plan_or_an_unknown_style_is_refused_naming_it(one_rank):
+    import torch
+    import transformers
+    tp = common.load_script(common.ROOT / "08_tensor_parallel.py")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
+    with pytest.raises(ValueError, match=re.escape("GPT2LMHeadModel ships no tensor-parallel plan")):
+        tp.model_plan(gpt2)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    llama.config.base_model_tp_plan = {**llama.config.base_model_tp_plan, "layers.*.mlp.up_proj": "colwise_rep"}
+    with pytest.raises(ValueError, match=re.escape("'model.layers.*.mlp.up_proj': style 'colwise_rep' is not one")):
+        tp.model_plan(llama)
+    assert isinstance(llama.model.layers[0].mlp.up_proj, torch.nn.Linear)
