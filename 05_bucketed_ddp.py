@@ -488,7 +488,7 @@ def benchmark(ctx, args, model, cap, fit=False):
 
 def recorder_cost(ctx, args, cap):
     """--recorder-cost: DDPBucketed on the LM with the flight recorder off, on, and checking."""
-    return diagnostics.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
+    return common.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
 
 
 # --per-param: what each hook-driven class costs a parameter a step, where the CPU's work
@@ -790,7 +790,7 @@ def main(argv=None):
     if args.recorder_cost:
         rows = common.launch(recorder_cost, args, caps[0])
         return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "
-                                   f"({caps[0]:g} MB buckets)", rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
+                                   f"({caps[0]:g} MB buckets)", rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
     rows, fit, note = run_sweep(args, caps)
     common.report_table(args, NAME, TITLE, rows, HEADERS, note)
     if args.dtype == "bf16":

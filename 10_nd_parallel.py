@@ -64,7 +64,6 @@ import torch
 import common
 import sharded_checkpoint
 import placement
-import diagnostics
 
 # ---- begin copy: Mesh (needs only torch and the standard library) ----
 import itertools
@@ -962,7 +961,7 @@ def recorder_cost(ctx, args, shape, dims):
         model = ParallelLM(Mesh(shape), whole, batch, levers)
         opt = make_optimizer(model)
         return lambda b, clock: train_step(model, opt, model.part(b), clock)
-    return diagnostics.recorder_modes(ctx, argparse.Namespace(**{**vars(args), "batch_size": batch}), make,
+    return common.recorder_modes(ctx, argparse.Namespace(**{**vars(args), "batch_size": batch}), make,
                                  global_batch=True)
 
 
@@ -1971,7 +1970,7 @@ def main(argv=None):
         args.batch_size = args.batch_size or 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
         rows = common.launch(recorder_cost, args, shape, common.MODEL_SIZES[args.model_size])
         return common.report_table(args, "10_recorder_cost", f"The flight recorder's cost on {label(shape)} (ours)",
-                                   rows, diagnostics.RECORDER_HEADERS, diagnostics.RECORDER_NOTE)
+                                   rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
     if not args.no_verify:
         run_verification(args, shape, single, levers)
     if args.no_bench:

@@ -6,8 +6,9 @@ collective or mixed with a device one fails here as on a GPU); the flight record
 (``FlightRecorder``: each rank's calls, published to the job's store every second); the
 stall report (``diagnose``, ``StallWatch``: the rank the others wait for, named in
 seconds); and --check-collectives (each collective compared across its group before it
-runs, ``CollectiveMismatch``). Used by common.py's launcher, by the tests and by
-``make recorder-cost``; the copyable classes never import it.
+runs, ``CollectiveMismatch``). Used by common.py's launcher and by the tests; it imports
+nothing of the kit (what the recorder costs a step is common.recorder_modes,
+``make recorder-cost``); the copyable classes never import it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import json
 import linecache
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
@@ -1045,86 +1045,3 @@ class StallWatch:
             if not ticking:
                 self._update()
         return self.diagnosis
-
-
-def recorder_modes(ctx, args, make, global_batch=False) -> list:
-    """What the flight recorder costs one method's step: ``make()`` (as time_methods takes
-    it) built three times and stepped alternately with the recorder off, on, and on with
-    --check-collectives (the paired ratios over off), beside each traced call's own cost
-    (the recorder's bookkeeping per call, timed alone; the check's store round trips, from
-    a 1-element all-reduce on the world with and without it) times the traced calls a step
-    makes. Rows for a table; collective on the world."""
-    import common   # (the timing harness: imported here, as common imports this file)
-    rec = _RECORDER[0]
-
-    def mode(on, check):
-        def build():
-            step = make()
-
-            def timed(batch, clock):
-                rec.on, rec.check = on, check
-                try:
-                    step(batch, clock)
-                finally:
-                    rec.on, rec.check = True, False
-            return timed
-        return build
-    names = {"recorder off": (False, False), "recorder on": (True, False),
-             "recorder on, --check-collectives": (True, True)}
-    rows = common.time_methods(ctx, args, {n: mode(*m) for n, m in names.items()}, global_batch=global_batch)
-    before = rec.entered
-    mode(True, False)()(*_first_batch(ctx, args, global_batch))
-    per_step = rec.entered - before
-    x = torch.zeros(1, device=ctx.device)
-    scratch = FlightRecorder(ctx, dist.HashStore())   # its sequence numbers are its own: the job's stay in step
-    traced = _traced("all_reduce", lambda *a, **k: None)
-    saved = _OBSERVERS[:]
-
-    def bookkeeping(observers, n=20000):
-        _OBSERVERS[:] = observers
-        try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                traced(x)
-            return (time.perf_counter() - t0) / n
-        finally:
-            _OBSERVERS[:] = saved
-    recorder = min(bookkeeping([scratch]) for _ in range(3)) - min(bookkeeping([]) for _ in range(3))
-    scratch.finish()
-
-    def world_calls(check, n=50):   # the check's store round trips on the world, 8 blocks each way
-        rec.check = check
-        try:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                dist.all_reduce(x)
-            return (time.perf_counter() - t0) / n
-        finally:
-            rec.check = False
-    blocks = [(world_calls(False), world_calls(True)) for _ in range(8)]
-    check = statistics.median(b - a for a, b in blocks)
-    cost = {"recorder off": 0.0, "recorder on": recorder, "recorder on, --check-collectives": recorder + check}
-    base = rows[0]
-    for r in rows:
-        r.update(common.vs_paired(r, base, "vs_off"), traced_calls_per_step=per_step, call_cost_us=cost[r["method"]] * 1e6,
-                 calls_share_of_step=cost[r["method"]] * per_step / (base["step_ms"] / 1e3))
-    return rows
-
-
-def _first_batch(ctx, args, global_batch):
-    import common
-    batch = common.lm_batch(args.batch_size, args.context_length, 0, args.seed, ctx.device)
-    return (batch if global_batch else tuple(common.shard(t, ctx.rank, ctx.world_size) for t in batch)), \
-        common.StepClock(ctx.device)
-
-
-RECORDER_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "vs_off", "vs_off_min", "vs_off_max",
-                    "traced_calls_per_step", "call_cost_us", "calls_share_of_step"]
-RECORDER_NOTE = ("The flight recorder (every job runs under it) off, on, and on with --check-collectives, the same "
-                 "method's steps alternating: vs_off is the median of the paired steps' ratios over the recorder off "
-                 "[min, max]; call_cost_us: what one traced call costs more: the recorder's bookkeeping (its wrapper, "
-                 "entry and exit, timed 20000 times against the bare wrapper) and the check's store round trips (a "
-                 "1-element all-reduce on the world with and without it, 8 blocks of 50 each way, the median "
-                 "difference); calls_share_of_step: that cost times the traced calls of one step, over the step "
-                 "(the paired ratio's spread is the machine's noise; this share is the recorder's own cost).")

@@ -289,3 +289,15 @@ def test_per_param_times_every_hook_driven_class_beside_torchs_at_1_rank_and_2(t
     by = {(r["ranks"], r["method"]): r for r in rows}
     assert by[(2, "DDPIndividualParameters (04)")]["collectives"] > 41 >= by[(2, "DDPBucketed")]["collectives"]
     assert "wrote " in p.stdout and "05_per_param" in p.stdout
+
+
+def test_recorder_cost_times_the_recorder_off_on_and_checking(tmp_path):
+    """--recorder-cost (common.recorder_modes, out of diagnostics.py): three rows, the same
+    method's steps alternating, each traced call's cost beside the calls a step makes."""
+    p = run_inline("05_bucketed_ddp.py", "--recorder-cost", "--model-size", "nano", "--bucket-mb", "25", "--no-verify",
+                   "--steps", "2", "--warmup", "2", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "05_recorder_cost.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["recorder off", "recorder on", "recorder on, --check-collectives"]
+    assert rows[0]["vs_off"] == 1.0 and rows[0]["call_cost_us"] == 0.0
+    assert all(r["traced_calls_per_step"] == rows[0]["traced_calls_per_step"] > 0 for r in rows)
