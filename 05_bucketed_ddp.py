@@ -30,7 +30,6 @@ import statistics
 import time
 
 import common
-import diagnostics
 
 # ---- begin copy: DDPBucketed (needs torch, the standard library and placement.py) ----
 import contextlib
@@ -512,12 +511,11 @@ PER_PARAM_NOTE = ("The probe: a tiny embedding of the LM batch's tokens, then 10
 class ManyParams(nn.Module):
     """The per-parameter probe: ``n_params`` tensors (a tiny embedding of each sequence's
     first 8 tokens, then 10 blocks of Linear(32, 32) + LayerNorm(32) pairs, 4 tensors a
-    pair; ``n_params`` - 1 a multiple of 40); the loss is the output's mean square."""
+    pair; ``n_params`` - 1 a multiple of 40, which main checks); the loss is the output's
+    mean square."""
 
     def __init__(self, n_params, seed=0):
         super().__init__()
-        if n_params < 41 or (n_params - 1) % 40:
-            raise ValueError(f"the probe has 1 + 40 k parameters, not {n_params}")
         torch.manual_seed(seed)
         self.embed = nn.Embedding(64, 32)
         self.blocks = nn.ModuleList(nn.Sequential(*[m for _ in range((n_params - 1) // 40)
@@ -538,7 +536,6 @@ def per_param(ctx, args, n_params):
     overlap = common.load_script(common.ROOT / "04_overlap_ddp.py")
     sharded = common.load_script(common.ROOT / "06_sharded_optimizer.py")
     fsdp = common.load_script(common.ROOT / "07_fsdp.py")
-    rec = diagnostics._RECORDER[0]
     torch.set_num_threads(1)   # one a rank at 1 rank too: tiny ops gain nothing from more, and OpenMP's
     # handing each op to a second thread took half of a 1-rank step here, hiding what is measured
 
@@ -547,15 +544,7 @@ def per_param(ctx, args, n_params):
             model = ManyParams(n_params, args.seed).to(ctx.device)
             wrapped = wrap(model)
             opt = optimizer(model) if optimizer else torch.optim.SGD(wrapped.parameters(), lr=1e-3)
-
-            def step(batch, clock):
-                before = rec.on, rec.check
-                rec.on, rec.check = on, check
-                try:
-                    train_step(wrapped, opt, batch, clock)
-                finally:
-                    rec.on, rec.check = before
-            return step
+            return common.recorded(lambda batch, clock: train_step(wrapped, opt, batch, clock), on, check)
         return make
     classes = {
         "torch DDP": (lambda m: torch_ddp(m, 25, ctx.device), None, None),

@@ -397,30 +397,27 @@ class _GradBucket:
         self.grad = torch.zeros(self.k, dtype=p0.dtype, device=p0.device)   # this rank's slice, summed
         self.flags = torch.zeros(len(params), dtype=p0.dtype, device=p0.device)   # gradients given, summed
         self.all_given = torch.ones_like(self.flags)   # (the usual case, sent without a copy from the host)
-        self.pieces, self.piece_range, self._piece_slot = {}, {}, {}
+        self.pieces, self.piece_range, self._piece_grad = {}, {}, {}
         for j, (p, (a, b)) in enumerate(zip(params, self.ranges)):
             s, e = max(a, lo), min(b, hi)
             if s < e:   # the piece of p this rank owns: a view of the flat weights
                 self.pieces[p] = self.flat[s:e]
                 self.piece_range[p] = (s - a, e - a)
-                self._piece_slot[p] = (j, s - lo, e - lo)
-        self._piece_grad = {p: (j, self.grad[s:e]) for p, (j, s, e) in self._piece_slot.items()}   # (made once)
-        self.buffer, self.given, self.work = None, None, None
-        self.remaining, self._seen = len(params), [False] * len(params)
+                self._piece_grad[p] = (j, self.grad[s - lo:e - lo])   # its gradient's view, made once
+        self.buffer, self.work = None, None
+        self.remaining, self._seen = len(params), [False] * len(params)   # _seen: the gradients given
 
     def add(self, j, grad):
         """Move parameter j's gradient in (one copy; the bucket is divided by world_size as
         it launches: the sum becomes the mean)."""
         if self.buffer is None:   # the whole bucket's gradients, only while it is in flight
             self.buffer = torch.zeros(self.k * self.world_size, dtype=grad.dtype, device=grad.device)
-            self.given = [0.0] * len(self.params)
         a, b = self.ranges[j]
         if torch.is_grad_enabled():   # backward(create_graph=True): the copy is no part of a graph
             with torch.no_grad():
                 self.buffer[a:b].view(grad.shape).copy_(grad)
         else:
             self.buffer[a:b].view(grad.shape).copy_(grad)
-        self.given[j] = 1.0
         if not self._seen[j]:
             self._seen[j] = True
             self.remaining -= 1
@@ -429,15 +426,14 @@ class _GradBucket:
         """Reduce-scatter the gradients (zeros where none came) and sum the flags, async."""
         if self.buffer is None:
             self.buffer = torch.zeros(self.k * self.world_size, dtype=self.grad.dtype, device=self.grad.device)
-            self.given = [0.0] * len(self.params)
         if self.world_size > 1:   # average by dividing before the sum: once, the whole bucket
             self.buffer.div_(self.world_size)
-        given = self.all_given.clone() if all(self.given) else \
-            torch.tensor(self.given, dtype=self.flags.dtype, device=self.flags.device)   # (a copy from the host)
+        given = self.all_given.clone() if all(self._seen) else \
+            torch.tensor(self._seen, dtype=self.flags.dtype, device=self.flags.device)   # (a copy from the host)
         out = torch.empty_like(self.grad)
         self.work = (out, given, _reduce_scatter(out, self.buffer, group=self.group, async_op=True),
                      dist.all_reduce(given, group=self.group, async_op=True))
-        self.buffer, self.given = None, None   # freed once the collective is done with it
+        self.buffer = None   # freed once the collective is done with it
         self.remaining, self._seen = len(self.params), [False] * len(self.params)
 
     def finish(self):

@@ -977,18 +977,7 @@ def recorder_modes(ctx, args, make, global_batch=False) -> list:
     rec = diagnostics._RECORDER[0]
 
     def mode(on, check):
-        def build():
-            step = make()
-
-            def timed(batch, clock):
-                before = rec.on, rec.check
-                rec.on, rec.check = on, check
-                try:
-                    step(batch, clock)
-                finally:
-                    rec.on, rec.check = before
-            return timed
-        return build
+        return lambda: recorded(make(), on, check)
     names = {"recorder off": (False, False), "recorder on": (True, False),
              "recorder on, --check-collectives": (True, True)}
     rows = time_methods(ctx, args, {n: mode(*m) for n, m in names.items()}, global_batch=global_batch)
@@ -1030,6 +1019,22 @@ def recorder_modes(ctx, args, make, global_batch=False) -> list:
         r.update(vs_paired(r, base, "vs_off"), traced_calls_per_step=per_step, call_cost_us=cost[r["method"]] * 1e6,
                  calls_share_of_step=cost[r["method"]] * per_step / (base["step_ms"] / 1e3))
     return rows
+
+
+def recorded(step, on: bool, check: bool):
+    """``step(batch, clock)`` with this rank's flight recorder on or off and checking
+    collectives or not (--check-collectives) for that step only, the job's own settings
+    restored after it."""
+    rec = diagnostics._RECORDER[0]
+
+    def timed(batch, clock):
+        before = rec.on, rec.check
+        rec.on, rec.check = on, check
+        try:
+            step(batch, clock)
+        finally:
+            rec.on, rec.check = before
+    return timed
 
 
 def _first_batch(ctx, args, global_batch):
