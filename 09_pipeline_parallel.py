@@ -195,7 +195,18 @@ class PipelineStage(nn.Module):
             costs = measure_costs(_stage_pieces(model, blocks, embed, head, loss_fn, self._call), _with_targets(*sample),
                                   process_group=process_group)
             model.zero_grad(set_to_none=True)
-        n = len(blocks)
+        self._cut(len(blocks), stage, n_stages, chunks, costs, cuts)
+        self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, layers
+        self._embed_fn, self._head_fn = embed, head   # (not .embed, .head: the model's modules may be named so)
+        for name in first if self.first else ():   # the model's order: first modules, layers, last modules
+            self._hold(name, model.get_submodule(name))
+        self._hold(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
+        for name in last if self.last else ():
+            self._hold(name, model.get_submodule(name))
+
+    def _cut(self, n, stage, n_stages, chunks, costs, cuts):
+        """The runs of the ``n`` layers this stage holds (``ranges``), from ``cuts`` or ``costs``."""
+        total = n_stages * chunks
         pieces = costs is not None and all(isinstance(c, (tuple, list)) for c in costs)
         if cuts is None and pieces and len(costs) != n + 2:
             raise ValueError(f"costs: {len(costs)} pieces, but the embedding, {n} layers and the head are {n + 2}")
@@ -209,13 +220,12 @@ class PipelineStage(nn.Module):
             raise ValueError(f"cuts {list(cuts)}: {total + 1} increasing numbers from 0 to {n} layers")
         self.costs, self.cuts = costs, list(cuts)
         self.ranges = [(cuts[k], min(cuts[k + 1], n)) for k in range(stage, total, n_stages)]
-        self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, layers
-        self._embed_fn, self._head_fn = embed, head   # (not .embed, .head: the model's modules may be named so)
-        for name in first if self.first else ():   # the model's order: first modules, layers, last modules
-            self._hold(name, model.get_submodule(name))
-        self._hold(layers, nn.ModuleDict({str(i): blocks[i] for lo, hi in self.ranges for i in range(lo, hi)}))
-        for name in last if self.last else ():
-            self._hold(name, model.get_submodule(name))
+
+    def held_layers(self) -> list:
+        """The layers this stage runs, in the model's order (FSDP's units, say)."""
+        layers = self.get_submodule(self.layers_name)
+        return [layers[str(i) if isinstance(layers, nn.ModuleDict) else i]
+                for lo, hi in self.ranges for i in range(lo, hi)]
 
     def _hold(self, name, module):
         """Register ``module`` under its dotted name, making the containers on the way (plain
@@ -238,6 +248,164 @@ class PipelineStage(nn.Module):
         if self.last and chunk == len(self.ranges) - 1:
             return self._head_fn(self, xs[0]) if self._head_fn is not None else xs[0]
         return xs if len(xs) > 1 else xs[0]
+
+
+class ModelStage(PipelineStage):
+    """Stage ``stage`` of ``n_stages`` of a transformers model, built from what the model
+    ships about itself, with nothing written for its family: its pipeline plan
+    (``config.base_model_pp_plan``: the modules before the decoder layers, the layers, the
+    modules after) and its own forward. Every stage calls the model's forward as it is, so
+    whatever that forward does besides the layers (the causal and sliding-window masks each
+    layer type needs, the rotary tables of each type, an embedding scale, the final norm, a
+    logit soft-cap) is the model's own code on every stage: layers another stage holds pass
+    their input on untouched, this stage's first layer takes the activation received, and
+    a stage that is not the last hands on the hidden state its last layer gave. The first
+    stage holds the modules before the layers, the last those after them and the head
+    (``lm_head``); a module with parameters that the plan does not place is refused, named.
+
+        stage = ModelStage(model, rank, n_stages)              # the model's own names: its checkpoints
+        pipe = Pipeline(stage, 8, lambda out, y: F.cross_entropy(out["logits"].flatten(0, 1), y.flatten()))
+        pipe.step(x if pipe.first else None, y if pipe.last else None)   # x: token ids (B, T)
+
+    The first stage takes the token ids, and optionally the position ids (B, T) (they ride
+    along to every stage); the last returns the model's own output (a ModelOutput). The
+    model is called with ``use_cache=False`` and no attention mask (causal, no padding).
+    ``chunks``, ``costs`` (one number a layer, or measure_costs' pieces) and ``cuts`` as in
+    PipelineStage. A weight tied between the embedding and the head (``tie_word_embeddings``)
+    sits on the first and last stage: ``stage.tied`` lists it there, for tie() and
+    sum_tied_gradients(). A MoE model's balancing loss over every layer
+    (``output_router_logits``) cannot be computed by one stage and is refused."""
+
+    def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs=None, cuts=None):
+        nn.Module.__init__(self)
+        config, kind = getattr(model, "config", None), type(model).__name__
+        plan, base = getattr(config, "base_model_pp_plan", None), getattr(model, "base_model", None)
+        if not plan or base is None:
+            raise ValueError(f"{kind} ships no pipeline plan (config.base_model_pp_plan): build its stages with "
+                             f"PipelineStage(model, layers, stage, n_stages, embed, head, first, last, call=...)")
+        if getattr(config, "output_router_logits", False):
+            raise ValueError(f"{kind} has output_router_logits=True: its balancing loss is over every layer's router, "
+                             f"which no one stage runs; build it with output_router_logits=False")
+        prefix = "" if base is model else next(n for n, m in model.named_children() if m is base) + "."
+        keys = [k for k in plan if _has(base, k)]
+        at = [k for k in keys if isinstance(base.get_submodule(k), nn.ModuleList)]
+        if len(at) != 1:
+            raise ValueError(f"{kind}'s pipeline plan {list(plan)} names {len(at)} lists of layers, not one")
+        blocks, total = base.get_submodule(at[0]), n_stages * chunks
+        if not 1 <= total <= len(blocks):
+            raise ValueError(f"{n_stages} stages x {chunks} chunks for {len(blocks)} layers: at most one chunk a layer")
+        if costs == "measure":
+            raise ValueError('ModelStage takes costs as numbers (one a layer, or measure_costs\' pieces) or cuts, '
+                             'not "measure"')
+        i = keys.index(at[0])
+        before, after = [prefix + k for k in keys[:i]], [prefix + k for k in keys[i + 1:]]
+        after += [n for n, m in model.named_children() if m is not base]   # the head: the last stage's
+        placed = set(keys) | {n for n, m in base.named_children() if not any(True for _ in m.parameters())}
+        stray = [prefix + n for n, _ in base.named_children() if n not in placed]
+        if stray:
+            raise ValueError(f"{kind}'s {', '.join(stray)} has parameters its pipeline plan does not place on a "
+                             f"stage: build its stages with PipelineStage(...)")
+        self._cut(len(blocks), stage, n_stages, chunks, costs, cuts)
+        self.first, self.last, self.layers_name = stage == 0, stage == n_stages - 1, prefix + at[0]
+        held = {i for lo, hi in self.ranges for i in range(lo, hi)}
+        firsts = {id(p) for n in before for p in model.get_submodule(n).parameters()}
+        self.tied = [p for n in after for p in model.get_submodule(n).parameters() if id(p) in firsts] \
+            if self.first != self.last else []   # (the same tensor, under the embedding's name or the head's)
+        for names, holds in ((before, self.first), (after, self.last)):
+            for n in names if not holds else ():
+                if any(True for _ in model.get_submodule(n).parameters()):
+                    _put(model, n, _Absent(n, stage))
+        for i in range(len(blocks)):
+            if i not in held:
+                blocks[i] = _Skip()
+        for name, child in model.named_children():   # the model's own names: stage.state_dict() is its
+            self.add_module(name, child)
+        self._model, self._after, self._n = [model], after, len(blocks)
+
+    def forward(self, *xs, chunk=0):
+        model, (lo, hi) = self._model[0], self.ranges[chunk]
+        start, end = self.first and chunk == 0, self.last and chunk == len(self.ranges) - 1
+        at = lambda i: f"{self.layers_name}.{i}" if i < self._n else self._after[0]   # noqa: E731 (the head after)
+        swaps = {at(i): _Skip() for lo2, hi2 in self.ranges if lo2 != lo for i in range(lo2, hi2)}
+        if not end:     # hand on the hidden state where the next stage's first layer would run
+            swaps[at(hi)] = _Exit()
+        if not start:   # the activation received enters at this chunk's first layer (or the norm)
+            swaps[at(lo)] = _Enter(model.get_submodule(at(lo)), xs[0])
+        kept = {name: model.get_submodule(name) for name in swaps}
+        for name, m in swaps.items():
+            _put(model, name, m)
+        kw = dict(position_ids=xs[1]) if len(xs) > 1 else {}
+        try:
+            if start:
+                return model(input_ids=xs[0], use_cache=False, **kw)
+            return model(inputs_embeds=xs[0].detach(), use_cache=False, **kw)
+        except _Handoff as handoff:
+            return (handoff.hidden, *xs[1:]) if len(xs) > 1 else handoff.hidden
+        finally:
+            for name, m in kept.items():
+                _put(model, name, m)
+
+
+def _has(module, name) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _put(model, name, module):
+    *path, leaf = name.split(".")
+    setattr(model.get_submodule(".".join(path)) if path else model, leaf, module)
+
+
+class _Skip(nn.Module):
+    """A layer another stage (or this stage's other chunk) runs: its input goes on as it is."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class _Handoff(Exception):
+    """The hidden state a stage that is not the last hands on: raised where the next
+    stage's first layer would run, ending the model's forward there."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden = hidden
+
+
+class _Exit(nn.Module):
+    def forward(self, hidden_states, *args, **kwargs):
+        raise _Handoff(hidden_states)
+
+
+class _Enter(nn.Module):
+    """This chunk's first layer, given the activation received in place of the input the
+    model's forward computed from nothing this stage holds."""
+
+    def __init__(self, layer, hidden):
+        super().__init__()
+        self._inner = [layer, hidden]
+
+    def forward(self, *args, **kwargs):
+        layer, hidden = self._inner
+        if args:
+            return layer(hidden, *args[1:], **kwargs)
+        return layer(**{**kwargs, "hidden_states": hidden})
+
+
+class _Absent(nn.Module):
+    """A module another stage holds: the model's forward must not call it here."""
+
+    def __init__(self, name, stage):
+        super().__init__()
+        self.name, self.stage = name, stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"stage {self.stage} does not hold {self.name}, but the model's forward called it there: "
+                           f"the model does more outside its layers than its pipeline plan says; build its stages "
+                           f"with PipelineStage(...)")
 
 
 def _tensors_in(out) -> list:

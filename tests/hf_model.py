@@ -71,6 +71,11 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def output_loss(out, y):
+    """The last pipeline stage's loss: the model's own output (a ModelOutput), its logits."""
+    return lm_loss(out["logits"], y)
+
+
 def loss_of(model, x, y, positions=None, seen=None):
     """The LM's cross-entropy on the ModelOutput's logits, plus the model's own balancing
     loss where it returns one. ``seen``: a list the output's type name is appended to."""
@@ -152,7 +157,8 @@ def tensor_parallel(ctx, kind, data, plan=None, own=None):
 
 
 def embed(m, tokens):
-    """The first stage: the model's own embedding and rotary module (HF's positions 0..t-1)."""
+    """docs/10's first recipe, hand-written: the model's own embedding and rotary module
+    (HF's positions 0..t-1); with head and call, the control of stage_against_forward."""
     h = m.model.embed_tokens(tokens)
     return (h, *m.model.rotary_emb(h, torch.arange(tokens.shape[1], device=tokens.device)[None]))
 
@@ -167,8 +173,84 @@ def call(layer, h, cos, sin):
 
 
 def stage_of(model, rank, n_stages, chunks=1):
+    """09's ModelStage: the model's own pipeline plan and forward, nothing written for it."""
+    return pp.ModelStage(model, rank, n_stages, chunks)
+
+
+def hand_written_stage(model, rank, n_stages, chunks=1):
     return pp.PipelineStage(model, "model.layers", rank, n_stages, embed, head, first=FIRST, last=LAST,
                             chunks=chunks, call=call)
+
+
+# Every family, eager attention, 4 layers, sequences of 16 tokens past an 8-token sliding
+# window where the family has one: what a stage computes against the model's own forward
+STAGE_FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=4,
+                                                                 num_experts_per_tok=2)),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(moe_intermediate_size=32, num_experts=4,
+                                                                 shared_expert_intermediate_size=32,
+                                                                 num_experts_per_tok=2)),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(sliding_window=8, final_logit_softcapping=3.0,
+                                                         attn_logit_softcapping=5.0)),
+    "gemma3, tied": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(sliding_window=8, tie_word_embeddings=True)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(pad_token_id=0)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(pad_token_id=0)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            sliding_window=8)),
+    "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, num_key_value_heads=8, head_dim=4,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))}
+
+
+def stage_family(kind):
+    torch.manual_seed(0)
+    cls, cfg_cls, own = STAGE_FAMILIES[kind]
+    cfg = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=8, intermediate_size=128, max_position_embeddings=64, attn_implementation="eager",
+               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**cfg, **own}))
+
+
+def stage_against_forward(kind, n_stages, chunks=1, build=stage_of, positions=False):
+    """Every stage of ``kind`` in this process, chained by hand (each stage its own copy of
+    the model, as on its own rank; the activations detached between them, their gradients
+    passed back), against the model's own forward and backward on the same batch: the
+    largest differences of the logits and of any parameter's gradient (a weight tied over
+    the first and last stage: its two copies' gradients summed), and the names no stage
+    holds. ``positions``: the model given position ids (B, T), 5.. onwards, which ride along."""
+    ref = stage_family(kind)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    pos = (5 + torch.arange(16)).expand(2, 16) if positions else None
+    want = ref(input_ids=x, position_ids=pos, use_cache=False).logits
+    want.float().square().mean().backward()
+    stages = [build(copy.deepcopy(ref), s, n_stages, chunks) for s in range(n_stages)]
+    xs, handed = (x, pos) if positions else (x,), []
+    for v in range(n_stages * chunks):
+        out = stages[v % n_stages](*xs, chunk=v // n_stages)
+        if v < n_stages * chunks - 1:
+            outs = (out,) if torch.is_tensor(out) else tuple(out)
+            xs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
+            handed.append((outs[0], xs[0]))
+    got = out.logits if hasattr(out, "logits") else out
+    got.float().square().mean().backward()
+    for sent, received in reversed(handed):
+        sent.backward(received.grad)
+    grads = {}
+    for s in stages:
+        tied = {id(p) for p in getattr(s, "tied", [])}
+        for n, p in s.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                n = "model.embed_tokens.weight" if id(p) in tied else n   # the one tensor of one process
+                grads[n] = grads.get(n, 0) + p.grad
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return {"logits": (got - want).abs().max().item(),
+            "grads": max((grads[n] - g).abs().max().item() for n, g in want_grads.items() if n in grads),
+            "missing": sorted(set(want_grads) - set(grads)), "tied": [len(getattr(s, "tied", [])) for s in stages]}
 
 
 def pipeline(ctx, kind, data, schedule, m=2):
@@ -180,7 +262,7 @@ def pipeline(ctx, kind, data, schedule, m=2):
     def put(model):
         chunks = 2 if schedule == "interleaved" else 1
         stage = stage_of(model, ctx.rank, ctx.world_size, chunks)
-        pipe = pp.Pipeline(stage, m, lm_loss, schedule, chunks=chunks)
+        pipe = pp.Pipeline(stage, m, output_loss, schedule, chunks=chunks)
 
         def whole():
             full = everyone(pp.full_state_dict(stage))[0]   # merged on the first rank
@@ -344,12 +426,11 @@ def compose(kind, model, mesh, m=2):
     if T > 1:
         tp.parallelize(model, PLANS[kind], mesh.group("tp"))
     stage = stage_of(model, mesh.coord("pp"), P) if P > 1 else model
-    layers = stage.get_submodule("model.layers")
-    module = fsdp.FSDP(stage, process_group=mesh.group("fsdp"), units=list(layers.values() if P > 1 else layers)) \
-        if F_ > 1 else stage
+    units = stage.held_layers() if P > 1 else list(stage.get_submodule("model.layers"))
+    module = fsdp.FSDP(stage, process_group=mesh.group("fsdp"), units=units) if F_ > 1 else stage
     if D * C > 1:
         module = ddp.DDPBucketed(module, 1, process_group=mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp"))
-    pipe = pp.Pipeline(module, m, lm_loss, "1f1b", mesh.group("pp")) if P > 1 else None
+    pipe = pp.Pipeline(module, m, output_loss, "1f1b", mesh.group("pp")) if P > 1 else None
     return stage, module, pipe
 
 

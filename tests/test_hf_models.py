@@ -121,3 +121,55 @@ def test_a_model_with_no_plan_or_an_unknown_style_is_refused_naming_it(one_rank)
     with pytest.raises(ValueError, match=re.escape("'model.layers.*.mlp.up_proj': style 'colwise_rep' is not one")):
         tp.model_plan(llama)
     assert isinstance(llama.model.layers[0].mlp.up_proj, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-moe", "qwen2-moe", "gemma2", "gemma3, tied", "phi3", "olmo2",
+                                  "glm4", "mixtral", "gpt-neox", "deepseek-v3"])
+def test_a_stage_by_the_models_own_plan_computes_the_models_own_forward(kind):
+    """09's ModelStage, nothing written for the family: eager attention, sequences past the
+    sliding window, Gemma 2's soft-caps, Gemma 3's rotary table per layer type and its tied
+    head, MLA attention: the stages chained are the model's forward and backward, bit for
+    bit, at 2 and 4 stages and at 2 chunks a stage."""
+    import hf_model
+    for n_stages, chunks in ((2, 1), (4, 1), (2, 2)):
+        r = hf_model.stage_against_forward(kind, n_stages, chunks)
+        assert r["logits"] == 0 and r["grads"] == 0, f"{n_stages} stages x {chunks}: {r}"
+        assert not r["missing"]
+        assert r["tied"] == ([[1, 1], [1, 0, 0, 1], [1, 1]][[(2, 1), (4, 1), (2, 2)].index((n_stages, chunks))]
+                             if kind == "gemma3, tied" else [0] * n_stages)
+
+
+def test_position_ids_ride_along_every_stage():
+    import hf_model
+    r = hf_model.stage_against_forward("gemma2", 2, positions=True)
+    assert r["logits"] == 0 and r["grads"] == 0
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "llama"])
+def test_the_hand_written_stage_is_not_the_models_forward_under_eager_attention(kind):
+    """The control: docs/10's former recipe (the layers called with the rotary tables and no
+    mask) attends to the future under eager attention, and Gemma 2's head has no soft-cap."""
+    import hf_model
+    r = hf_model.stage_against_forward(kind, 2, build=hf_model.hand_written_stage)
+    assert r["logits"] > 0.1 and r["grads"] > 1e-3
+
+
+def test_a_stage_refuses_what_the_models_plan_cannot_place():
+    import torch
+    import transformers
+    pp = common.load_script(common.ROOT / "09_pipeline_parallel.py")
+    import hf_model
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64))
+    with pytest.raises(ValueError, match=re.escape("GPT2LMHeadModel ships no pipeline plan (config.base_model_pp_plan)")):
+        pp.ModelStage(gpt2, 0, 2)
+    moe = hf_model.stage_family("qwen3-moe")
+    moe.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=True: its balancing loss is over every layer"):
+        pp.ModelStage(moe, 0, 2)
+    llama = hf_model.stage_family("llama")
+    llama.model.extra = torch.nn.Linear(4, 4)   # a module of the model's own that its plan does not name
+    with pytest.raises(ValueError, match=re.escape("LlamaForCausalLM's model.extra has parameters its pipeline plan")):
+        pp.ModelStage(llama, 0, 2)
+    with pytest.raises(ValueError, match=re.escape("5 stages x 1 chunks for 4 layers")):
+        pp.ModelStage(hf_model.stage_family("llama"), 0, 5)
+    assert len(llama.model.layers) == 4 and all(type(b).__name__ == "LlamaDecoderLayer" for b in llama.model.layers)
