@@ -44,12 +44,11 @@ parameter memory per rank, for data parallelism alone, our TP, torch's TP
 Writes <out>/08_tensor_parallel.{json,md}.
 """
 
-import copy
-
 import common
 
 # ---- begin copy: tensor-parallel layers (need torch, the standard library and placement.py) ----
 import contextlib
+import copy
 import math
 from datetime import timedelta
 
@@ -398,6 +397,121 @@ class ParallelDropout(nn.Module):
             put(default)
 
 
+class _SumOverParallel(torch.autograd.Function):
+    """A sum every rank's part adds to and every rank then uses (a norm's statistic over
+    features split across the group): all-reduced in forward, and its gradient all-reduced
+    in backward (each rank's use of it contributes)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _rms_eps(norm: nn.Module) -> float:
+    """The epsilon of an RMS norm of the form weight * x * rsqrt(mean(x^2) + eps) (Llama's,
+    OLMo-2's), checked on a random input; ValueError for any other form."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.is_meta:
+        raise ValueError(f"{type(norm).__name__}: a norm split over ranks must be an RMS norm with a 1-D weight "
+                         f"and an eps (variance_epsilon)")
+    x = torch.randn(3, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        if not torch.allclose(norm(x), want, rtol=1e-4, atol=1e-5):
+            raise ValueError(f"{type(norm).__name__} is not weight * x * rsqrt(mean(x^2) + eps): the kit cannot "
+                             f"split it over ranks (keep it whole, its projection gathered)")
+    return eps
+
+
+class SplitRMSNorm(nn.Module):
+    """An RMS norm over features a column split spread over ``process_group`` (OLMo-2's
+    q_norm over the q of every head): this rank's slice of the weight; the mean of squares
+    is over every rank's features (the ranks' sums all-reduced), so each rank normalizes its
+    slice exactly as the whole norm would. ``from_norm(norm)`` checks the norm's form first."""
+
+    def __init__(self, features, eps, process_group=None, device=None, dtype=None):
+        super().__init__()
+        tp = dist.get_world_size(process_group)
+        if features % tp:
+            raise ValueError(f"{features} features do not divide over {tp} ranks")
+        self.features, self.eps, self.process_group = features, eps, process_group
+        self.weight = nn.Parameter(torch.ones(features // tp, device=device, dtype=dtype))
+        place(self.weight, "shard", process_group, 0, (features,))
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module, process_group=None):
+        layer = cls(norm.weight.numel(), _rms_eps(norm), process_group, norm.weight.device, norm.weight.dtype)
+        n, r = layer.weight.numel(), dist.get_rank(process_group)
+        with torch.no_grad():
+            layer.weight.copy_(norm.weight[r * n:(r + 1) * n])
+        return layer
+
+    def forward(self, x):
+        h = x.float()
+        total = h.pow(2).sum(-1, keepdim=True)
+        total = _SumOverParallel.apply(total, self.process_group) if torch.is_grad_enabled() else \
+            _reduce_or_explain(total, self.process_group, RowParallelLinear.eval_timeout)
+        return self.weight * (h * torch.rsqrt(total / self.features + self.eps)).to(x.dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with its rows (the vocabulary) split over ``process_group``: rank r holds
+    the ids [r*n, (r+1)*n). Each rank looks up the ids it holds (zeros for the rest) and the
+    ranks' results are all-reduced; backward reaches each rank's own rows only."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None, device=None, dtype=None):
+        super().__init__()
+        tp = dist.get_world_size(process_group)
+        if num_embeddings % tp:
+            raise ValueError(f"a vocabulary of {num_embeddings} does not divide over {tp} ranks")
+        self.num_embeddings, self.embedding_dim, self.process_group = num_embeddings, embedding_dim, process_group
+        n = num_embeddings // tp
+        self.first = dist.get_rank(process_group) * n
+        self.padding_idx = padding_idx - self.first if padding_idx is not None and \
+            self.first <= padding_idx < self.first + n else None
+        self.weight = nn.Parameter(torch.empty(n, embedding_dim, device=device, dtype=dtype))
+        nn.init.normal_(self.weight)
+        place(self.weight, "shard", process_group, 0, (num_embeddings, embedding_dim))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, process_group=None):
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError("a vocabulary-parallel embedding takes no max_norm, scale_grad_by_freq or sparse")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, process_group,
+                    embedding.weight.device, embedding.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight[layer.first:layer.first + layer.weight.shape[0]])
+        return layer
+
+    def forward(self, ids):
+        local = ids - self.first
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])
+        y = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)
+        y = y.masked_fill(elsewhere.unsqueeze(-1), 0)
+        if torch.is_grad_enabled():
+            return _ReduceFromParallel.apply(y, self.process_group)
+        return _reduce_or_explain(y, self.process_group, RowParallelLinear.eval_timeout)
+
+
+def packed_rows(parts, tp: int) -> torch.Tensor:
+    """Output-feature order of a projection that packs several outputs end to end ([q | k |
+    v], [gate | up]) so that each rank's contiguous slice holds its share of every part:
+    [part 0's rank-0 rows, part 1's rank-0 rows, ..., part 0's rank-1 rows, ...]."""
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    return torch.cat([torch.arange(s + r * (n // tp), s + (r + 1) * (n // tp))
+                      for r in range(tp) for s, n in zip(starts, parts)])
+
+
 def sync_rng(process_group=None):
     """Give every rank of the group the group's first rank's default generator (CPU, and
     the current GPU's): dropout in the replicated regions then draws the same mask on every
@@ -410,6 +524,25 @@ def sync_rng(process_group=None):
         torch.cuda.set_rng_state(states[1])
 
 
+KINDS = ("column", "row", "dropout", "divide", "sum", "norm", "vocab")
+
+
+def _count_path(key):
+    """A "divide" key's module and its attribute: "a.b.n_heads" -> ("a.b", "n_heads");
+    through a config, "a.b.config.num_attention_heads" -> ("a.b", "config.num_attention_heads")."""
+    if ".config." in f".{key}":
+        owner, _, rest = f".{key}".rpartition(".config.")
+        return owner[1:], f"config.{rest}"
+    owner, _, attr = key.rpartition(".")
+    return owner, attr
+
+
+def _attribute(obj, path):
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) -> nn.Module:
     """Put ``module``'s submodules named in ``plan`` in tensor-parallel form, in place. A key
     is a module path under ``module``, where ``*`` stands for any one name
@@ -420,7 +553,15 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     "layers.*.attention.n_heads") is divided by the group's size, so the model's own code
     sees the heads this rank holds; "sum": a module between the two whose weights every
     rank holds whole but applies to its own heads only (Qwen3's per-head q_norm and k_norm),
-    each of its parameters' gradients summed over the group as backward makes it. A
+    each of its parameters' gradients summed over the group as backward makes it;
+    ("column", parts): a projection that packs several outputs end to end (Phi-3's qkv_proj:
+    the q, k and v features; a gate_up_proj: gate and up), each part split over the group,
+    so a rank holds its own heads' q, k and v rows (packed_rows); "norm": an RMS norm over
+    the features a column split spread (OLMo-2's q_norm over every head), its weight split
+    alike and its mean of squares taken over the group (SplitRMSNorm); "vocab": an
+    nn.Embedding split by vocabulary rows (VocabParallelEmbedding). "divide" may name a count
+    in the module's config ("layers.*.self_attn.config.num_attention_heads", for a forward
+    that slices by it): the module gets a config of its own first, the model's unchanged. A
     "column" layer's output slice is the input slice of the "row" layer that follows it;
     what lies between must work feature by feature (or head by head, with the head counts
     divided, or its weights' gradients summed). Everything is checked before anything
@@ -439,19 +580,20 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     modules = dict(module.named_modules())
     todo = []
     for key, kind in plan.items():
-        if kind not in ("column", "row", "dropout", "divide", "sum"):
-            raise ValueError(f"plan[{key!r}]: unknown kind {kind!r} (column, row, dropout, divide or sum)")
-        owner_key, _, attr = key.rpartition(".") if kind == "divide" else (key, "", "")
+        kind, parts = (kind[0], tuple(kind[1])) if isinstance(kind, (tuple, list)) else (kind, None)
+        if kind not in KINDS or (parts is not None and kind != "column"):
+            raise ValueError(f"plan[{key!r}]: unknown kind {plan[key]!r} ({', '.join(KINDS)}, or (\"column\", parts))")
+        owner_key, attr = _count_path(key) if kind == "divide" else (key, "")
         found = [n for n in modules if path_matches(n, owner_key)]
         if kind == "divide":
-            found = [n for n in found if isinstance(getattr(modules[n], attr, None), int)]
+            found = [n for n in found if isinstance(_attribute(modules[n], attr), int)]
         if not found:
             raise ValueError(f"plan key {key!r} matches no {'integer attribute' if kind == 'divide' else 'module'} "
                              f"of the model")
         for name in found:
             target = modules[name]
-            if kind == "divide" and getattr(target, attr) % tp:
-                raise ValueError(f"{name}.{attr} = {getattr(target, attr)} does not divide over the group's {tp} "
+            if kind == "divide" and _attribute(target, attr) % tp:
+                raise ValueError(f"{name}.{attr} = {_attribute(target, attr)} does not divide over the group's {tp} "
                                  f"ranks: use a tensor-parallel degree that divides it")
             if kind in ("column", "row"):
                 features = getattr(target, "out_features" if kind == "column" else "in_features", None)
@@ -459,33 +601,62 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
                     raise ValueError(f"{name}: a {kind}-parallel layer must be an nn.Linear whose "
                                      f"{'output' if kind == 'column' else 'input'} features the group's {tp} ranks "
                                      f"divide")
-            todo.append((name, kind, attr))
+                if parts is not None and (sum(parts) != features or any(n % tp for n in parts)):
+                    raise ValueError(f"{name}: parts {list(parts)} must add up to its {features} output features, "
+                                     f"each divided by the group's {tp} ranks")
+            if kind == "norm":
+                _rms_eps(target)
+                if target.weight.numel() % tp:
+                    raise ValueError(f"{name}: {target.weight.numel()} features do not divide over {tp} ranks")
+            if kind == "vocab" and (not isinstance(target, nn.Embedding) or target.num_embeddings % tp):
+                raise ValueError(f"{name}: a vocabulary-parallel layer must be an nn.Embedding whose vocabulary the "
+                                 f"group's {tp} ranks divide")
+            todo.append((name, kind, attr, parts))
     if sync:
         sync_rng(process_group)
-    for name, kind, attr in todo:
+    own = set()
+    for name, kind, attr, parts in todo:
         target = modules[name]
         if kind == "divide":
-            setattr(target, attr, getattr(target, attr) // tp)
+            *path, leaf = attr.split(".")
+            if path and id(target) not in own:   # (a config the whole model shares: this module's own copy)
+                setattr(target, path[0], copy.copy(getattr(target, path[0])))
+                own.add(id(target))
+            holder = _attribute(target, ".".join(path)) if path else target
+            setattr(holder, leaf, getattr(holder, leaf) // tp)
             continue
         if kind == "sum":
             for p in target.parameters():
                 p.register_hook(_sum_over(process_group))
             continue
         parent_name, _, child = name.rpartition(".")
-        new = ParallelDropout(target.p, process_group) if kind == "dropout" else \
-            (ColumnParallelLinear if kind == "column" else RowParallelLinear).from_linear(target, process_group)
+        if kind == "dropout":
+            new = ParallelDropout(target.p, process_group)
+        elif kind == "norm":
+            new = SplitRMSNorm.from_norm(target, process_group)
+        elif kind == "vocab":
+            new = VocabParallelEmbedding.from_embedding(target, process_group)
+        elif kind == "column":
+            new = ColumnParallelLinear.from_linear(target, process_group, rows=packed_rows(parts, tp) if parts else None)
+        else:
+            new = RowParallelLinear.from_linear(target, process_group)
         setattr(module.get_submodule(parent_name), child, new)
     replicated_over(module, process_group)
     return module
 
 
-# transformers' plan styles (config.base_model_tp_plan) in parallelize's words, and those whose
-# layer the kit keeps whole on every rank instead: the same numbers as HF's form, unsplit
-HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "sum"}
+# transformers' plan styles (config.base_model_tp_plan) in parallelize's words; the two HF
+# gathers (a column split whose output is gathered, then a row split of the whole input) are
+# split by heads instead wherever the layout is known (_by_heads); the rest kept whole
+HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "sum",
+             "embedding_rowwise": "vocab"}
+HF_BY_HEADS = ("colwise_gather_output", "rowwise_split_input")
 HF_KEPT_WHOLE = {
-    "colwise_gather_output": "a column split whose output is gathered again: computed whole on every rank",
-    "rowwise_split_input": "a row split of a whole input: computed whole on every rank",
-    "embedding_rowwise": "a vocabulary-parallel embedding: kept whole on every rank",
+    "colwise_gather_output": "a column split whose output is gathered again, packed in a layout the model's "
+                             "config does not tell: computed whole on every rank",
+    "rowwise_split_input": "a row split of a whole input (its column partner kept whole): computed whole on every "
+                           "rank",
+    "embedding_rowwise": "a vocabulary-parallel embedding tied to the head: kept whole on every rank",
     "sequence_parallel": "sequence parallelism is not taken from a plan (08's --sp): kept whole",
     "packed_colwise": "experts' fused tensors: split them by expert parallelism (12's split_experts)",
     "moe_tp_experts": "experts: split them by expert parallelism (12's split_experts)"}
@@ -495,13 +666,18 @@ def model_plan(model: nn.Module) -> tuple:
     """The plan a transformers model ships for itself (``config.base_model_tp_plan``) in
     parallelize's words, its keys under the model's own names (the base model's prefix,
     ``model.`` or ``gpt_neox.``, put in front where ``model`` holds the base model):
-    (plan, whole). colwise, rowwise and replicated_with_grad_allreduce become column, row
-    and sum; a style the kit does not split (HF_KEPT_WHOLE: a split whose output is gathered
-    again or whose input is a whole one's, a vocabulary-parallel embedding, experts, which
-    12's split_experts splits) leaves its layer whole on every rank, which computes the same
-    numbers, and goes into ``whole`` ({key: why}); so does an entry naming a parameter rather
-    than a module. Entries for modules this configuration does not build (a dense MLP in an
-    all-sparse MoE) are left out. ValueError: no plan, or a style it does not know.
+    (plan, whole). colwise, rowwise, replicated_with_grad_allreduce and embedding_rowwise
+    become column, row, sum and vocab. Where HF gathers a column split's output again
+    (colwise_gather_output, then rowwise_split_input) the kit splits by heads instead, from
+    the layout the config gives: a fused q, k and v projection as ("column", (q, k, v)) with
+    the module's head counts divided (in a config of its own), a fused gate and up as
+    ("column", (up, up)), a separate projection with a norm over all its heads as "column"
+    and that norm as "norm". What it cannot split (a layout it cannot tell, experts, which
+    12's split_experts splits, an embedding tied to the head) stays whole on every rank,
+    which computes the same numbers, and goes into ``whole`` ({key: why}); so does an entry
+    naming a parameter rather than a module. Entries for modules this configuration does not
+    build (a dense MLP in an all-sparse MoE) are left out. ValueError: no plan, or a style
+    it does not know.
 
         plan, whole = model_plan(model)
         parallelize(model, plan, tp_group)
@@ -513,24 +689,70 @@ def model_plan(model: nn.Module) -> tuple:
                          f"write one for parallelize")
     prefix = getattr(model, "base_model_prefix", "")
     base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    modules = [n for n, _ in model.named_modules()]
+    modules = dict(model.named_modules())
     parameters = [n for n, _ in model.named_parameters()]
-    plan, whole = {}, {}
+    plan, whole, gathered = {}, {}, {}
     for key, style in hf.items():
         key = base + key
         if style not in HF_STYLES and style not in HF_KEPT_WHOLE:
             raise ValueError(f"plan key {key!r}: style {style!r} is not one the kit knows "
                              f"({', '.join([*HF_STYLES, *HF_KEPT_WHOLE])}): write the plan yourself")
-        if not any(path_matches(n, key) for n in modules):
+        found = [n for n in modules if path_matches(n, key)]
+        if not found:
             if any(path_matches(n, key) for n in parameters):   # (experts' 3D tensors)
                 whole[key] = HF_KEPT_WHOLE["packed_colwise"] if ".experts." in f".{key}." else \
                     "a parameter, not a module: kept whole on every rank"
             continue   # a module this configuration does not build
-        if style in HF_KEPT_WHOLE:
+        if style == "embedding_rowwise" and any(m is not modules[found[0]] and getattr(m, "weight", None) is
+                                                modules[found[0]].weight for m in modules.values()):
             whole[key] = HF_KEPT_WHOLE[style]
-        else:
+        elif style in HF_BY_HEADS:
+            gathered[key] = (style, modules[found[0]], modules[found[0].rpartition(".")[0]])
+        elif style in HF_STYLES:
             plan[key] = HF_STYLES[style]
+        else:
+            whole[key] = HF_KEPT_WHOLE[style]
+    _by_heads(config, gathered, plan, whole)
     return plan, whole
+
+
+def _by_heads(config, gathered, plan, whole):
+    """model_plan's split by heads of what HF gathers: each colwise_gather_output projection
+    whose output the config's counts account for, and its rowwise_split_input partners in the
+    same module."""
+    n_q = getattr(config, "num_attention_heads", None)
+    n_kv = getattr(config, "num_key_value_heads", None) or n_q
+    hd = getattr(config, "head_dim", None) or (config.hidden_size // n_q if n_q else None)
+    up = getattr(config, "intermediate_size", None)
+    split = set()
+    for key, (style, linear, parent) in gathered.items():
+        if style != "colwise_gather_output":
+            continue
+        owner, out = key.rpartition(".")[0], getattr(linear, "out_features", None)
+        if n_q and hd and out == (n_q + 2 * n_kv) * hd and out != 2 * (up or 0):   # q, k and v in one
+            plan[key] = ("column", (n_q * hd, n_kv * hd, n_kv * hd))
+            plan.update({f"{owner}.{count}": "divide" for count in ("num_heads", "num_attention_heads",
+                                                                    "num_key_value_heads", "config.num_attention_heads",
+                                                                    "config.num_key_value_heads")
+                         if isinstance(_attribute(parent, count), int)})   # the counts its forward slices by
+        elif up and out == 2 * up:                        # gate and up in one
+            plan[key] = ("column", (up, up))
+        elif n_q and hd and out in (n_q * hd, n_kv * hd):   # one of q, k, v, normed over all its heads
+            plan[key] = "column"
+            plan.update({f"{owner}.{name}": "norm" for name, child in parent.named_children()
+                         if isinstance(getattr(child, "weight", None), torch.Tensor) and child.weight.dim() == 1
+                         and child.weight.numel() == out})
+        else:
+            whole[key] = HF_KEPT_WHOLE[style]
+            continue
+        split.add(owner)
+    for key, (style, _, _) in gathered.items():
+        if style == "rowwise_split_input":
+            if key.rpartition(".")[0] in split:
+                plan[key] = "row"
+            else:
+                whole[key] = HF_KEPT_WHOLE[style]
+    return split
 
 
 def replicated_over(module: nn.Module, process_group=None):
@@ -544,7 +766,7 @@ def replicated_over(module: nn.Module, process_group=None):
 def heads_by_rank(n_heads: int, head_dim: int, tp: int) -> torch.Tensor:
     """Output-feature order of a fused qkv projection ([q of every head, k ..., v ...]) that
     gives each rank's contiguous slice whole heads: [q, k, v of rank 0's heads, rank 1's ...]."""
-    return torch.arange(3 * n_heads * head_dim).view(3, tp, n_heads // tp, head_dim).transpose(0, 1).reshape(-1)
+    return packed_rows([n_heads * head_dim] * 3, tp)
 
 
 def tensor_parallel_lm(model: nn.Module, process_group=None, sequence_parallel=False, keep_gathered=False) -> nn.Module:

@@ -33,15 +33,17 @@ HEAD_NORMS = {"model.layers.*.self_attn.q_norm": "sum", "model.layers.*.self_att
 PLANS = {"llama": {**ATTENTION, **MLP}, "qwen3-moe": {**ATTENTION, **HEAD_NORMS}}   # HF views heads with -1
 EXPERTS = "model.layers.*.mlp.experts"
 # More families, tiny, by their own plans (08's model_plan): what each splits, and what it keeps
-# whole (an all-sparse MoE's plan names a dense MLP it does not build; OLMo-2 and Phi-3 gather
-# their attention's projections, Phi-3 its fused MLP; GPT-NeoX's embedding is vocabulary-parallel)
+# whole (an all-sparse MoE's plan names a dense MLP it does not build); where HF gathers (Phi-3's
+# fused qkv_proj and gate_up_proj, GLM-4's gate_up_proj, OLMo-2's projections normed over every
+# head) the kit splits by heads; GPT-NeoX's embedding is split by vocabulary
 FAMILIES = {
     "qwen2-moe, all sparse": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
         intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
         num_experts_per_tok=2, decoder_sparse_step=1)),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(intermediate_size=128)),
     "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(intermediate_size=128)),
-    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(intermediate_size=128, pad_token_id=0))}
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(intermediate_size=128, pad_token_id=0)),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(intermediate_size=128, pad_token_id=0))}
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
 # AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
 # differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
@@ -392,6 +394,9 @@ def axes(ctx, args):
     for rest in ("dp", "fsdp"):
         out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
     out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control
+    packed, _ = tp.model_plan(tiny("phi3"))   # control: Phi-3's packed projections split as if one matrix each
+    out["phi3, packed split as one matrix"] = tensor_parallel(
+        ctx, "phi3", data, {k: "column" if isinstance(v, tuple) else v for k, v in packed.items()})
     out["refusals"] = split_refusals()
     out["packed pipeline"] = packed_pipeline(ctx, data)
     return out

@@ -78,24 +78,43 @@ def test_split_experts_refuses_what_it_cannot_split_before_changing_the_model(ca
     assert words in run("axes", 2)["refusals"][case]
 
 
-@pytest.mark.parametrize("kind", ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4"])
 def test_a_family_trains_by_its_own_tp_plan_like_one_process(kind):
     """08's model_plan reads the plan the model ships (config.base_model_tp_plan), nothing
-    written per family: what it splits trains like one process; what it cannot split it
-    keeps whole, saying why; an all-sparse MoE's entries for a dense MLP it never builds are
+    written per family, and splits by heads where HF gathers: Phi-3's fused qkv_proj (each
+    rank its own q, k and v heads, the attention's head counts divided in a config of its
+    own) and gate_up_proj, GLM-4's gate_up_proj, OLMo-2's q and k normed over every head (the
+    norm's statistic summed over the ranks), GPT-NeoX's embedding split by vocabulary. Each
+    trains like one process; an all-sparse MoE's entries for a dense MLP it never builds are
     left out (parallelize refused the whole plan for them)."""
     r = run("axes", 2)
     assert r[f"{kind}, tp"]["ok"], f"max diff {r[f'{kind}, tp']['max_diff']}"
     assert r[f"{kind}, tp"]["norms"]
     plan, whole = r["own plans"][kind]
-    split = {"qwen2-moe, all sparse": ["q_proj", "k_proj", "v_proj", "o_proj"],
-             "olmo2": ["gate_proj", "up_proj", "down_proj"],
-             "gpt-neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], "phi3": []}[kind]
-    assert sorted(k.rsplit(".", 1)[1] for k in plan) == sorted(split)
+    kinds = {k.rsplit(".", 1)[1] if not k.endswith("_heads") else k.split("self_attn.")[1]:
+             tuple(v) if isinstance(v, list) else v for k, v in plan.items()}
+    want = {"qwen2-moe, all sparse": {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row"},
+            "olmo2": {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row", "q_norm": "norm",
+                      "k_norm": "norm", "gate_proj": "column", "up_proj": "column", "down_proj": "row"},
+            "gpt-neox": {"embed_in": "vocab", "query_key_value": "column", "dense": "row", "dense_h_to_4h": "column",
+                         "dense_4h_to_h": "row"},
+            "phi3": {"qkv_proj": ("column", (64, 16, 16)), "o_proj": "row", "gate_up_proj": ("column", (128, 128)),
+                     "down_proj": "row", "num_key_value_heads": "divide", "config.num_attention_heads": "divide",
+                     "config.num_key_value_heads": "divide"},
+            "glm4": {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+                     "gate_up_proj": ("column", (128, 128)), "down_proj": "row"}}[kind]
+    assert kinds == want
     assert not [k for k in plan if ".mlp.gate_proj" in k] or kind == "olmo2"   # the dense MLP it does not build
-    reasons = " ".join(whole.values())
-    assert {"qwen2-moe, all sparse": "expert parallelism", "olmo2": "gathered again", "gpt-neox": "vocabulary-parallel",
-            "phi3": "gathered again"}[kind] in reasons
+    assert " ".join(whole.values()) == ("" if kind != "qwen2-moe, all sparse" else " ".join(whole.values()))
+    if kind == "qwen2-moe, all sparse":
+        assert "expert parallelism" in " ".join(whole.values())
+
+
+def test_packed_projections_split_as_one_matrix_do_not_train_like_one_process():
+    """The control: Phi-3's qkv_proj and gate_up_proj cut as if each were one matrix (rank 0
+    gets all of q and part of k, say): it runs, and it is a different model."""
+    r = run("axes", 2)["phi3, packed split as one matrix"]
+    assert not r["ok"] and not r["norms"]
 
 
 def test_the_models_own_plan_is_the_hand_written_one_and_fsdp_units_are_its_decoder_layers():
@@ -173,3 +192,37 @@ def test_a_stage_refuses_what_the_models_plan_cannot_place():
     with pytest.raises(ValueError, match=re.escape("5 stages x 1 chunks for 4 layers")):
         pp.ModelStage(hf_model.stage_family("llama"), 0, 5)
     assert len(llama.model.layers) == 4 and all(type(b).__name__ == "LlamaDecoderLayer" for b in llama.model.layers)
+
+
+def test_the_new_plan_words_refuse_what_they_cannot_split_before_changing_anything(one_rank):
+    """("column", parts) whose parts do not add up, "norm" on a norm that is not an RMS norm
+    (a LayerNorm subtracts the mean: a split would need a second statistic), "vocab" on a
+    module that is no embedding: each a ValueError naming the module, the model unchanged.
+    At one rank the words themselves compute the whole layer (a split of one)."""
+    import torch
+    tp = common.load_script(common.ROOT / "08_tensor_parallel.py")
+    import hf_model
+    model = hf_model.stage_family("phi3")
+    before = {n: p.shape for n, p in model.named_parameters()}
+    for plan, words in (({"model.layers.*.self_attn.qkv_proj": ("column", (64, 16, 15))}, "parts [64, 16, 15] must add"),
+                        ({"model.layers.*.self_attn.qkv_proj": ("row", (64, 16, 16))}, "unknown kind"),
+                        ({"model.layers.*.mlp.down_proj": "vocab"}, "must be an nn.Embedding"),
+                        ({"model.layers.*.self_attn.nope.num_heads": "divide"}, "matches no integer attribute")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            tp.parallelize(model, plan)
+    ln = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=re.escape("LayerNorm is not weight * x * rsqrt(mean(x^2) + eps)")):
+        tp.parallelize(ln, {"0": "column", "1": "norm"})
+    assert {n: p.shape for n, p in model.named_parameters()} == before and isinstance(ln[0], torch.nn.Linear)
+    x = torch.randint(0, 256, (2, 16))
+    want = model(input_ids=x).logits
+    plan, whole = tp.model_plan(model)
+    tp.parallelize(model, plan)
+    assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ColumnParallelLinear" and not whole
+    assert model.model.layers[0].self_attn.config is not model.config   # the attention's own counts
+    assert torch.allclose(model(input_ids=x).logits, want, atol=1e-6)
+    olmo = hf_model.stage_family("olmo2")
+    want = olmo(input_ids=x).logits
+    tp.parallelize(olmo, tp.model_plan(olmo)[0])
+    assert type(olmo.model.layers[0].self_attn.q_norm).__name__ == "SplitRMSNorm"
+    assert torch.allclose(olmo(input_ids=x).logits, want, atol=1e-6)
