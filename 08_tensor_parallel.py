@@ -421,10 +421,16 @@ def _rms_eps(norm: nn.Module) -> float:
     OLMo-2's), checked on a random input; ValueError for any other form."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     weight = getattr(norm, "weight", None)
-    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.is_meta:
+    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         raise ValueError(f"{type(norm).__name__}: a norm split over ranks must be an RMS norm with a 1-D weight "
                          f"and an eps (variance_epsilon)")
-    x = torch.randn(3, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight)
+    g = torch.Generator().manual_seed(0)
+    if weight.is_meta:   # (a model built on meta, to be filled from a checkpoint: a copy of it on the host)
+        norm = copy.deepcopy(norm).to_empty(device="cpu")
+        weight = norm.weight
+        with torch.no_grad():
+            weight.copy_(torch.rand(weight.shape, generator=g) + 0.5)
+    x = torch.randn(3, weight.numel(), generator=g).to(weight)
     with torch.no_grad():
         want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
         if not torch.allclose(norm(x), want, rtol=1e-4, atol=1e-5):

@@ -262,9 +262,9 @@ class _RingAttention(torch.autograd.Function):
     exchange overlaps the next block's compute) and goes home after a full circle."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, staged, trace, causal, kernel):
+    def forward(ctx, q, k, v, group, layout, staged, trace, causal, kernel, scale):
         cp, rank, nxt, prv = _peers(group)
-        size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
+        size = q.shape[2] // len(chunks_of(rank, cp, layout))
         kv, running = [k, v], None   # the block attended to now: this rank's own first
         for step in range(cp):
             src = (rank - step) % cp
@@ -281,15 +281,15 @@ class _RingAttention(torch.autograd.Function):
         out, lse, ctx.aux = running
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.staged, ctx.trace, ctx.causal, ctx.kernel = \
-            group, layout, staged, trace, causal, kernel
+        ctx.group, ctx.layout, ctx.staged, ctx.trace, ctx.causal, ctx.kernel, ctx.scale = \
+            group, layout, staged, trace, causal, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, nxt, prv = _peers(ctx.group)
-        size, scale = q.shape[2] // len(chunks_of(rank, cp, ctx.layout)), q.shape[-1] ** -0.5
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, ctx.layout)), ctx.scale
         dout = dout.contiguous()
         kv, arriving = [k, v], None
         for step in range(cp):
@@ -323,7 +323,7 @@ class _RingAttention(torch.autograd.Function):
             if wait_kv is not None:
                 kv = wait_kv()
         dkv = arriving()   # this rank's own block, home after the full circle
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor       # torch >= 2.14: *_single
@@ -349,9 +349,9 @@ class _GatheredAttention(torch.autograd.Function):
     their owners. The blocks are the ring's, through the same fused kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, kernel):
+    def forward(ctx, q, k, v, group, layout, causal, kernel, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5
+        size = q.shape[2] // len(chunks_of(rank, cp, layout))
         kv, running = _gather_kv(k, v, group), None
         for src in [rank] + [r for r in range(cp) if r != rank]:   # its own block first: it starts every row
             work = _block(rank, src, cp, layout, size, causal)
@@ -360,14 +360,14 @@ class _GatheredAttention(torch.autograd.Function):
         out, lse, ctx.aux = running
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.kernel = group, layout, causal, kernel
+        ctx.group, ctx.layout, ctx.causal, ctx.kernel, ctx.scale = group, layout, causal, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        size, scale = q.shape[2] // len(chunks_of(rank, cp, ctx.layout)), q.shape[-1] ** -0.5
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, ctx.layout)), ctx.scale
         dout = dout.contiguous()
         kv = _gather_kv(k, v, ctx.group)
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -384,7 +384,7 @@ class _GatheredAttention(torch.autograd.Function):
         del kv
         mine = torch.empty(dkv.shape[1:], dtype=torch.float32, device=k.device)
         _reduce_scatter(mine, dkv.flatten(0, 1), group=ctx.group)   # each block's parts summed at its owner
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -433,11 +433,12 @@ def _check(q, k, v, cp, method, layout):
 # "Global grad_mode state changed while dynamo tracing")
 @torch.compiler.disable
 def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigzag", host_staging=None, trace=None,
-                               causal=True):
+                               causal=True, scale=None):
     """Attention for this rank's part of the sequence (q, k, v: batch, heads, its tokens,
     head dim; its tokens those of ``layout``, see shard_sequence), over the ranks of
     ``group``; returns this rank's output. ``method``: "ring", "allgather" or "ulysses".
-    ``causal``: each query sees the keys at or before its position (else every key).
+    ``causal``: each query sees the keys at or before its position (else every key);
+    ``scale``: what q k^T is multiplied by (default head_dim ** -0.5, as SDPA's).
 
         q, k, v = (shard_sequence(t, rank, cp, dim=2) for t in (q_all, k_all, v_all))
         out = context_parallel_attention(q, k, v, cp_group, "ring")   # = that part of whole attention
@@ -451,14 +452,14 @@ def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigza
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     _check(q, k, v, cp, method, layout)
-    g = q.shape[1] // k.shape[1]
+    g, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5 if scale is None else scale
     if method == "ring":
         staged = host_staging if host_staging is not None else \
             q.device.type != "cpu" and dist.get_backend(group) == "gloo"
-        return _RingAttention.apply(q, k, v, group, layout, staged, trace, causal, _kernel(q))
+        return _RingAttention.apply(q, k, v, group, layout, staged, trace, causal, _kernel(q), scale)
     t_local = q.shape[2]
     if method == "allgather":
-        return _GatheredAttention.apply(q, k, v, group, layout, causal, _kernel(q))
+        return _GatheredAttention.apply(q, k, v, group, layout, causal, _kernel(q), scale)
     b, h, _, d = q.shape   # ulysses
     if k.shape[1] % cp:   # the key/value heads do not split: every query head's own copy travels
         k, v, g = _expand(k, g), _expand(v, g), 1
@@ -468,7 +469,7 @@ def context_parallel_attention(q, k, v, group=None, method="ring", layout="zigza
     order = _global_order(cp, t_local, layout, q.device)
     xq = xq.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, order]           # (b, h/cp, t, d), the sequence in order
     xkv = xkv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)[:, :, :, order]   # (2, b, hk/cp, t, d)
-    o = F.scaled_dot_product_attention(xq, _expand(xkv[0], g), _expand(xkv[1], g), is_causal=causal)
+    o = F.scaled_dot_product_attention(xq, _expand(xkv[0], g), _expand(xkv[1], g), is_causal=causal, scale=scale)
     o = o[:, :, order.argsort()].unflatten(2, (cp, t_local)).permute(2, 0, 1, 3, 4)
     o = _AllToAll.apply(o, group)                                        # (cp head groups, b, h/cp, t/cp, d)
     return o.permute(1, 0, 2, 3, 4).flatten(1, 2)
@@ -491,14 +492,13 @@ class _RouteAttention(torch.overrides.TorchFunctionMode):
                enable_gqa=False):
         why = ("an attn_mask (only causal or full attention splits over the ranks)" if attn_mask is not None else
                f"dropout_p {dropout_p} (attention dropout does not split over the ranks)" if dropout_p else
-               "a scale other than head_dim ** -0.5" if scale is not None and scale != query.shape[-1] ** -0.5 else
                f"{key.shape[1] if key.dim() == 4 else '?'} key/value heads for {query.shape[1]} query heads without "
                f"enable_gqa=True" if key.dim() == 4 and query.dim() == 4 and key.shape[1] != query.shape[1]
                and not enable_gqa else None)
         if why:   # every rank of the group gets here with the same call: all refuse, none waits
             raise ValueError(f"context_parallel: scaled_dot_product_attention with {why}")
         return context_parallel_attention(query, key, value, self.group, self.method, self.layout, self.host_staging,
-                                          causal=is_causal)
+                                          causal=is_causal, scale=scale)
 
 
 @contextlib.contextmanager

@@ -165,6 +165,52 @@ def per_expert_layout(experts="mlp.experts", gate_up=("gate_proj", "up_proj"), d
     return pieces
 
 
+
+def model_layout(model):
+    """load_hf_checkpoint's ``pieces`` for a transformers model, read from the model's own
+    checkpoint conversion mapping (what from_pretrained applies to the files save_pretrained
+    writes and the Hub holds): its renamings, reversed (GPT-NeoX's lm_head is embed_out in
+    its files, Mixtral's mlp its block_sparse_moe), and its experts kept one tensor per
+    expert, merged into the model's fused [E, ...] tensors (stacked along dim 0, several
+    sources concatenated along one dimension: gate and up, Mixtral's w1 and w3). A
+    conversion of another kind that touches one of the model's tensors is a ValueError
+    naming it. Needs transformers; call it on the model (not a stage or wrapper), before
+    the axes are applied or after: the names are the model's."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    transforms = get_model_conversion_mapping(model, add_legacy=False)
+    renames = [t.reverse_transform() for t in transforms if type(t) is WeightRenaming]
+    merges, names = [], [n for n, _ in model.named_parameters()]
+    for t in transforms:
+        if type(t) is WeightRenaming:
+            continue
+        ops = [type(o).__name__ for o in getattr(t, "operations", [])]
+        target = t.target_patterns[0].lstrip(".")
+        if isinstance(t, WeightConverter) and len(t.target_patterns) == 1 and ops in (
+                ["MergeModulelist"], ["MergeModulelist", "Concatenate"]) and t.operations[0].dim == 0:
+            merges.append((target, [s.lstrip(".") for s in t.source_patterns],
+                           t.operations[1].dim if len(ops) > 1 else None))
+        elif any(n.endswith(target) for n in names):
+            raise ValueError(f"{type(model).__name__}'s checkpoint conversion {t.source_patterns} -> "
+                             f"{t.target_patterns} ({', '.join(ops)}) is not one the kit reads")
+
+    def on_disk(name):
+        for r in reversed(renames):   # (from_pretrained applies them in order: undone last first)
+            name = r.rename_source_key(name)[0]
+        return name
+
+    def pieces(name, shape):
+        for target, sources, dim in merges:
+            if name.endswith(target) and (name == target or name[-len(target) - 1] == "."):
+                prefix = name[:-len(target)]
+                step = shape[dim] // len(sources) if dim is not None else 0
+                return [(on_disk(prefix + source.replace("*", str(e))),
+                         tuple(e if d == 0 else k * step if d == dim else 0 for d in range(len(shape))))
+                        for e in range(shape[0]) for k, source in enumerate(sources)]
+        renamed = on_disk(name)
+        return [(renamed, (0,) * len(shape))] if renamed != name else None
+    return pieces
+
 def _runs_of(at) -> list:
     """Positions 0..n-1 of ``at`` (indices into a stored tensor) as runs of consecutive
     indices: [(first position, first index, length)]."""

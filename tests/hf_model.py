@@ -43,7 +43,16 @@ FAMILIES = {
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(intermediate_size=128)),
     "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(intermediate_size=128)),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(intermediate_size=128, pad_token_id=0)),
-    "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(intermediate_size=128, pad_token_id=0))}
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(intermediate_size=128, pad_token_id=0)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(intermediate_size=128)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(intermediate_size=128, tie_word_embeddings=False)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(intermediate_size=64, num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(   # MLA attention; layer 0 dense
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, num_key_value_heads=8, head_dim=4,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))}
+MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")   # experts of their own: ep splits them
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
 # AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
 # differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
@@ -52,17 +61,23 @@ FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_hea
 LR = 1e-3
 
 
-def tiny(kind, layers=2, router_loss=True, experts=4):
+def tiny(kind, layers=2, router_loss=True, experts=4, tied=False):
     """The model as its user builds it, seeded. ``router_loss``: Qwen3-MoE returns its
     balancing loss (output_router_logits); off where its tokens are not a rank's whole
     share (pipeline stages call the layers themselves, context parallel splits sequences)."""
     torch.manual_seed(0)
     common_cfg = dict(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa",
+                      bos_token_id=1, eos_token_id=2)
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=128, **common_cfg))
+    if kind == "gpt2":   # Conv1D layers, no tensor-parallel or pipeline plan
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=256, n_embd=64, n_layer=layers, n_head=8, n_positions=64, attn_implementation="sdpa",
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
     if kind in FAMILIES:   # the other families, each as transformers builds it
         cls, cfg_cls, own = FAMILIES[kind]
+        own = {**own, "tie_word_embeddings": True} if tied else own   # (Gemma 3's own default)
         return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**common_cfg, **own}))
     cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=2,
                                       output_router_logits=router_loss, router_aux_loss_coef=AUX, **common_cfg)
@@ -101,12 +116,12 @@ def train_reference(ref, data, parts=1):
     return norms
 
 
-def against_one_process(kind, data, put, parts=1, layers=2, router_loss=True):
+def against_one_process(kind, data, put, parts=1, layers=2, router_loss=True, tied=False):
     """``put(model)`` puts a copy of the seeded model on its axes and returns (the module the
     optimizer steps, step(x, y) for one batch's backward with its gradients synchronized,
     clip(max_norm) -> the norm, the whole state dict on every rank). Trains it beside one
     process; the comparison of the weights and whether every step's norm agreed."""
-    ref = tiny(kind, layers, router_loss)
+    ref = tiny(kind, layers, router_loss, tied=tied)
     model = copy.deepcopy(ref)
     want = train_reference(ref, data, parts)
     module, step, clip, whole = put(model)
@@ -255,25 +270,33 @@ def stage_against_forward(kind, n_stages, chunks=1, build=stage_of, positions=Fa
             "missing": sorted(set(want_grads) - set(grads)), "tied": [len(getattr(s, "tied", [])) for s in stages]}
 
 
-def pipeline(ctx, kind, data, schedule, m=2):
+def pipeline(ctx, kind, data, schedule, m=2, tied=False):
     """stages = world, 4 layers cut evenly (interleaved: 2 chunks a stage); what crosses the
-    stages (the hidden state and the rotary tables) found by the first step. Also whether
-    the merged checkpoint loads into the model of one process as it is."""
+    stages (the hidden state) found by the first step. Also whether the merged checkpoint
+    loads into the model of one process as it is. ``tied``: the model's head tied to its
+    embedding (``tie_word_embeddings``), the stage's two copies kept equal by 09's tie and
+    sum_tied_gradients over the first and last stage."""
     loaded = {}
 
     def put(model):
         chunks = 2 if schedule == "interleaved" else 1
         stage = stage_of(model, ctx.rank, ctx.world_size, chunks)
         pipe = pp.Pipeline(stage, m, output_loss, schedule, chunks=chunks)
+        group = pp.tied_group([list(range(ctx.world_size))]) if tied else None
+        pp.tie(stage.tied, group)
+
+        def step(x, y):
+            pipe.step(x if pipe.first else None, y if pipe.last else None)
+            if tied:
+                pp.sum_tied_gradients(stage.tied, group)
 
         def whole():
             full = everyone(pp.full_state_dict(stage))[0]   # merged on the first rank
-            plain = tiny(kind, 4, router_loss=False)
+            plain = tiny(kind, 4, router_loss=False, tied=tied)
             loaded["missing"] = plain.load_state_dict(full, strict=False)
             return full
-        return stage, lambda x, y: pipe.step(x if pipe.first else None, y if pipe.last else None), \
-            lambda n: pp.clip_grad_norm_(stage, n), whole
-    r = against_one_process(kind, data, put, layers=4, router_loss=False)
+        return stage, step, lambda n: pp.clip_grad_norm_(stage, n), whole
+    r = against_one_process(kind, data, put, layers=4, router_loss=False, tied=tied)
     r["loads"] = not any(loaded["missing"])
     return r
 
@@ -348,7 +371,8 @@ def expert_parallel(ctx, kind, data, rest):
             ep.split_experts(model, EXPERTS, groups["dp"])
         else:
             ep.split_experts(model, EXPERTS, groups.get("ep"), copies=groups.get("copies"))
-        experts, split = ep.expert_parameters(model), model.model.layers[0].mlp.experts
+        experts = ep.expert_parameters(model)
+        split = next(m for n, m in model.named_modules() if placement.path_matches(n, EXPERTS))
         r["held"] = {"gate_up_proj": list(split.gate_up_proj.shape), "down_proj": list(split.down_proj.shape),
                      "num_experts": split.num_experts}
         r["exchange"] = split.expert_exchange
@@ -364,7 +388,8 @@ def expert_parallel(ctx, kind, data, rest):
             ep.reduce_expert_gradients(model, data_ranks=data_ranks)
         def whole():
             full = placement.full_state_dict(model, all_ranks=True)
-            r["whole"] = {n: list(full[f"model.layers.0.mlp.experts.{n}"].shape) for n in ("gate_up_proj", "down_proj")}
+            first = next(n for n in full if placement.path_matches(n, f"{EXPERTS}.gate_up_proj"))[:-len("gate_up_proj")]
+            r["whole"] = {n: list(full[first + n].shape) for n in ("gate_up_proj", "down_proj")}
             return full
         return module, step, lambda n: placement.clip_grad_norm_(model, n), whole
     r.update(against_one_process(kind, data, put, parts=data_ranks))
@@ -387,10 +412,18 @@ def axes(ctx, args):
             out[f"{kind}, pp {schedule}"] = pipeline(ctx, kind, data, schedule)
         for method in cpm.METHODS:
             out[f"{kind}, cp {method}"] = context_parallel(ctx, kind, data, method)
-    for kind in FAMILIES:   # each by its own plan, nothing written for it
-        own = {}
-        out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
-        out["own plans"][kind] = (own["plan"], own["whole"])
+    for kind in [*FAMILIES, "gpt2"]:   # each by its own plans, nothing written for it
+        if kind != "gpt2":
+            own = {}
+            out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
+            out["own plans"][kind] = (own["plan"], own["whole"])
+            out[f"{kind}, pp 1f1b"] = pipeline(ctx, kind, data, "1f1b")
+        for wrap in ("dp", "fsdp"):
+            out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap)
+        out[f"{kind}, cp ring"] = context_parallel(ctx, kind, data, "ring")
+    for kind in MOE_FAMILIES:
+        out[f"{kind}, ep with dp"] = expert_parallel(ctx, kind, batches(), "dp")
+    out["gemma3, tied, pp 1f1b"] = pipeline(ctx, "gemma3", data, "1f1b", tied=True)   # its own default
     for rest in ("dp", "fsdp"):
         out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
     out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control
@@ -428,10 +461,10 @@ def compose(kind, model, mesh, m=2):
     """The model on ``mesh`` by calls, innermost first, as docs/10 shows: tp (the plan) ->
     stages -> fsdp (each layer a unit) -> dp and cp's data ranks -> the schedule."""
     P, D, F_, C, T = (mesh.size(a) for a in ("pp", "dp", "fsdp", "cp", "tp"))
-    if T > 1:
-        tp.parallelize(model, PLANS[kind], mesh.group("tp"))
+    if T > 1:   # the model's own plan (Llama's and Qwen3-MoE's: PLANS, as the test above shows)
+        tp.parallelize(model, tp.model_plan(model)[0], mesh.group("tp"))
     stage = stage_of(model, mesh.coord("pp"), P) if P > 1 else model
-    units = stage.held_layers() if P > 1 else list(stage.get_submodule("model.layers"))
+    units = stage.held_layers() if P > 1 else None   # (None: the model's own _no_split_modules)
     module = fsdp.FSDP(stage, process_group=mesh.group("fsdp"), units=units) if F_ > 1 else stage
     if D * C > 1:
         module = ddp.DDPBucketed(module, 1, process_group=mesh.joint(("dp", "cp")) if C > 1 else mesh.group("dp"))
@@ -439,9 +472,12 @@ def compose(kind, model, mesh, m=2):
     return stage, module, pipe
 
 
+COMPOSED = (*MODELS, *FAMILIES)
+
+
 def composed(ctx, args):
-    """Both models on pp 2 x fsdp 2 x tp 2 and on dp 2 x cp 2 x tp 2 (8 ranks), against one
-    process, one clip over the mesh."""
+    """Every family (GPT-2 aside: no tp or pp plan) on pp 2 x fsdp 2 x tp 2 and on dp 2 x
+    cp 2 x tp 2 (8 ranks), by the same calls, against one process, one clip over the mesh."""
     meshes = {"pp 2 x fsdp 2 x tp 2": {"pp": 2, "dp": 1, "fsdp": 2, "cp": 1, "tp": 2},
               "dp 2 x cp 2 x tp 2": {"pp": 1, "dp": 2, "fsdp": 1, "cp": 2, "tp": 2}}
     out, data = {}, batches()
@@ -449,7 +485,7 @@ def composed(ctx, args):
         mesh = nd.Mesh(sizes)
         replicas = mesh.size("dp") * mesh.size("fsdp")
         replica = mesh.coord("dp") * mesh.size("fsdp") + mesh.coord("fsdp")
-        for kind in MODELS:
+        for kind in COMPOSED:
             def put(model):
                 stage, module, pipe = compose(kind, model, mesh)
 
@@ -492,8 +528,9 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
     model = _from_meta(kind, ref.config.num_hidden_layers)
     r = {"buffers": all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers()),
          "meta": all(p.is_meta for p in model.parameters())}
+    layout = hfc.model_layout(model)   # the model's own file names (GPT-NeoX's embed_out, Mixtral's experts)
     named, module, step = put(model)
-    r.update(hfc.load_hf_checkpoint(named, src, pieces=hfc.per_expert_layout()))
+    r.update(hfc.load_hf_checkpoint(named, src, pieces=layout))
     r["loaded"] = compare(placement.full_state_dict(named, all_ranks=True), ref)["ok"]   # before training
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-6)
     for x, y in data:
@@ -546,7 +583,7 @@ def checkpoints(ctx, args):
     is what this checks); and a checkpoint that lacks a tensor, or has other shapes."""
     data, out = batches(steps=2), {}   # (training like one process over 4 steps: test_hf_models)
     root = os.path.join(args.out, "hf")
-    for kind in MODELS:
+    for kind in COMPOSED:   # the other families on the 8-rank mesh with every split (by heads too)
         ref = tiny(kind, 4, router_loss=False)
         src = os.path.join(root, f"{kind} from save_pretrained")
         if ctx.rank == 0:
@@ -554,7 +591,8 @@ def checkpoints(ctx, args):
         dist.barrier()
         trained = copy.deepcopy(ref)
         train_reference(trained, data)
-        cases = dict(CHECKPOINT_MESHES)
+        cases = dict(CHECKPOINT_MESHES) if kind in MODELS else {k: v for k, v in CHECKPOINT_MESHES.items()
+                                                                if k.startswith("pp")}
         if kind == "qwen3-moe":
             cases["ep 4 x 2 copies"] = None
         for label, sizes in cases.items():
@@ -590,8 +628,9 @@ def checkpoints(ctx, args):
                 back = type(ref).from_pretrained(os.path.join(root, label))
                 r["trained"] = compare(back.state_dict(), trained)["ok"]
             out[f"{kind}, {label}"] = everyone(r)
-        out[f"{kind}, missing"] = everyone(_missing(ctx, kind, src, root))
-        out[f"{kind}, bf16 from float32"] = everyone(_cast(ctx, kind, src, ref))
+        if kind in MODELS:
+            out[f"{kind}, missing"] = everyone(_missing(ctx, kind, src, root))
+            out[f"{kind}, bf16 from float32"] = everyone(_cast(ctx, kind, src, ref))
     out["kit LM, fused qkv at tp 2"] = everyone(_fused_qkv(ctx, root))
     return out
 

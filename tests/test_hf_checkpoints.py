@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out (hf_checkpoint.py) on transformers' LlamaForCausalLM
 and Qwen3MoeForCausalLM built on meta (placement.meta_parameters): filled from the sharded
 folder save_pretrained wrote, each rank reading only its slices, on fsdp 8, dp 4 x tp 2,
-pp 2 x fsdp 2 x tp 2 and (Qwen3-MoE) its own experts split at ep 4; trained like one
+pp 2 x fsdp 2 x tp 2 and (Qwen3-MoE) its own experts split at ep 4, and every other family
+of tests/hf_model.py on pp 2 x fsdp 2 x tp 2 by its own plans (the packed projections split by
+heads, the norms over all heads, GPT-NeoX's embedding by vocabulary); trained like one
 process, saved as a folder from_pretrained loads with the same logits, bit for bit. One
 spawned job of 8 ranks serves every case (tests/hf_model.py's checkpoints)."""
 import pytest
@@ -16,8 +18,10 @@ def results(tmp_path_factory):
                          world_size=8)
 
 
+FAMILIES = ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3"]
 CASES = [f"{kind}, {mesh}" for kind in ("llama", "qwen3-moe")
-         for mesh in ("fsdp 8", "dp 4 x tp 2", "pp 2 x fsdp 2 x tp 2")] + ["qwen3-moe, ep 4 x 2 copies"]
+         for mesh in ("fsdp 8", "dp 4 x tp 2", "pp 2 x fsdp 2 x tp 2")] + ["qwen3-moe, ep 4 x 2 copies"] + \
+    [f"{kind}, pp 2 x fsdp 2 x tp 2" for kind in FAMILIES]   # Phi-3's packed rows, OLMo-2's split norms, a vocabulary
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -62,7 +62,28 @@ def test_qwen3_moe_experts_split_beside_copies_or_tp_train_like_one_process(case
     assert r["norms"]
 
 
-@pytest.mark.parametrize("case", [f"{kind}, {mesh}" for kind in ("llama", "qwen3-moe")
+FAMILIES = ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3"]
+FAMILY_AXES = [f"{kind}, {axis}" for kind in FAMILIES for axis in ("tp", "pp 1f1b", "dp", "fsdp", "cp ring")] + \
+    [f"gpt2, {axis}" for axis in ("dp", "fsdp", "cp ring")] + \
+    [f"{kind}, ep with dp" for kind in ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")] + ["gemma3, tied, pp 1f1b"]
+
+
+@pytest.mark.parametrize("case", FAMILY_AXES)
+def test_every_family_trains_on_every_axis_it_takes_like_one_process(case):
+    """The same calls for every family, nothing written for one: tp by its own plan (split
+    by heads where HF gathers), pipeline stages by its own pipeline plan and forward
+    (09's ModelStage), DDPBucketed, FSDP by its _no_split_modules, context parallelism
+    (ring; Gemma 3's attention scale passed through), its own experts split (12's
+    split_experts); Gemma 3's head tied to its embedding across the stages. GPT-2 (Conv1D,
+    no tp or pp plan) takes the axes that need no plan; tp and pp refuse it, named."""
+    r = run("axes", 2)[case]
+    assert r["ok"], f"{case}: max diff {r['max_diff']}"
+    assert r["norms"], f"{case}: a step's global norm differs from one process's"
+    if " pp " in case:
+        assert r["loads"], "the merged stages' checkpoint does not load into the model as built"
+
+
+@pytest.mark.parametrize("case", [f"{kind}, {mesh}" for kind in ("llama", "qwen3-moe", *FAMILIES)
                                   for mesh in ("pp 2 x fsdp 2 x tp 2", "dp 2 x cp 2 x tp 2")])
 def test_transformers_models_composed_on_eight_ranks_train_like_one_process(case):
     r = run("composed", 8)[case]
