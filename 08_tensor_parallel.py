@@ -416,6 +416,25 @@ class _SumOverParallel(torch.autograd.Function):
         return grad, None
 
 
+
+class _SharedOutput(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient of the output features [start, stop)
+    summed over the group: a replicated layer whose output every rank's heads use directly
+    (MLA's shared rotary key), each rank's gradient of it only its own heads' part."""
+
+    @staticmethod
+    def forward(ctx, y, group, start, stop):
+        ctx.group, ctx.start, ctx.stop = group, start, stop
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        part = grad[..., ctx.start:ctx.stop].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., ctx.start:ctx.stop] = part
+        return grad, None, None, None
+
 def _rms_eps(norm: nn.Module) -> float:
     """The epsilon of an RMS norm of the form weight * x * rsqrt(mean(x^2) + eps) (Llama's,
     OLMo-2's), checked on a random input; ValueError for any other form."""
@@ -530,7 +549,7 @@ def sync_rng(process_group=None):
         torch.cuda.set_rng_state(states[1])
 
 
-KINDS = ("column", "row", "dropout", "divide", "sum", "norm", "vocab")
+KINDS = ("column", "row", "dropout", "divide", "sum", "norm", "vocab", "shared")
 
 
 def _count_path(key):
@@ -565,7 +584,11 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     so a rank holds its own heads' q, k and v rows (packed_rows); "norm": an RMS norm over
     the features a column split spread (OLMo-2's q_norm over every head), its weight split
     alike and its mean of squares taken over the group (SplitRMSNorm); "vocab": an
-    nn.Embedding split by vocabulary rows (VocabParallelEmbedding). "divide" may name a count
+    nn.Embedding split by vocabulary rows (VocabParallelEmbedding); "shared" or ("shared",
+    (start, stop)): an nn.Linear every rank holds whole whose output (those features) every
+    rank's heads use directly, not through a column layer (MLA's rotary key, a key/value
+    projection the group's size does not divide): its gradient summed over the group in
+    backward, each rank's being its own heads' part. "divide" may name a count
     in the module's config ("layers.*.self_attn.config.num_attention_heads", for a forward
     that slices by it): the module gets a config of its own first, the model's unchanged. A
     "column" layer's output slice is the input slice of the "row" layer that follows it;
@@ -587,8 +610,9 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     todo = []
     for key, kind in plan.items():
         kind, parts = (kind[0], tuple(kind[1])) if isinstance(kind, (tuple, list)) else (kind, None)
-        if kind not in KINDS or (parts is not None and kind != "column"):
-            raise ValueError(f"plan[{key!r}]: unknown kind {plan[key]!r} ({', '.join(KINDS)}, or (\"column\", parts))")
+        if kind not in KINDS or (parts is not None and kind not in ("column", "shared")):
+            raise ValueError(f"plan[{key!r}]: unknown kind {plan[key]!r} ({', '.join(KINDS)}, or (\"column\", parts) "
+                             f"or (\"shared\", (start, stop)))")
         owner_key, attr = _count_path(key) if kind == "divide" else (key, "")
         found = [n for n in modules if path_matches(n, owner_key)]
         if kind == "divide":
@@ -610,6 +634,10 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
                 if parts is not None and (sum(parts) != features or any(n % tp for n in parts)):
                     raise ValueError(f"{name}: parts {list(parts)} must add up to its {features} output features, "
                                      f"each divided by the group's {tp} ranks")
+            if kind == "shared" and not (isinstance(target, nn.Linear) and (parts is None or (
+                    len(parts) == 2 and 0 <= parts[0] < parts[1] <= target.out_features))):
+                raise ValueError(f"{name}: \"shared\" takes an nn.Linear and (start, stop) within its "
+                                 f"{getattr(target, 'out_features', '?')} output features")
             if kind == "norm":
                 _rms_eps(target)
                 if target.weight.numel() % tp:
@@ -634,6 +662,10 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         if kind == "sum":
             for p in target.parameters():
                 p.register_hook(_sum_over(process_group))
+            continue
+        if kind == "shared":
+            start, stop = parts or (0, target.out_features)
+            target.register_forward_hook(lambda m, i, y, a=start, b=stop: _SharedOutput.apply(y, process_group, a, b))
             continue
         parent_name, _, child = name.rpartition(".")
         if kind == "dropout":
@@ -719,6 +751,13 @@ def model_plan(model: nn.Module) -> tuple:
         else:
             whole[key] = HF_KEPT_WHOLE[style]
     _by_heads(config, gathered, plan, whole)
+    for name, m in modules.items():   # linear layers the plan leaves whole, by their module (MLA, routers)
+        planned = [k for k in [*plan, *whole] if path_matches(name, k) or any(
+            path_matches(f"{name}.{c}", k) for c, _ in m.named_children())]
+        if any(isinstance(c, nn.Linear) for c in m.children()) and not planned and ".layers." in f".{name}.":
+            key = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            whole.setdefault(key, f"{', '.join(n for n, c in m.named_children() if isinstance(c, nn.Linear))}: "
+                                  f"not in the model's plan, kept whole on every rank")
     return plan, whole
 
 

@@ -424,6 +424,13 @@ def axes(ctx, args):
     for kind in MOE_FAMILIES:
         out[f"{kind}, ep with dp"] = expert_parallel(ctx, kind, batches(), "dp")
     out["gemma3, tied, pp 1f1b"] = pipeline(ctx, "gemma3", data, "1f1b", tied=True)   # its own default
+    mla, _ = tp.model_plan(tiny("deepseek-v3"))   # its plan leaves MLA whole (said in `whole`); by heads:
+    mla.update({"model.layers.*.self_attn.q_b_proj": "column", "model.layers.*.self_attn.kv_b_proj": "column",
+                "model.layers.*.self_attn.o_proj": "row",   # the rotary key every head uses: 16 + 4 features
+                "model.layers.*.self_attn.kv_a_proj_with_mqa": ("shared", (16, 20))})
+    out["deepseek-v3, tp with MLA, the rotary key not shared"] = tensor_parallel(   # control
+        ctx, "deepseek-v3", data, {k: v for k, v in mla.items() if not k.endswith("kv_a_proj_with_mqa")})
+    out["deepseek-v3, tp with MLA by heads"] = tensor_parallel(ctx, "deepseek-v3", data, mla)
     for rest in ("dp", "fsdp"):
         out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
     out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control

@@ -65,7 +65,8 @@ def test_qwen3_moe_experts_split_beside_copies_or_tp_train_like_one_process(case
 FAMILIES = ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3"]
 FAMILY_AXES = [f"{kind}, {axis}" for kind in FAMILIES for axis in ("tp", "pp 1f1b", "dp", "fsdp", "cp ring")] + \
     [f"gpt2, {axis}" for axis in ("dp", "fsdp", "cp ring")] + \
-    [f"{kind}, ep with dp" for kind in ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")] + ["gemma3, tied, pp 1f1b"]
+    [f"{kind}, ep with dp" for kind in ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")] + \
+    ["gemma3, tied, pp 1f1b", "deepseek-v3, tp with MLA by heads"]
 
 
 @pytest.mark.parametrize("case", FAMILY_AXES)
@@ -75,7 +76,11 @@ def test_every_family_trains_on_every_axis_it_takes_like_one_process(case):
     (09's ModelStage), DDPBucketed, FSDP by its _no_split_modules, context parallelism
     (ring; Gemma 3's attention scale passed through), its own experts split (12's
     split_experts); Gemma 3's head tied to its embedding across the stages. GPT-2 (Conv1D,
-    no tp or pp plan) takes the axes that need no plan; tp and pp refuse it, named."""
+    no tp or pp plan) takes the axes that need no plan; tp and pp refuse it, named.
+    DeepSeek-V3's plan leaves its MLA attention whole (model_plan says so in ``whole``); its
+    up-projections q_b_proj and kv_b_proj added as column, o_proj as row and the rotary key
+    of kv_a_proj_with_mqa as "shared" split it by heads (the low-rank down-projections and
+    their norms stay whole on every rank)."""
     r = run("axes", 2)[case]
     assert r["ok"], f"{case}: max diff {r['max_diff']}"
     assert r["norms"], f"{case}: a step's global norm differs from one process's"
@@ -129,6 +134,13 @@ def test_a_family_trains_by_its_own_tp_plan_like_one_process(kind):
     assert " ".join(whole.values()) == ("" if kind != "qwen2-moe, all sparse" else " ".join(whole.values()))
     if kind == "qwen2-moe, all sparse":
         assert "expert parallelism" in " ".join(whole.values())
+
+
+def test_mla_by_heads_without_its_shared_rotary_key_does_not_train_like_one_process():
+    """The control: every head uses the one rotary key kv_a_proj_with_mqa makes; left out of
+    the plan, each rank's gradient of it is only its own heads' part."""
+    r = run("axes", 2)["deepseek-v3, tp with MLA, the rotary key not shared"]
+    assert not r["ok"]   # (the weights differ; the global norm, dominated by the rest, stays within 1e-4)
 
 
 def test_packed_projections_split_as_one_matrix_do_not_train_like_one_process():
