@@ -19,6 +19,7 @@ p = 2 and m = 1 this is plain model parallelism: the model in two halves on two 
 
 In your own training loop (the copy region and placement.py have all of it):
     stage = MyStage(model, rank, n_stages)             # its layers under the model's own names
+    # (PipelineStage(model, "layers", ...) for your model; ModelStage(model, ...) for a transformers one)
     pipe = Pipeline(stage, 8, loss_fn, "1f1b", pp_group)   # what crosses the stages: found by step 1
     opt.zero_grad(); pipe.step(x if pipe.first else None, y if pipe.last else None)
     clip_grad_norm_(stage, max_norm, process_group=pp_group)   # not torch's: a stage holds a part
@@ -152,16 +153,8 @@ class PipelineStage(nn.Module):
                               first=["tok_embeddings"], last=["norm", "output"])
         pipe = Pipeline(stage, 8, loss_fn)      # what crosses the stages: found by the first step
 
-    transformers' LlamaForCausalLM (its decoder layers take the rotary tables by keyword):
-
-        def embed(m, tokens):
-            h = m.model.embed_tokens(tokens)
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-            return (h, *m.model.rotary_emb(h, positions))
-        stage = PipelineStage(model, "model.layers", rank, n_stages, embed,
-                              lambda m, h: m.lm_head(m.model.norm(h)),
-                              first=["model.embed_tokens", "model.rotary_emb"], last=["model.norm", "lm_head"],
-                              call=lambda layer, h, cos, sin: layer(h, position_embeddings=(cos, sin)))
+    A transformers model: ModelStage (its own pipeline plan and forward: masks, rotary
+    tables and soft-caps as the model computes them), not a hand-written embed and call.
 
     The layers are cut into n_stages x ``chunks`` runs of about equal ``costs`` (default:
     every layer alike; a list: one number a layer); with chunks v > 1 (interleaved) the
