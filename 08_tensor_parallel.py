@@ -688,16 +688,27 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
 # split by heads instead wherever the layout is known (_by_heads); the rest kept whole
 HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "sum",
              "embedding_rowwise": "vocab"}
-HF_BY_HEADS = ("colwise_gather_output", "rowwise_split_input")
+HF_GATHERED = ("colwise_gather_output", "colwise_rep", "packed_colwise")   # split by heads where the layout is known
+HF_SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")                      # their row partners
 HF_KEPT_WHOLE = {
     "colwise_gather_output": "a column split whose output is gathered again, packed in a layout the model's "
                              "config does not tell: computed whole on every rank",
+    "colwise_rep": "a column split whose output is gathered again, packed in a layout the model's config does not "
+                   "tell: computed whole on every rank",
     "rowwise_split_input": "a row split of a whole input (its column partner kept whole): computed whole on every "
                            "rank",
+    "rowwise_rep": "a row split of a whole input (its column partner kept whole): computed whole on every rank",
     "embedding_rowwise": "a vocabulary-parallel embedding tied to the head: kept whole on every rank",
+    "embedding_colwise": "an embedding split by its hidden features: kept whole on every rank",
     "sequence_parallel": "sequence parallelism is not taken from a plan (08's --sp): kept whole",
     "packed_colwise": "experts' fused tensors: split them by expert parallelism (12's split_experts)",
-    "moe_tp_experts": "experts: split them by expert parallelism (12's split_experts)"}
+    "packed_rowwise": "a row split of a packed input: kept whole on every rank",
+    "moe_tp_experts": "experts: split them by expert parallelism (12's split_experts)",
+    "moe_identity_expert": "experts: split them by expert parallelism (12's split_experts)",
+    "all_reduce": "outputs summed over ranks (experts under tensor parallelism): kept whole on every rank",
+    "mla_kv_a_proj": "MLA's key/value down-projection, in a config without qk_rope_head_dim: kept whole",
+    "local_params": "parameters each rank keeps whole: kept whole",
+    "replicate": "kept whole on every rank, as the plan says"}
 
 
 def model_plan(model: nn.Module) -> tuple:
@@ -705,8 +716,10 @@ def model_plan(model: nn.Module) -> tuple:
     parallelize's words, its keys under the model's own names (the base model's prefix,
     ``model.`` or ``gpt_neox.``, put in front where ``model`` holds the base model):
     (plan, whole). colwise, rowwise, replicated_with_grad_allreduce and embedding_rowwise
-    become column, row, sum and vocab. Where HF gathers a column split's output again
-    (colwise_gather_output, then rowwise_split_input) the kit splits by heads instead, from
+    become column, row, sum and vocab; mla_kv_a_proj ("shared") sums the gradient of MLA's
+    rotary key, which every head uses. Where HF gathers a column split's output again
+    (colwise_gather_output or colwise_rep, then rowwise_split_input or rowwise_rep), or packs
+    a linear layer (packed_colwise), the kit splits by heads instead, from
     the layout the config gives: a fused q, k and v projection as ("column", (q, k, v)) with
     the module's head counts divided (in a config of its own), a fused gate and up as
     ("column", (up, up)), a separate projection with a norm over all its heads as "column"
@@ -741,11 +754,15 @@ def model_plan(model: nn.Module) -> tuple:
                 whole[key] = HF_KEPT_WHOLE["packed_colwise"] if ".experts." in f".{key}." else \
                     "a parameter, not a module: kept whole on every rank"
             continue   # a module this configuration does not build
-        if style == "embedding_rowwise" and any(m is not modules[found[0]] and getattr(m, "weight", None) is
-                                                modules[found[0]].weight for m in modules.values()):
+        module, parent = modules[found[0]], modules[found[0].rpartition(".")[0]]
+        rope = getattr(config, "qk_rope_head_dim", None)
+        if style == "embedding_rowwise" and any(m is not module and getattr(m, "weight", None) is module.weight
+                                                for m in modules.values()):
             whole[key] = HF_KEPT_WHOLE[style]
-        elif style in HF_BY_HEADS:
-            gathered[key] = (style, modules[found[0]], modules[found[0].rpartition(".")[0]])
+        elif style in HF_SPLIT_INPUT or (style in HF_GATHERED and isinstance(module, nn.Linear)):
+            gathered[key] = (style, module, parent)
+        elif style == "mla_kv_a_proj" and isinstance(module, nn.Linear) and rope:   # its rotary key: every head's
+            plan[key] = ("shared", (module.out_features - rope, module.out_features))
         elif style in HF_STYLES:
             plan[key] = HF_STYLES[style]
         else:
@@ -762,18 +779,18 @@ def model_plan(model: nn.Module) -> tuple:
 
 
 def _by_heads(config, gathered, plan, whole):
-    """model_plan's split by heads of what HF gathers: each colwise_gather_output projection
-    whose output the config's counts account for, and its rowwise_split_input partners in the
-    same module."""
+    """model_plan's split by heads of what HF gathers or packs: each such projection whose
+    output the config's counts account for, and its row partners in the same module (kept
+    whole with it where it is)."""
     n_q = getattr(config, "num_attention_heads", None)
     n_kv = getattr(config, "num_key_value_heads", None) or n_q
     hd = getattr(config, "head_dim", None) or (config.hidden_size // n_q if n_q else None)
     up = getattr(config, "intermediate_size", None)
     split = set()
     for key, (style, linear, parent) in gathered.items():
-        if style != "colwise_gather_output":
+        if style not in HF_GATHERED:
             continue
-        owner, out = key.rpartition(".")[0], getattr(linear, "out_features", None)
+        owner, out = key.rpartition(".")[0], linear.out_features
         if n_q and hd and out == (n_q + 2 * n_kv) * hd and out != 2 * (up or 0):   # q, k and v in one
             plan[key] = ("column", (n_q * hd, n_kv * hd, n_kv * hd))
             plan.update({f"{owner}.{count}": "divide" for count in ("num_heads", "num_attention_heads",
@@ -788,15 +805,20 @@ def _by_heads(config, gathered, plan, whole):
                          if isinstance(getattr(child, "weight", None), torch.Tensor) and child.weight.dim() == 1
                          and child.weight.numel() == out})
         else:
-            whole[key] = HF_KEPT_WHOLE[style]
+            whole[key] = HF_KEPT_WHOLE["colwise_gather_output"]
             continue
         split.add(owner)
     for key, (style, _, _) in gathered.items():
-        if style == "rowwise_split_input":
+        if style in HF_SPLIT_INPUT:
             if key.rpartition(".")[0] in split:
                 plan[key] = "row"
             else:
                 whole[key] = HF_KEPT_WHOLE[style]
+    kept = {key.rpartition(".")[0] for key, (style, _, _) in gathered.items() if style in HF_GATHERED
+            and key in whole}
+    for key in [k for k, v in plan.items() if v == "row" and k.rpartition(".")[0] in kept]:   # (a packed_colwise's)
+        del plan[key]
+        whole[key] = "a row split whose column partner is kept whole: computed whole on every rank"
     return split
 
 

@@ -259,3 +259,19 @@ def test_the_new_plan_words_refuse_what_they_cannot_split_before_changing_anythi
     tp.parallelize(olmo, tp.model_plan(olmo)[0])
     assert type(olmo.model.layers[0].self_attn.q_norm).__name__ == "SplitRMSNorm"
     assert torch.allclose(olmo(input_ids=x).logits, want, atol=1e-6)
+
+
+def test_every_style_transformers_registers_is_split_or_kept_whole_by_name():
+    """model_plan knows every tensor-parallel style transformers registers (its
+    ALL_PARALLEL_STYLES), so a plan that ships with any family is split or kept whole,
+    named, never refused for a word; mla_kv_a_proj becomes "shared" on MLA's rotary key."""
+    tp = common.load_script(common.ROOT / "08_tensor_parallel.py")
+    from transformers.distributed import tensor_parallel as hf_tp
+    styles = set(hf_tp.ALL_PARALLEL_STYLES)
+    assert styles and styles <= set(tp.HF_STYLES) | set(tp.HF_KEPT_WHOLE), styles - set(tp.HF_KEPT_WHOLE)
+    import hf_model
+    model = hf_model.tiny("deepseek-v3")
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan,
+                                       "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}
+    plan, _ = tp.model_plan(model)
+    assert plan["model.layers.*.self_attn.kv_a_proj_with_mqa"] == ("shared", (16, 20))
