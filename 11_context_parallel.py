@@ -262,9 +262,9 @@ class _RingAttention(torch.autograd.Function):
     exchange overlaps the next block's compute) and goes home after a full circle."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, staged, trace, causal, kernel, scale):
+    def forward(ctx, q, k, v, group, layout, staged, trace, causal, kernel, scale=None):
         cp, rank, nxt, prv = _peers(group)
-        size = q.shape[2] // len(chunks_of(rank, cp, layout))
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5 if scale is None else scale
         kv, running = [k, v], None   # the block attended to now: this rank's own first
         for step in range(cp):
             src = (rank - step) % cp
@@ -349,9 +349,9 @@ class _GatheredAttention(torch.autograd.Function):
     their owners. The blocks are the ring's, through the same fused kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, kernel, scale):
+    def forward(ctx, q, k, v, group, layout, causal, kernel, scale=None):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        size = q.shape[2] // len(chunks_of(rank, cp, layout))
+        size, scale = q.shape[2] // len(chunks_of(rank, cp, layout)), q.shape[-1] ** -0.5 if scale is None else scale
         kv, running = _gather_kv(k, v, group), None
         for src in [rank] + [r for r in range(cp) if r != rank]:   # its own block first: it starts every row
             work = _block(rank, src, cp, layout, size, causal)
@@ -601,8 +601,9 @@ def verify_attention(ctx, args, methods, group=None, control=False):
     """Every method and layout, against one process's causal attention on the whole
     sequence: the output and the q, k, v gradients of this rank's part, at two sequence
     lengths (2cp and 6cp tokens) and with 3 and 4 heads (ulysses refuses 3 unless cp does
-    divide it: checked to raise). ``control``: shard by zig-zag but attend as if the parts
-    were contiguous (the causal mask on the wrong positions): must fail."""
+    divide it: checked to raise); the 4-head cases with a scale of 0.5, not head_dim ** -0.5
+    (Gemma's). ``control``: shard by zig-zag but attend as if the parts were contiguous (the
+    causal mask on the wrong positions): must fail."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     out = {}
     for heads in (3, 4):
@@ -610,7 +611,8 @@ def verify_attention(ctx, args, methods, group=None, control=False):
             g = torch.Generator().manual_seed(args.seed + 7 * t + heads)
             q, k, v, dout = (torch.randn(2, heads, t, 8, generator=g).to(ctx.device) for _ in range(4))
             qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-            ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+            scale = 0.5 if heads == 4 else None
+            ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
             ref.backward(dout)
             for layout in LAYOUTS:
                 for method in methods:
@@ -627,7 +629,7 @@ def verify_attention(ctx, args, methods, group=None, control=False):
                     part = lambda x: shard_sequence(x, rank, cp, layout, dim=2)  # noqa: E731
                     mine = [part(x).clone().requires_grad_() for x in (q, k, v)]
                     o = context_parallel_attention(*mine, group=group, method=method,
-                                                   layout="contiguous" if control else layout)
+                                                   layout="contiguous" if control else layout, scale=scale)
                     o.backward(part(dout))
                     got = [o] + [x.grad for x in mine]
                     want = [part(ref)] + [part(x.grad) for x in (qr, kr, vr)]

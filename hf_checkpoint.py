@@ -10,7 +10,8 @@ turns), so a rank holds its part and one whole tensor, never the model; a folder
 published complete or not at all. Names are the model's own (a wrapper's
 ``module.`` aside). Used by the tests on transformers' models and by any loop on the kit's
 classes. It needs torch, the standard library, placement.py and sharded_checkpoint.py: a
-copy is these three files (the safetensors format is read and written here).
+copy is these three files (the safetensors format is read and written here); model_layout,
+which reads a transformers model's own checkpoint names, needs transformers too.
 """
 import ctypes
 import itertools

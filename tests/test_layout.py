@@ -22,7 +22,7 @@ MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel
 REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point", "placement": None, "sharded_checkpoint": None,
            "hf_checkpoint": None}
 LIBRARY_MAIN = {"placement": "Placement", "sharded_checkpoint": "save_sharded", "hf_checkpoint": "save_hf_checkpoint"}
-ALSO = {}   # a library file's packages beyond torch, named in its docstring
+ALSO = {"hf_checkpoint": ("transformers",)}   # a library file's packages beyond torch, named in its docstring
 
 
 def undefined_names(src: str) -> set:
