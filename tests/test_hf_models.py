@@ -191,6 +191,17 @@ def test_a_stage_by_the_models_own_plan_computes_the_models_own_forward(kind):
                              if kind == "gemma3, tied" else [0] * n_stages)
 
 
+def test_a_stage_may_hold_the_head_alone_or_uneven_runs_of_layers():
+    """cuts as PipelineStage takes them: a last stage holding only the final norm and head
+    (the activation enters at the norm), and runs of 1 and 3 layers."""
+    import hf_model
+    alone = hf_model.stage_against_forward(
+        "gemma2", 3, build=lambda m, s, n, c: hf_model.pp.ModelStage(m, s, n, c, cuts=[0, 2, 4, 5]))
+    uneven = hf_model.stage_against_forward(
+        "llama", 2, build=lambda m, s, n, c: hf_model.pp.ModelStage(m, s, n, c, cuts=[0, 1, 4]))
+    assert alone["logits"] == alone["grads"] == uneven["logits"] == uneven["grads"] == 0
+
+
 def test_position_ids_ride_along_every_stage():
     import hf_model
     r = hf_model.stage_against_forward("gemma2", 2, positions=True)
