@@ -397,10 +397,10 @@ class ParallelDropout(nn.Module):
             put(default)
 
 
-class _SumOverParallel(torch.autograd.Function):
+class _SumOverParallel(_CopyToParallel):
     """A sum every rank's part adds to and every rank then uses (a norm's statistic over
     features split across the group): all-reduced in forward, and its gradient all-reduced
-    in backward (each rank's use of it contributes)."""
+    in backward as f's (each rank's use of it contributes)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -408,12 +408,6 @@ class _SumOverParallel(torch.autograd.Function):
         x = x.clone()
         dist.all_reduce(x, group=group)
         return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 
