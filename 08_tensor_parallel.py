@@ -699,6 +699,8 @@ HF_KEPT_WHOLE = {
     "packed_rowwise": "a row split of a packed input: kept whole on every rank",
     "moe_tp_experts": "experts: split them by expert parallelism (12's split_experts)",
     "moe_identity_expert": "experts: split them by expert parallelism (12's split_experts)",
+    "grouped_gemm": "experts: split them by expert parallelism (12's split_experts)",
+    "ep_dispatch_experts": "experts: split them by expert parallelism (12's split_experts)",
     "all_reduce": "outputs summed over ranks (experts under tensor parallelism): kept whole on every rank",
     "mla_kv_a_proj": "MLA's key/value down-projection, in a config without qk_rope_head_dim: kept whole",
     "local_params": "parameters each rank keeps whole: kept whole",

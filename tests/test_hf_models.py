@@ -169,8 +169,8 @@ def test_a_model_with_no_plan_or_an_unknown_style_is_refused_naming_it(one_rank)
         tp.model_plan(gpt2)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
-    llama.config.base_model_tp_plan = {**llama.config.base_model_tp_plan, "layers.*.mlp.up_proj": "colwise_rep"}
-    with pytest.raises(ValueError, match=re.escape("'model.layers.*.mlp.up_proj': style 'colwise_rep' is not one")):
+    llama.config.base_model_tp_plan = {**llama.config.base_model_tp_plan, "layers.*.mlp.up_proj": "colwise_sideways"}
+    with pytest.raises(ValueError, match=re.escape("'model.layers.*.mlp.up_proj': style 'colwise_sideways' is not one")):
         tp.model_plan(llama)
     assert isinstance(llama.model.layers[0].mlp.up_proj, torch.nn.Linear)
 
@@ -278,8 +278,10 @@ def test_every_style_transformers_registers_is_split_or_kept_whole_by_name():
     named, never refused for a word; mla_kv_a_proj becomes "shared" on MLA's rotary key."""
     tp = common.load_script(common.ROOT / "08_tensor_parallel.py")
     from transformers.distributed import tensor_parallel as hf_tp
+    import transformers.distributed.expert_parallel   # noqa: F401 (registers the experts' styles in the same registry)
     styles = set(hf_tp.ALL_PARALLEL_STYLES)
-    assert styles and styles <= set(tp.HF_STYLES) | set(tp.HF_KEPT_WHOLE), styles - set(tp.HF_KEPT_WHOLE)
+    known = set(tp.HF_STYLES) | set(tp.HF_KEPT_WHOLE)
+    assert styles and styles <= known, styles - known
     import hf_model
     model = hf_model.tiny("deepseek-v3")
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan,

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,13 @@ def tmpfs(path: Path, size="256k"):
 
 
 def read_only(path: Path):
+    """Remount ``path`` read-only. A file still open for writing there makes the kernel
+    refuse (EBUSY: a job's log, held a moment longer by a rank's fork server as it exits):
+    try again for up to 10 s."""
+    for _ in range(100):
+        if subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
     subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
 
 
