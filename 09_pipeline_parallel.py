@@ -260,9 +260,12 @@ class ModelStage(PipelineStage):
         pipe = Pipeline(stage, 8, lambda out, y: F.cross_entropy(out["logits"].flatten(0, 1), y.flatten()))
         pipe.step(x if pipe.first else None, y if pipe.last else None)   # x: token ids (B, T)
 
-    The first stage takes the token ids, and optionally the position ids (B, T) (they ride
-    along to every stage); the last returns the model's own output (a ModelOutput). The
-    model is called with ``use_cache=False`` and no attention mask (causal, no padding).
+    The first stage takes the token ids, and optionally the position ids (B, T) and an
+    attention mask (B, T) (they ride along to every stage, as the model's keyword
+    arguments); the last returns the model's own output (a ModelOutput). The model is called
+    with ``use_cache=False``. (Under context parallelism, where a rank's positions skip, give
+    the mask of ones: without one transformers takes the skip for packed sequences and
+    builds a mask, which context_parallel refuses.)
     ``chunks``, ``costs`` (one number a layer, or measure_costs' pieces) and ``cuts`` as in
     PipelineStage. A weight tied between the embedding and the head (``tie_word_embeddings``)
     sits on the first and last stage: ``stage.tied`` lists it there, for tie() and
@@ -327,7 +330,7 @@ class ModelStage(PipelineStage):
         kept = {name: model.get_submodule(name) for name in swaps}
         for name, m in swaps.items():
             _put(model, name, m)
-        kw = dict(position_ids=xs[1]) if len(xs) > 1 else {}
+        kw = dict(zip(("position_ids", "attention_mask"), xs[1:]))
         try:
             if start:
                 return model(input_ids=xs[0], use_cache=False, **kw)
@@ -793,6 +796,40 @@ class Pipeline:
         self.io, self.width = io, max([len(x) for x in io.values()] + [1])
         # which of the tensors going into virtual stage v carry a gradient back
         self.with_grad = {v: [j for j, (_, dt) in enumerate(x) if dt.is_floating_point] for v, x in io.items()}
+
+    @torch.no_grad()
+    def evaluate(self, inputs=None, targets=None):
+        """The loss of a batch without training it (evaluation on held-out data): each
+        micro-batch's forward, stage after stage, nothing kept for backward; on the last
+        stage the mean of loss_fn over the micro-batches (step's loss, times m), None on the
+        others. Every rank of the group calls it, with step's arguments (the inputs on the
+        first stage, the targets on the last)."""
+        self.infer(inputs)
+        m, device, total = self.m, next(self.module.parameters()).device, self.n_stages * self.chunks
+        staged = self.host_staging if self.host_staging is not None else \
+            device.type != "cpu" and dist.get_backend(self.group) == "gloo"
+        wire = torch.device("cpu") if staged else device
+        if self.first:
+            xs = list(zip(*(t.chunk(m) for t in inputs))) if isinstance(inputs, (tuple, list)) else inputs.chunk(m)
+        ys, losses = targets.chunk(m) if self.last else None, []
+        for i in range(m):   # a micro-batch through every chunk in the model's order: each rank in turn
+            for c in range(self.chunks):
+                v = self._virtual(c)
+                if v == 0:
+                    x = list(xs[i]) if isinstance(xs[i], tuple) else [xs[i]]
+                else:
+                    x = [self._buffer(wire, v, j) for j in range(len(self.io[v]))]
+                    for j, t in enumerate(x):
+                        dist.recv(t, src=self.prev, group=self.group, tag=self._tag("F", v, i, j))
+                    x = [t.to(device) for t in x]
+                out = self.module(*x, chunk=c) if self.chunks > 1 else self.module(*x)
+                if v == total - 1:
+                    losses.append(self.loss_fn(out, ys[i]))
+                else:
+                    for j, t in enumerate(_tensors_in(out)):
+                        dist.send(t.to(wire).contiguous(), dst=self.next, group=self.group,
+                                  tag=self._tag("F", v + 1, i, j))
+        return torch.stack(losses).mean() if self.last else None
 
     def _wire(self, t):
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""

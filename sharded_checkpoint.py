@@ -252,7 +252,7 @@ class _Reader:
                 continue
             part = source
             for d, f in enumerate(frm):
-                part = part.index_select(d, f)
+                part = part.index_select(d, f.to(part.device))   # (the saved piece: wherever torch.load put it)
             grid = torch.meshgrid(*to, indexing="ij")
             flat[grid] = part.to(flat.device, flat.dtype)
 

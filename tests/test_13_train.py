@@ -1,0 +1,128 @@
+"""13_train.py: a Hugging Face model folder and a text in, a folder from_pretrained loads
+out. The folder is the script's own tiny Llama-style model (its byte-level BPE tokenizer
+trained on Python's help text), written once for the file; the runs are short (6 steps of
+8 sequences of 32 tokens), each through the command line as a user types it."""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import load, refused, run_inline, run_script
+
+SHORT = ["--steps", "6", "--eval-every", "3", "--log-every", "3", "--checkpoint-every", "3", "--context-length", "32",
+         "--batch-size", "8", "--verify-steps", "2", "--sample-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The script's own model writer: its tokenizer trained on a part of Python's help
+    text, its config and initial weights; and that text."""
+    train = load("13_train")
+    root = tmp_path_factory.mktemp("m13")
+    text = train.pydoc_text()[:150_000]
+    (root / "text.txt").write_text(text)
+    train.write_tiny_model(root / "model", text, 64)
+    return root
+
+
+def sha(p) -> str:
+    found = [line for line in p.stdout.splitlines() if line.startswith("final weights sha256 ")]
+    assert len(found) == 1, p.stdout
+    return found[0]
+
+
+def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transformers_loads(tiny, tmp_path):
+    """pp 2 x tp 2: the model's own pipeline stages and tp plan; checked against one process
+    first, then trained with an eval loss on the held-out sequences (the pipeline's forward-
+    only evaluate), checkpoints, a progress file and plot, and a folder that
+    from_pretrained loads and generate() continues."""
+    run = tmp_path / "run"   # (a process of its own: the first rank's progress lines come out on its stdout)
+    p = run_script("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--pp", "2",
+                   "--tp", "2", *SHORT, "--run-dir", str(run), "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "PASS  first 2 steps against one process" in p.stdout and "verify 13_train on pp 2 x tp 2: PASS" in p.stdout
+    steps = re.findall(r"^step +(\d+)/6 \| loss ([\d.]+) \| eval ([\d.]+|-) \| lr ", p.stdout, re.M)
+    assert [s for s, _, _ in steps] == ["3", "6"] and all(e != "-" for _, _, e in steps)
+    history = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == list(range(7)) and [r["step"] for r in history if "eval" in r] == [0, 3, 6]
+    assert history[-1]["eval"] < history[0]["eval"]   # the held-out loss fell from where it started
+    assert (run / "loss.png").stat().st_size > 1000
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-000000003", "step-000000006"]
+    final = run / "final"
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(final))
+    assert "sample: 'The for statement" in p.stdout   # from_pretrained on the folder, then generate()
+    summary = json.loads((tmp_path / "13_train.json").read_text())
+    assert summary["rows"][0]["mesh"] == "pp 2 x tp 2" and summary["rows"][0]["steps"] == 6
+    cached = [f for f in os.listdir(tiny) if f.startswith("text.txt.tokens-")]
+    assert len(cached) == 1   # tokenized once, beside the text
+
+
+def test_a_run_killed_by_kill_9_resumes_to_the_weights_of_one_never_killed(tiny, tmp_path):
+    """cp 2 (each rank half of every sequence): rank 1 kills itself (SIGKILL) at step 5,
+    after the checkpoint of step 3; the same command again resumes from step 3 and ends with
+    the sha256 of a run never killed (the batches of step i depend on i alone)."""
+    common = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--cp", "2", *SHORT, "--no-verify",
+              "--out", str(tmp_path)]
+    whole = run_inline("13_train.py", *common, "--run-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = run_inline("13_train.py", *common, "--run-dir", str(tmp_path / "killed"), "--fault-at", "4:1")
+    assert killed.returncode != 0 and "rank 1 died (signal 9)" in killed.stderr, killed.stderr[-2000:]
+    again = run_inline("13_train.py", *common, "--run-dir", str(tmp_path / "killed"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 3" in again.stdout and sha(again) == sha(whole)
+
+
+def _gpt2_folder(tiny, root: Path) -> Path:
+    import transformers
+    folder = root / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4)) \
+        .save_pretrained(folder)
+    for f in os.listdir(tiny / "model"):
+        if f.startswith("tokenizer"):
+            shutil.copy(tiny / "model" / f, folder / f)
+    return folder
+
+
+def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_path):
+    model, text = str(tiny / "model"), str(tiny / "text.txt")
+    (tmp_path / "empty").mkdir()
+    assert "no config.json there" in refused("13_train.py", "--model", str(tmp_path / "empty"), "--data", text)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny / "model" / "config.json", bare / "config.json")
+    assert "no weights there" in refused("13_train.py", "--model", str(bare), "--data", text)
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x\n" * 20)
+    assert "a batch of 16 and its held-out batch need 32" in refused("13_train.py", "--model", model, "--data",
+                                                                     str(short))
+    assert "--tp 3 does not divide the model's 4 attention heads" in refused("13_train.py", "--model", model, "--data",
+                                                                             text, "--tp", "3")
+    assert "--pp 8 x --chunks 1 stages for the model's 4 layers" in refused("13_train.py", "--model", model, "--data",
+                                                                            text, "--pp", "8")
+    gpt2 = _gpt2_folder(tiny, tmp_path)
+    assert "gpt2 ships no tensor-parallel plan: give --plan FILE" in refused("13_train.py", "--model", str(gpt2),
+                                                                            "--data", text, "--tp", "2")
+    assert "gpt2 ships no pipeline plan" in refused("13_train.py", "--model", str(gpt2), "--data", text, "--pp", "2")
+    assert "--batch-size 6 must divide by the data ranks" in refused("13_train.py", "--model", model, "--data", text,
+                                                                     "--dp", "4", "--batch-size", "6")
+
+
+def test_a_checkpoint_of_another_model_is_refused(tiny, tmp_path):
+    """A run folder whose newest checkpoint was saved from another config: refused before any
+    worker starts, naming the checkpoint (here: the same weights, another rms_norm_eps)."""
+    run = tmp_path / "run"
+    p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--steps", "1",
+                   "--checkpoint-every", "1", "--context-length", "32", "--batch-size", "8", "--no-verify",
+                   "--sample-tokens", "2", "--run-dir", str(run), "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    other = tmp_path / "other"
+    shutil.copytree(tiny / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (other / "config.json").write_text(json.dumps(config))
+    line = refused("13_train.py", "--model", str(other), "--data", str(tiny / "text.txt"), "--context-length", "32",
+                   "--batch-size", "8", "--run-dir", str(run))
+    assert "step-000000001 is a checkpoint of another model" in line
