@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -427,6 +428,232 @@ def train(ctx, args, sizes):
     return None
 
 
+# ---- --bench: beside torch's own on the same model and batches ---------------------------
+def torch_skip(sizes: dict, plan) -> str | None:
+    """Why torch's own composition of a transformers model cannot run this mesh here, or
+    None: FSDP2 over the data ranks, with torch's TP (ColwiseParallel, RowwiseParallel) where
+    the mesh has tp and the plan is column and row layers only."""
+    if sizes["pp"] > 1 or sizes["cp"] > 1:
+        return "torch's side here is FSDP2 with torch's TP: no pipeline or context-parallel composition of a " \
+               "transformers model to set beside ours"
+    if sizes["tp"] > 1 and any(v not in ("column", "row") for v in plan.values()):
+        return "the model's plan has words torch's ColwiseParallel and RowwiseParallel do not say (" + \
+            ", ".join(sorted({str(v) for v in plan.values()} - {"column", "row"})) + ")"
+    return None
+
+
+def torch_composition(ctx, folder, sizes, plan):
+    """The same model as transformers loads it (whole, on every rank), torch's TP over tp by
+    ``plan`` (column -> ColwiseParallel, row -> RowwiseParallel), then FSDP2's fully_shard on
+    each decoder layer and the root over the data ranks: the model, its mesh."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
+                                                              dtype=torch.float32).to(ctx.device)
+    data, T = sizes["dp"] * sizes["fsdp"], sizes["tp"]
+    mesh = init_device_mesh(ctx.device.type, (data, T), mesh_dim_names=("data", "tp"))
+    if T > 1:
+        styles = {k: ColwiseParallel() if v == "column" else RowwiseParallel() for k, v in plan.items()}
+        for name, m in model.named_modules():
+            for key, style in styles.items():
+                if placement.path_matches(name, key):
+                    parallelize_module(m, mesh["tp"], style)
+    for m in model.modules():
+        if type(m).__name__ in (model._no_split_modules or ()):
+            fully_shard(m, mesh=mesh["data"])
+    fully_shard(model, mesh=mesh["data"])
+    return model, mesh
+
+
+def torch_clip(parameters, max_norm):
+    """torch's clip by the global norm where FSDP2 and TP leave the gradients on DTensors of
+    different meshes (clip_grad_norm_ stacks their norms and fails): each mesh's norm made
+    whole, then the total, then clip_grads_with_norm_."""
+    from torch.distributed.tensor import DTensor
+    groups = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    norms = []
+    for ps in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.stack(norms).norm()
+    for ps in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total
+
+
+def bench_steps(ctx, args, sizes, folder):
+    """Ours and torch's on ``folder``'s model, their steps alternating on the same batches
+    (--bench-steps after 2 warm-up, the slowest rank's time): {method: [seconds]}, tokens a
+    step, and each method's checkpoint save (ours: save_sharded; torch's:
+    torch.distributed.checkpoint.save), three each, alternating."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
+    model = build_on_meta(folder, ctx.device)
+    layout = hfc.model_layout(model)
+    plan = read_plan(args.plan) or (tp.model_plan(model)[0] if sizes["tp"] > 1 else {})
+    ours = OnMesh(model, sizes, args, ctx.device, plan or None)
+    hfc.load_hf_checkpoint(ours.stage, folder, ctx.device, pieces=layout)
+    opt = torch.optim.AdamW(ours.module.parameters(), lr=args.lr)
+    theirs, _ = torch_composition(ctx, folder, sizes, plan)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
+    replicas = sizes["dp"] * sizes["fsdp"]
+    replica = ours.replica
+
+    def ours_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        ours.train_step(x, y, 1)
+        placement.clip_grad_norm_(ours.stage, args.clip)
+        opt.step()
+
+    def theirs_step(x, y):
+        topt.zero_grad(set_to_none=True)
+        x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
+        lm_loss(theirs(input_ids=x, use_cache=False).logits, y).backward()
+        torch_clip(theirs.parameters(), args.clip)
+        topt.step()
+    steps, times = {"ours": ours_step, "torch": theirs_step}, {"ours": [], "torch": []}
+    for i in range(2 + args.bench_steps):
+        x, y = (t.to(ctx.device) for t in data.batch_of(i))
+        for name in (("ours", "torch") if i % 2 == 0 else ("torch", "ours")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](x, y)
+            common.sync(ctx.device)
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    saves = {"ours": [], "torch": []}
+    where = Path(args.run_dir) / "bench-checkpoints"
+    for k in range(3):
+        for name in (("ours", "torch") if k % 2 == 0 else ("torch", "ours")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "ours":
+                sharded_checkpoint.save_sharded(ours.stage, opt, str(where / "ours"), k)
+            else:
+                msd, osd = get_state_dict(theirs, topt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(where / f"torch-{k}"))
+            dist.barrier()
+            saves[name].append(time.perf_counter() - t0)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, times)
+    slowest = {n: [max(r[n][i] for r in everyone) for i in range(args.bench_steps)] for n in times}
+    if ctx.rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    return {"times": slowest, "saves": saves}
+
+
+def bench_memory(ctx, args, sizes, folder, method):
+    """``method``'s peak of live tensor bytes during a training step (07's StepPeak, the
+    third of three steps), on each rank: [MiB]."""
+    fsdp_script = fsdp
+    data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
+    with fsdp_script.StepPeak(ctx.device) as mem:
+        if method == "ours":
+            model = build_on_meta(folder, ctx.device)
+            layout = hfc.model_layout(model)
+            plan = read_plan(args.plan) or (tp.model_plan(model)[0] if sizes["tp"] > 1 else {})
+            run = OnMesh(model, sizes, args, ctx.device, plan or None)
+            hfc.load_hf_checkpoint(run.stage, folder, ctx.device, pieces=layout)
+            opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr)
+
+            def step(x, y):
+                opt.zero_grad(set_to_none=True)
+                run.train_step(x, y, 1)
+                placement.clip_grad_norm_(run.stage, args.clip)
+                opt.step()
+        else:
+            plan = read_plan(args.plan) or (tp.model_plan(build_on_meta(folder))[0] if sizes["tp"] > 1 else {})
+            model, _ = torch_composition(ctx, folder, sizes, plan)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            replicas = sizes["dp"] * sizes["fsdp"]
+            replica = nd.Mesh(sizes).coord("dp") * sizes["fsdp"] + nd.Mesh(sizes).coord("fsdp")
+
+            def step(x, y):
+                opt.zero_grad(set_to_none=True)
+                x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
+                lm_loss(model(input_ids=x, use_cache=False).logits, y).backward()
+                torch_clip(model.parameters(), args.clip)
+                opt.step()
+        for i in range(3):
+            x, y = (t.to(ctx.device) for t in data.batch_of(i))
+            with mem.step() if i == 2 else contextlib.nullcontext():
+                step(x, y)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mem.peak / 2**20 if mem.peak is not None else None)
+    return everyone
+
+
+def larger_model(args, run_dir: Path) -> Path:
+    """The --bench larger setting: the model's config with twice the width and twice the
+    layers, its weights initialised (seeded), the tokenizer copied: a folder beside the run."""
+    import transformers
+    folder = run_dir / "bench-larger-model"
+    if (folder / "config.json").exists():
+        return folder
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers"):
+        setattr(config, key, 2 * getattr(config, key))
+    torch.manual_seed(args.seed)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+    for name in os.listdir(args.model):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            shutil.copy(Path(args.model) / name, tmp / name)
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+BENCH_HEADERS = ["setting", "method", "step_ms", "tokens_per_s", "vs_torch", "peak_MB", "save_ms"]
+
+
+def report_bench(args, sizes):
+    """--bench: ours beside torch's at the model as given and at a larger one, each a table
+    row per method: step time (median of the slowest rank's), tokens/s, our step over
+    theirs paired (median [min-max]), each rank's step peak, a checkpoint save."""
+    plan = read_plan(args.plan) or (tp.model_plan(build_on_meta(args.model))[0] if sizes["tp"] > 1 else {})
+    why = torch_skip(sizes, plan)
+    if why:
+        print(f"  SKIP  torch's composition on {mesh_label(sizes)}: {why}", flush=True)
+        return
+    rows = []
+    for setting, folder in (("as given", Path(args.model)), ("2x wide, 2x deep", larger_model(args, Path(args.run_dir)))):
+        r = common.launch(bench_steps, args, sizes, str(folder))
+        peaks = {m: common.launch(bench_memory, args, sizes, str(folder), m) for m in ("ours", "torch")}
+        tokens = args.batch_size * args.context_length
+        ratios = [a / b for a, b in zip(r["times"]["ours"], r["times"]["torch"])]
+        for method in ("ours", "torch"):
+            t = statistics.median(r["times"][method])
+            rows.append({"setting": setting, "method": {"ours": "ours (13's mesh)",
+                                                        "torch": "torch FSDP2" + (" + TP" if sizes["tp"] > 1 else "")
+                                                        }[method],
+                         "step_ms": t * 1e3, "tokens_per_s": round(tokens / t),
+                         "vs_torch": f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+                         if method == "ours" else "",
+                         "peak_MB": " / ".join(f"{p:.1f}" for p in peaks[method]) if peaks[method][0] is not None
+                         else "", "save_ms": statistics.median(r["saves"][method]) * 1e3})
+    title = f"13's training step beside torch's own on {mesh_label(sizes)}"
+    table = common.save_results(args.out, f"{NAME}_bench", rows, {"model": args.model, "mesh": mesh_label(sizes),
+                                                                   "batch": args.batch_size,
+                                                                   "context": args.context_length,
+                                                                   "steps": args.bench_steps, "device": args.device},
+                                headers=BENCH_HEADERS, title=title,
+                                note="peak_MB: each rank's peak of live tensor bytes during a step (07's StepPeak); "
+                                     "save_ms: one sharded checkpoint (ours: save_sharded; torch's: "
+                                     "torch.distributed.checkpoint.save), median of three")
+    print(f"\n{title} ({args.world_size} x {args.backend}/{args.device}, {args.batch_size} x {args.context_length} "
+          f"tokens a step; median of {args.bench_steps} steps, alternating)\n{table}\n"
+          f"{common.wrote(args.out, f'{NAME}_bench.json and .md')}", flush=True)
+
+
 def _rss_mib() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -508,6 +735,11 @@ def parser():
     p.add_argument("--out", default=common.DEFAULT_OUT, help="folder for the run's summary (make all: results/)")
     p.add_argument("--timeout", type=common.SECONDS, default=300.0, help="seconds a collective may wait")
     common.add_stall_flags(p)
+    p.add_argument("--bench", action="store_true",
+                   help="instead of training: ours beside torch's own (FSDP2, with torch's TP where the mesh has tp; "
+                        "torch.distributed.checkpoint) on the model and on one twice as wide and deep, steps "
+                        "alternating: step time, tokens/s, each rank's step peak, a checkpoint save")
+    p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
     p.add_argument("--fault-at", default=None, help=argparse.SUPPRESS)   # STEP:RANK: that rank kill -9s itself there
     return p
 
@@ -538,7 +770,9 @@ def check(args):
         raise common.UsageError(f"nccl needs one GPU per rank: {world} ranks, {n_gpus} GPU(s); {common.NCCL_HINT}")
     common.check_ranks(world, args.backend, "the mesh")
     args.microbatches = args.microbatches or 2 * args.pp
-    args.no_bench, args.train = True, None if not args.no_verify else args.steps   # (what the first line announces)
+    args.no_bench, args.train = not args.bench, None if not args.no_verify or args.bench else args.steps
+    if args.bench:   # (what the first line announces)
+        args.no_verify = True
     if args.chunks > 1 and args.schedule != "interleaved":
         raise common.UsageError("--chunks applies to --schedule interleaved")
     if args.accumulate > 1 and args.pp > 1:
@@ -664,6 +898,9 @@ def main(argv=None):
               f"{args.held} held out", flush=True)
     if common.is_reporter() and getattr(args, "resume_from", None):
         print(args.resume_from, flush=True)
+    if args.bench:
+        report_bench(args, sizes)
+        return
     if not args.no_verify:
         r = common.launch(verify, args, sizes)
         common.check_verification({f"first {args.verify_steps} steps against one process": r},

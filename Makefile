@@ -24,8 +24,10 @@
 # make train 13's default run: its own tiny Llama-style model (a byte-level BPE tokenizer trained on
 #            Python's help text) trained on that text on fsdp 2, checked against one process first,
 #            saved as a Hugging Face folder (runs/13_train/final) with a sample, the summary in
-#            results/13_train.md (about 2 minutes; needs transformers, which make test installs too;
-#            not in `all`)
+#            results/13_train.md (about 1 minute; needs transformers, which make test installs too;
+#            not in `all`); make train-bench: its step beside torch's own (FSDP2 and
+#            torch.distributed.checkpoint) on that model and on one twice as wide and deep
+#            (results/13_train_bench.md; about 1 minute)
 # make test  runs the test suite (two workers; TEST_WORKERS=N for more), with transformers
 #            (requirements-test.txt) installed for the models people bring
 # make docs  refreshes the tables and headlines of README.md and docs/ from results/
@@ -36,7 +38,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
 
-.PHONY: all test setup docs train clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
+.PHONY: all test setup docs train train-bench clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -67,6 +69,9 @@ test: $(TEST_STAMP)
 
 train: $(TEST_STAMP)
 	$(PY) 13_train.py --out results
+
+train-bench: $(TEST_STAMP)
+	$(PY) 13_train.py --bench --out results
 
 # 3 timed iterations a size after 1 warm-up (the script's default is 10 after 5; a 1 GB
 # all-reduce at 6 ranks takes 2.5 s here): make all stays under 15 minutes

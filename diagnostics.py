@@ -332,7 +332,8 @@ def _arrive(tensor, place):
 
 
 _AUDITS = []   # the audit this process runs under (device_audit)
-_SENT_ARG = {"all_gather_object": 1, "gather_object": 0, "broadcast_object_list": 0}   # which argument is sent
+# which argument is sent: its place, and its name (torch.distributed.checkpoint passes it by keyword)
+_SENT_ARG = {"all_gather_object": (1, "obj"), "gather_object": (0, "obj"), "broadcast_object_list": (0, "object_list")}
 
 
 @contextlib.contextmanager
@@ -355,17 +356,20 @@ def device_audit():
         return type(obj)(unship(v) for v in obj) if type(obj) in (list, tuple) else obj
 
     def shipping(name, real):   # an object collective whose tensors keep their place on arrival
-        which = _SENT_ARG[name]
+        which, keyword = _SENT_ARG[name]
 
         def call(*args, **kwargs):
             args = list(args)
             if name == "broadcast_object_list":   # the list is sent from one rank, filled on the others
-                listed = args[0]
+                listed = args[0] if args else kwargs.pop(keyword)
                 sent = [ship(o) for o in listed]
                 out = real(sent, *args[1:], **kwargs)
                 listed[:] = [unship(o) for o in sent]
                 return out
-            args[which] = ship(args[which])
+            if len(args) > which:
+                args[which] = ship(args[which])
+            elif keyword in kwargs:
+                kwargs[keyword] = ship(kwargs[keyword])
             return real(*args, **kwargs)
         call.__wrapped__ = real
         return call

@@ -126,3 +126,21 @@ def test_a_checkpoint_of_another_model_is_refused(tiny, tmp_path):
     line = refused("13_train.py", "--model", str(other), "--data", str(tiny / "text.txt"), "--context-length", "32",
                    "--batch-size", "8", "--run-dir", str(run))
     assert "step-000000001 is a checkpoint of another model" in line
+
+
+def test_bench_sets_ours_beside_fsdp2_and_dcp_or_says_why_not(tiny, tmp_path):
+    """--bench at fsdp 2: ours and torch's FSDP2 (fully_shard by decoder layers) on the same
+    batches, steps alternating, at the model as given and one twice as wide and deep: a row
+    each with step time, tokens/s, each rank's step peak and a checkpoint save (ours and
+    torch.distributed.checkpoint's); and a mesh torch's side cannot take here (pp) is a SKIP
+    line with its reason, the script not failing."""
+    base = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--context-length", "32", "--batch-size",
+            "8", "--bench", "--bench-steps", "2", "--out", str(tmp_path), "--run-dir", str(tmp_path / "run")]
+    p = run_inline("13_train.py", *base)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "13_train_bench.json").read_text())["rows"]
+    assert [(r["setting"], r["method"]) for r in rows] == [
+        (s, m) for s in ("as given", "2x wide, 2x deep") for m in ("ours (13's mesh)", "torch FSDP2")]
+    assert all(r["step_ms"] > 0 and r["save_ms"] > 0 and len(r["peak_MB"].split(" / ")) == 2 for r in rows)
+    skipped = run_inline("13_train.py", *base, "--pp", "2")
+    assert skipped.returncode == 0 and "SKIP  torch's composition on pp 2" in skipped.stdout, skipped.stdout
