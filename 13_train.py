@@ -27,7 +27,8 @@ Run:
 
 Prints the check (PASS/FAIL), a progress line every --log-every steps and a sample from the
 saved folder. Writes <run-dir>/: progress.jsonl, loss.png, checkpoints/, final/ (the
-Hugging Face folder); and <out>/13_train.{json,md} (the run's summary).
+Hugging Face folder); and <out>/13_train.{json,md} (the run's summary) with
+<out>/13_train_loss.png; --bench instead writes <out>/13_train_bench.{json,md}.
 """
 import argparse
 import contextlib
@@ -916,8 +917,11 @@ def main(argv=None):
     row = {"mesh": mesh_label(sizes, args.ep), "steps": args.steps, "first loss": hist[0]["loss"] if hist else None,
            "last loss": hist[-1]["loss"] if hist else None, "first eval": evals[0]["eval"] if evals else None,
            "last eval": evals[-1]["eval"] if evals else None,
-           "tokens/s": args.batch_size * args.context_length / (sum(r["seconds"] for r in hist) / len(hist))
+           "tokens/s": round(args.batch_size * args.context_length / (sum(r["seconds"] for r in hist) / len(hist)))
            if hist else None}
+    plot = Path(args.run_dir) / "loss.png"
+    if plot.exists():   # the loss plot beside the summary
+        common.save_file(Path(args.out) / f"{NAME}_loss.png", lambda f: f.write(plot.read_bytes()))
     table = common.save_results(args.out, NAME, [row], {"model": args.model, "data": args.data,
                                                         "context": args.context_length, "batch": args.batch_size,
                                                         "device": args.device},
