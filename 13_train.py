@@ -189,6 +189,13 @@ class OnMesh:
         mesh, self.model = self.mesh, model
         if T > 1:
             tp.parallelize(model, plan or tp.model_plan(model)[0], mesh.group("tp"))
+        if args.recompute:   # the model's own activation checkpointing, non-reentrant: each layer redone in backward
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.compile:     # each decoder layer through torch.compile (the model's _no_split_modules)
+            for m in model.modules():
+                if type(m).__name__ in (model._no_split_modules or ()):
+                    m.compile()
+        self.autocast = lambda: common.autocast(device, args.dtype)   # noqa: E731
         self.experts = None
         if args.ep > 1:
             self.experts = experts_of(model)
@@ -235,7 +242,9 @@ class OnMesh:
         within, extra = self.context(x, y)
         with within:
             kw = dict(zip(("position_ids", "attention_mask"), extra))
-            loss = lm_loss(self.module(input_ids=x, use_cache=False, **kw)["logits"], y)
+            with self.autocast():
+                logits = self.module(input_ids=x, use_cache=False, **kw)["logits"]
+            loss = lm_loss(logits, y)
             if scale is not None:
                 (loss * scale).backward()
             return loss.detach()
@@ -247,7 +256,7 @@ class OnMesh:
         x, y = self.share(x), self.share(y)
         if self.pipe is not None:
             within, extra = self.context(x, y)
-            with within:
+            with within, self.autocast():
                 loss = self.pipe.step((x, *extra) if self.pipe.first and extra else x if self.pipe.first else None,
                                       y if self.pipe.last else None)
         else:
@@ -270,7 +279,7 @@ class OnMesh:
         x, y = self.share(x), self.share(y)
         if self.pipe is not None:
             within, extra = self.context(x, y)
-            with within:
+            with within, self.autocast():
                 return self.pipe.evaluate((x, *extra) if self.pipe.first and extra else x if self.pipe.first else None,
                                           y if self.pipe.last else None)
         return self.forward_loss(x, y)
@@ -340,7 +349,9 @@ def verify(ctx, args, sizes):
         loss = run.mean_over_mesh(run.train_step(x, y, args.accumulate))
         placement.clip_grad_norm_(run.stage, args.clip)
         opts[0].step()
-        want = lm_loss(ref(input_ids=x, use_cache=False).logits, y)
+        with common.autocast(ctx.device, args.dtype):
+            logits = ref(input_ids=x, use_cache=False).logits
+        want = lm_loss(logits, y)
         want.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
         opts[1].step()
@@ -348,7 +359,8 @@ def verify(ctx, args, sizes):
     full = placement.full_state_dict(run.stage, all_ranks=True)
     diff = max((full[n].float() - p.detach().cpu().float()).abs().max().item() for n, p in ref.state_dict().items()
                if n in full)
-    return {"max_diff": diff, "loss_rel": worst, "ok": diff < 1e-4 and worst < 1e-4}
+    tol = (1e-4, 1e-4) if args.dtype == "float32" else (common.TOLERANCE["autocast"]["atol"] * 10, 1e-2)
+    return {"max_diff": diff, "loss_rel": worst, "ok": diff < tol[0] and worst < tol[1]}
 
 
 def train(ctx, args, sizes):
@@ -726,6 +738,13 @@ def parser():
                    help="the run's folder: checkpoints, progress, the final model (and the tiny model beside it)")
     p.add_argument("--prompt", default="The for statement", help="the sample's start")
     p.add_argument("--sample-tokens", type=common.COUNT, default=40, help="tokens generate() adds to the prompt")
+    p.add_argument("--dtype", choices=common.AUTOCAST_DTYPES, default="float32",
+                   help="bf16: forward and backward in bf16 autocast (weights, gradients' reduction and optimizer "
+                        "state float32); checked against one process under the same autocast")
+    p.add_argument("--recompute", action="store_true",
+                   help="each decoder layer recomputed in backward (the model's own gradient checkpointing, "
+                        "non-reentrant): activation memory for compute")
+    p.add_argument("--compile", action="store_true", help="each decoder layer through torch.compile")
     p.add_argument("--bucket-mb", type=common.number(float, above=0), default=25.0, help="DDPBucketed's buckets")
     p.add_argument("--verify-steps", type=common.COUNT, default=3, help="steps checked against one process")
     p.add_argument("--no-verify", action="store_true", help="skip the check against one process")

@@ -144,3 +144,14 @@ def test_bench_sets_ours_beside_fsdp2_and_dcp_or_says_why_not(tiny, tmp_path):
     assert all(r["step_ms"] > 0 and r["save_ms"] > 0 and len(r["peak_MB"].split(" / ")) == 2 for r in rows)
     skipped = run_inline("13_train.py", *base, "--pp", "2")
     assert skipped.returncode == 0 and "SKIP  torch's composition on pp 2" in skipped.stdout, skipped.stdout
+
+
+def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_path):
+    """--dtype bf16 (autocast; the one process under the same autocast) with each decoder
+    layer recomputed in backward (the model's own gradient checkpointing) at fsdp 2."""
+    p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--dtype", "bf16",
+                   "--recompute", "--steps", "2", "--eval-every", "2", "--context-length", "32", "--batch-size", "8",
+                   "--verify-steps", "2", "--sample-tokens", "2", "--run-dir", str(tmp_path / "run"),
+                   "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "verify 13_train on fsdp 2: PASS" in p.stdout
