@@ -943,7 +943,8 @@ def main(argv=None):
         common.save_file(Path(args.out) / f"{NAME}_loss.png", lambda f: f.write(plot.read_bytes()))
     table = common.save_results(args.out, NAME, [row], {"model": args.model, "data": args.data,
                                                         "context": args.context_length, "batch": args.batch_size,
-                                                        "device": args.device},
+                                                        "device": args.device, "backend": args.backend,
+                                                        "world_size": args.world_size},
                                 title=TITLE, extra={"sample": text, "sha256": result["sha256"]})
     print(f"\n{TITLE}\n{table}\n{common.wrote(args.out, f'{NAME}.json and .md')}", flush=True)
 

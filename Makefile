@@ -24,8 +24,8 @@
 # make train 13's default run: its own tiny Llama-style model (a byte-level BPE tokenizer trained on
 #            Python's help text) trained on that text on fsdp 2, checked against one process first,
 #            saved as a Hugging Face folder (runs/13_train/final) with a sample, the summary in
-#            results/13_train.md (about 1 minute; needs transformers, which make test installs too;
-#            not in `all`); make train-bench: its step beside torch's own (FSDP2 and
+#            results/13_train.md (about 1 minute; needs transformers, from requirements-test.txt,
+#            which it installs; `all` runs it as 13); make train-bench: its step beside torch's own (FSDP2 and
 #            torch.distributed.checkpoint) on that model and on one twice as wide and deep
 #            (results/13_train_bench.md; about 1 minute)
 # make test  runs the test suite (two workers; TEST_WORKERS=N for more), with transformers
@@ -36,7 +36,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12
+SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12 13
 
 .PHONY: all test setup docs train train-bench clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
@@ -68,7 +68,11 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 train: $(TEST_STAMP)
+	rm -rf runs/13_train
 	$(PY) 13_train.py --out results
+
+# make all's 13 is make train (transformers, from requirements-test.txt, installed for it)
+13: train
 
 train-bench: $(TEST_STAMP)
 	$(PY) 13_train.py --bench --out results

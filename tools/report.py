@@ -169,8 +169,20 @@ def h12(results):
             f"{x(ep['experts_state_MB'] / rep['experts_state_MB'])} ({where(doc)})")
 
 
+def h13(results):
+    doc = load("13_train", results)
+    r = doc["rows"][0]
+    text = (f"held-out loss {r['first eval']:.2f} → {r['last eval']:.2f} in {r['steps']} steps on {r['mesh']}, "
+            f"{r['tokens/s']:,} tokens/s")
+    bench = load("13_train_bench", results)
+    if bench:
+        ours = [row for row in bench["rows"] if row["vs_torch"]]
+        text += "; step vs FSDP2: " + ", ".join(f"{row['vs_torch'].split()[0]}× ({row['setting']})" for row in ours)
+    return f"{text} ({doc['machine']['device']}, {doc['settings'].get('backend', 'gloo')})"
+
+
 HEADLINES = {"01": h01, "02": h02, "03": h03, "04": h04, "05": h05, "06": h06, "07": h07, "08": h08, "09": h09,
-             "10": h10, "11": h11, "12": h12}
+             "10": h10, "11": h11, "12": h12, "13": h13}
 
 
 def verified(script: str, results: Path = RESULTS) -> str:
