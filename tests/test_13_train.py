@@ -155,3 +155,23 @@ def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_pat
                    "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "verify 13_train on fsdp 2: PASS" in p.stdout
+
+
+def test_a_plain_run_writes_its_own_model_and_takes_fsdp_over_two_ranks(monkeypatch, tmp_path):
+    """No --model: the tiny model and Python's help text written beside the run folder, and
+    --fsdp, as its help says, the ranks the other axes leave: 2 on a CPU."""
+    import common
+    for var in common.TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    seen = {}
+
+    def stop(worker, args, *job, **kw):
+        seen["args"], seen["sizes"] = args, job[0]
+        raise KeyboardInterrupt
+    p = run_inline("13_train.py", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path), launch=stop)
+    assert p.returncode == 130, p.stderr
+    assert seen["args"].world_size == 2 and seen["sizes"] == {"pp": 1, "dp": 1, "fsdp": 2, "cp": 1, "tp": 1}
+    assert (tmp_path / "13_tiny_model" / "tokenizer.json").exists() and (tmp_path / "13_pydoc_topics.txt").exists()
+    help_text = " ".join(load("13_train").parser().format_help().split())
+    assert "the ranks the other axes leave: --world-size, or 2 GPUs or more, else 2" in help_text
