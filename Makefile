@@ -273,7 +273,7 @@ gpu-12: $(GPU_DEPS)
 # log per job and SUMMARY.md under SMOKE_OUT). Each fails if a job did. Dry runs on a CPU
 # machine (gloo in NCCL's place; the smoke jobs then run under the device audit):
 #   make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
-SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12
+SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12 13
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 # (empty: sized to this machine's CPU count, tools/gpu_check.py --help)
 SMOKE_JOBS ?=

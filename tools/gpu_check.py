@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import result_files  # noqa: E402  (the standard library only, as this file)
-SCRIPTS = [f"{n:02d}" for n in range(1, 13)]
+SCRIPTS = [f"{n:02d}" for n in range(1, 14)]
 PARTS = ("kernels", "measure", "smoke")
 AUDIT_ENV = "KIT_DEVICE_AUDIT"   # diagnostics.AUDIT_ENV (this file imports no torch: it only starts jobs)
 
@@ -79,6 +79,11 @@ def smoke_jobs(scripts, dev, nccl, size) -> list:
                ("bf16", [*gloo, "--cp", "2", "--seq-lens", "256", "--memory-lens", "256", "--dtype", "bf16"])],
         "12": [(f"{nccl}_1rank", ["--backend", nccl, *lm, "--ep", "1", "--experts", "4"]),
                ("gloo_2ranks", [*gloo, "--ep", "2"]), ("bf16", [*gloo, "--ep", "2", "--dtype", "bf16"])],
+        "13": [(setting, ["--device", dev, *argv, "--steps", "4", "--eval-every", "2", "--context-length", "64",
+                          "--batch-size", "8", "--sample-tokens", "4", "--run-dir", f"runs/gpu-smoke-13-{setting}"])
+               for setting, argv in ((f"{nccl}_1rank", ["--backend", nccl, "--fsdp", "1"]),
+                                     ("gloo_2ranks", ["--backend", "gloo", "--pp", "2"]),
+                                     ("bf16", ["--backend", "gloo", "--fsdp", "2", "--dtype", "bf16", "--recompute"]))],
     }
     jobs = [(f"{script(n)[:-3]}.{setting}", [script(n), *argv]) for n in scripts
             for setting, argv in per.get(n, [(f"{nccl}_1rank", one), ("gloo_2ranks", two)])]
@@ -313,6 +318,9 @@ def part_smoke(check: Check, scripts):
         box = min(check.args.box, check.left())
         if check.left() < 10:
             return check.add("smoke", name, "NOT STARTED", 0, "budget spent")
+        if cmd[0].startswith("13_") and not has_transformers(check.args.python):
+            return check.add("smoke", name, "SKIP", 0, "13 trains a transformers model: transformers is not installed "
+                                                       "for this python")
         code, seconds = check.run([check.args.python, *cmd, "--out", str(folder / name)], folder / f"{name}.log",
                                   box, env)
         v, why = verdict(code, box)
@@ -324,6 +332,13 @@ def part_smoke(check: Check, scripts):
             done.result()
     finally:   # interrupted: the queued jobs never start, the running ones are ended (end_all)
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def has_transformers(python) -> bool:
+    """Whether ``python`` imports transformers (13's jobs need it; a GPU machine where
+    nothing installs may lack it)."""
+    import subprocess
+    return subprocess.run([python, "-c", "import transformers"], capture_output=True).returncode == 0
 
 
 def machine_scale() -> float:
