@@ -51,13 +51,8 @@ import hf_checkpoint as hfc
 import placement
 import sharded_checkpoint
 
-ddp = common.load_script(common.ROOT / "05_bucketed_ddp.py")
-fsdp = common.load_script(common.ROOT / "07_fsdp.py")
-tp = common.load_script(common.ROOT / "08_tensor_parallel.py")
-pp = common.load_script(common.ROOT / "09_pipeline_parallel.py")
-nd = common.load_script(common.ROOT / "10_nd_parallel.py")
-cpm = common.load_script(common.ROOT / "11_context_parallel.py")
-ep = common.load_script(common.ROOT / "12_expert_parallel.py")
+nd = common.load_script(common.ROOT / "10_nd_parallel.py")   # the mesh, and the scripts it composes:
+ddp, fsdp, tp, pp, cpm, ep = nd.ddp_mod, nd.fsdp_mod, nd.tp_mod, nd.pp_mod, nd.cp_mod, nd.ep_mod   # 05 07 08 09 11 12
 
 NAME, TITLE = "13_train", "A training run of your own model on your own text"
 AXES = ("pp", "dp", "fsdp", "cp", "tp")
@@ -316,6 +311,16 @@ def build_on_meta(folder, device=None):
     return model
 
 
+def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
+    """``folder``'s model built on meta, put on the mesh (OnMesh) and filled from the folder,
+    each rank reading its slices."""
+    model = build_on_meta(folder, ctx.device)
+    layout = hfc.model_layout(model)
+    run = OnMesh(model, sizes, args, ctx.device, plan or read_plan(args.plan))
+    hfc.load_hf_checkpoint(run.stage, folder, ctx.device, pieces=layout)
+    return run
+
+
 def read_plan(path):
     if not path:
         return None
@@ -330,10 +335,7 @@ def verify(ctx, args, sizes):
     model one process holds): the largest weight difference and whether every step's loss
     agreed."""
     data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
-    model = build_on_meta(args.model, ctx.device)
-    layout = hfc.model_layout(model)
-    run = OnMesh(model, sizes, args, ctx.device, read_plan(args.plan))
-    hfc.load_hf_checkpoint(run.stage, args.model, ctx.device, pieces=layout)
+    run = on_mesh(ctx, args, sizes, args.model)
     import transformers
     ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                             dtype=torch.float32).to(ctx.device)
@@ -369,10 +371,8 @@ def train(ctx, args, sizes):
     --eval-every, a checkpoint every --checkpoint-every; at the end the Hugging Face folder.
     Returns the summary on the first rank."""
     data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
-    model = build_on_meta(args.model, ctx.device)
-    layout, config = hfc.model_layout(model), model.config
-    run = OnMesh(model, sizes, args, ctx.device, read_plan(args.plan))
-    hfc.load_hf_checkpoint(run.stage, args.model, ctx.device, pieces=layout)
+    run = on_mesh(ctx, args, sizes, args.model)
+    config = run.model.config
     opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay)
     run_dir = Path(args.run_dir)
@@ -499,6 +499,38 @@ def torch_clip(parameters, max_norm):
     return total
 
 
+def bench_method(ctx, args, sizes, folder, method, plan):
+    """``method`` ("ours" or "torch") on ``folder``'s model: a training step on a global
+    batch (this rank's share), clipped by the global norm, and the (module, optimizer) it
+    steps."""
+    if method == "ours":
+        run = on_mesh(ctx, args, sizes, folder, plan or None)
+        opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            run.train_step(x, y, 1)
+            placement.clip_grad_norm_(run.stage, args.clip)
+            opt.step()
+        return step, run.stage, opt
+    model, _ = torch_composition(ctx, folder, sizes, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    mesh = nd.Mesh(sizes)
+    replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
+        lm_loss(model(input_ids=x, use_cache=False).logits, y).backward()
+        torch_clip(model.parameters(), args.clip)
+        opt.step()
+    return step, model, opt
+
+
+def bench_plan(args, sizes, folder) -> dict:
+    return read_plan(args.plan) or (tp.model_plan(build_on_meta(folder))[0] if sizes["tp"] > 1 else {})
+
+
 def bench_steps(ctx, args, sizes, folder):
     """Ours and torch's on ``folder``'s model, their steps alternating on the same batches
     (--bench-steps after 2 warm-up, the slowest rank's time): {method: [seconds]}, tokens a
@@ -507,29 +539,9 @@ def bench_steps(ctx, args, sizes, folder):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
-    model = build_on_meta(folder, ctx.device)
-    layout = hfc.model_layout(model)
-    plan = read_plan(args.plan) or (tp.model_plan(model)[0] if sizes["tp"] > 1 else {})
-    ours = OnMesh(model, sizes, args, ctx.device, plan or None)
-    hfc.load_hf_checkpoint(ours.stage, folder, ctx.device, pieces=layout)
-    opt = torch.optim.AdamW(ours.module.parameters(), lr=args.lr)
-    theirs, _ = torch_composition(ctx, folder, sizes, plan)
-    topt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
-    replicas = sizes["dp"] * sizes["fsdp"]
-    replica = ours.replica
-
-    def ours_step(x, y):
-        opt.zero_grad(set_to_none=True)
-        ours.train_step(x, y, 1)
-        placement.clip_grad_norm_(ours.stage, args.clip)
-        opt.step()
-
-    def theirs_step(x, y):
-        topt.zero_grad(set_to_none=True)
-        x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
-        lm_loss(theirs(input_ids=x, use_cache=False).logits, y).backward()
-        torch_clip(theirs.parameters(), args.clip)
-        topt.step()
+    plan = bench_plan(args, sizes, folder)
+    (ours_step, stage, opt), (theirs_step, theirs, topt) = (bench_method(ctx, args, sizes, folder, m, plan)
+                                                            for m in ("ours", "torch"))
     steps, times = {"ours": ours_step, "torch": theirs_step}, {"ours": [], "torch": []}
     for i in range(2 + args.bench_steps):
         x, y = (t.to(ctx.device) for t in data.batch_of(i))
@@ -547,7 +559,7 @@ def bench_steps(ctx, args, sizes, folder):
             dist.barrier()
             t0 = time.perf_counter()
             if name == "ours":
-                sharded_checkpoint.save_sharded(ours.stage, opt, str(where / "ours"), k)
+                sharded_checkpoint.save_sharded(stage, opt, str(where / "ours"), k)
             else:
                 msd, osd = get_state_dict(theirs, topt)
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(where / f"torch-{k}"))
@@ -564,35 +576,10 @@ def bench_steps(ctx, args, sizes, folder):
 def bench_memory(ctx, args, sizes, folder, method):
     """``method``'s peak of live tensor bytes during a training step (07's StepPeak, the
     third of three steps), on each rank: [MiB]."""
-    fsdp_script = fsdp
     data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
-    with fsdp_script.StepPeak(ctx.device) as mem:
-        if method == "ours":
-            model = build_on_meta(folder, ctx.device)
-            layout = hfc.model_layout(model)
-            plan = read_plan(args.plan) or (tp.model_plan(model)[0] if sizes["tp"] > 1 else {})
-            run = OnMesh(model, sizes, args, ctx.device, plan or None)
-            hfc.load_hf_checkpoint(run.stage, folder, ctx.device, pieces=layout)
-            opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr)
-
-            def step(x, y):
-                opt.zero_grad(set_to_none=True)
-                run.train_step(x, y, 1)
-                placement.clip_grad_norm_(run.stage, args.clip)
-                opt.step()
-        else:
-            plan = read_plan(args.plan) or (tp.model_plan(build_on_meta(folder))[0] if sizes["tp"] > 1 else {})
-            model, _ = torch_composition(ctx, folder, sizes, plan)
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            replicas = sizes["dp"] * sizes["fsdp"]
-            replica = nd.Mesh(sizes).coord("dp") * sizes["fsdp"] + nd.Mesh(sizes).coord("fsdp")
-
-            def step(x, y):
-                opt.zero_grad(set_to_none=True)
-                x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
-                lm_loss(model(input_ids=x, use_cache=False).logits, y).backward()
-                torch_clip(model.parameters(), args.clip)
-                opt.step()
+    plan = bench_plan(args, sizes, folder)
+    with fsdp.StepPeak(ctx.device) as mem:
+        step, _, _ = bench_method(ctx, args, sizes, folder, method, plan)
         for i in range(3):
             x, y = (t.to(ctx.device) for t in data.batch_of(i))
             with mem.step() if i == 2 else contextlib.nullcontext():
@@ -632,7 +619,7 @@ def report_bench(args, sizes):
     """--bench: ours beside torch's at the model as given and at a larger one, each a table
     row per method: step time (median of the slowest rank's), tokens/s, our step over
     theirs paired (median [min-max]), each rank's step peak, a checkpoint save."""
-    plan = read_plan(args.plan) or (tp.model_plan(build_on_meta(args.model))[0] if sizes["tp"] > 1 else {})
+    plan = bench_plan(args, sizes, args.model)
     why = torch_skip(sizes, plan)
     if why:
         print(f"  SKIP  torch's composition on {mesh_label(sizes)}: {why}", flush=True)
