@@ -532,16 +532,25 @@ def bench_plan(args, sizes, folder) -> dict:
 
 
 def bench_steps(ctx, args, sizes, folder):
-    """Ours and torch's on ``folder``'s model, their steps alternating on the same batches
-    (--bench-steps after 2 warm-up, the slowest rank's time): {method: [seconds]}, tokens a
-    step, and each method's checkpoint save (ours: save_sharded; torch's:
-    torch.distributed.checkpoint.save), three each, alternating."""
+    """Ours and torch's on ``folder``'s model: each rank's peak of live tensor bytes during a
+    step (each method's third, under 07's StepPeak); their steps alternating on the same
+    batches (--bench-steps after 2 warm-up, the slowest rank's time); each method's
+    checkpoint save (ours: save_sharded; torch's: torch.distributed.checkpoint.save), three
+    each, alternating. {"times": {method: [seconds]}, "saves": ..., "peaks": {method: [MiB
+    a rank]}}."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
     plan = bench_plan(args, sizes, folder)
-    (ours_step, stage, opt), (theirs_step, theirs, topt) = (bench_method(ctx, args, sizes, folder, m, plan)
-                                                            for m in ("ours", "torch"))
+    built, peaks = {}, {}
+    for m in ("ours", "torch"):   # each built and stepped three times under 07's StepPeak: the third's peak
+        with fsdp.StepPeak(ctx.device) as mem:   # (live tensor bytes above what was alive before: the other's too)
+            built[m] = bench_method(ctx, args, sizes, folder, m, plan)
+            for i in range(3):
+                with mem.step() if i == 2 else contextlib.nullcontext():
+                    built[m][0](*(t.to(ctx.device) for t in data.batch_of(i)))
+        peaks[m] = mem.peak / 2**20 if mem.peak is not None else None
+    (ours_step, stage, opt), (theirs_step, theirs, topt) = built["ours"], built["torch"]
     steps, times = {"ours": ours_step, "torch": theirs_step}, {"ours": [], "torch": []}
     for i in range(2 + args.bench_steps):
         x, y = (t.to(ctx.device) for t in data.batch_of(i))
@@ -566,27 +575,11 @@ def bench_steps(ctx, args, sizes, folder):
             dist.barrier()
             saves[name].append(time.perf_counter() - t0)
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, times)
-    slowest = {n: [max(r[n][i] for r in everyone) for i in range(args.bench_steps)] for n in times}
+    dist.all_gather_object(everyone, (times, peaks))
+    slowest = {n: [max(r[n][i] for r, _ in everyone) for i in range(args.bench_steps)] for n in times}
     if ctx.rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return {"times": slowest, "saves": saves}
-
-
-def bench_memory(ctx, args, sizes, folder, method):
-    """``method``'s peak of live tensor bytes during a training step (07's StepPeak, the
-    third of three steps), on each rank: [MiB]."""
-    data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
-    plan = bench_plan(args, sizes, folder)
-    with fsdp.StepPeak(ctx.device) as mem:
-        step, _, _ = bench_method(ctx, args, sizes, folder, method, plan)
-        for i in range(3):
-            x, y = (t.to(ctx.device) for t in data.batch_of(i))
-            with mem.step() if i == 2 else contextlib.nullcontext():
-                step(x, y)
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mem.peak / 2**20 if mem.peak is not None else None)
-    return everyone
+    return {"times": slowest, "saves": saves, "peaks": {n: [p[n] for _, p in everyone] for n in peaks}}
 
 
 def larger_model(args, run_dir: Path) -> Path:
@@ -627,7 +620,7 @@ def report_bench(args, sizes):
     rows = []
     for setting, folder in (("as given", Path(args.model)), ("2x wide, 2x deep", larger_model(args, Path(args.run_dir)))):
         r = common.launch(bench_steps, args, sizes, str(folder))
-        peaks = {m: common.launch(bench_memory, args, sizes, str(folder), m) for m in ("ours", "torch")}
+        peaks = r["peaks"]
         tokens = args.batch_size * args.context_length
         ratios = [a / b for a, b in zip(r["times"]["ours"], r["times"]["torch"])]
         for method in ("ours", "torch"):
