@@ -684,23 +684,19 @@ HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allred
              "embedding_rowwise": "vocab"}
 HF_GATHERED = ("colwise_gather_output", "colwise_rep", "packed_colwise")   # split by heads where the layout is known
 HF_SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")                      # their row partners
+_GATHERED = "a column split whose output is gathered again, packed in a layout the model's config does not tell: " \
+            "computed whole on every rank"
+_SPLIT_INPUT = "a row split of a whole input (its column partner kept whole): computed whole on every rank"
 HF_KEPT_WHOLE = {
-    "colwise_gather_output": "a column split whose output is gathered again, packed in a layout the model's "
-                             "config does not tell: computed whole on every rank",
-    "colwise_rep": "a column split whose output is gathered again, packed in a layout the model's config does not "
-                   "tell: computed whole on every rank",
-    "rowwise_split_input": "a row split of a whole input (its column partner kept whole): computed whole on every "
-                           "rank",
-    "rowwise_rep": "a row split of a whole input (its column partner kept whole): computed whole on every rank",
+    "colwise_gather_output": _GATHERED, "colwise_rep": _GATHERED,
+    "rowwise_split_input": _SPLIT_INPUT, "rowwise_rep": _SPLIT_INPUT,
     "embedding_rowwise": "a vocabulary-parallel embedding tied to the head: kept whole on every rank",
     "embedding_colwise": "an embedding split by its hidden features: kept whole on every rank",
     "sequence_parallel": "sequence parallelism is not taken from a plan (08's --sp): kept whole",
     "packed_colwise": "experts' fused tensors: split them by expert parallelism (12's split_experts)",
     "packed_rowwise": "a row split of a packed input: kept whole on every rank",
-    "moe_tp_experts": "experts: split them by expert parallelism (12's split_experts)",
-    "moe_identity_expert": "experts: split them by expert parallelism (12's split_experts)",
-    "grouped_gemm": "experts: split them by expert parallelism (12's split_experts)",
-    "ep_dispatch_experts": "experts: split them by expert parallelism (12's split_experts)",
+    **dict.fromkeys(("moe_tp_experts", "moe_identity_expert", "grouped_gemm", "ep_dispatch_experts"),
+                    "experts: split them by expert parallelism (12's split_experts)"),
     "all_reduce": "outputs summed over ranks (experts under tensor parallelism): kept whole on every rank",
     "mla_kv_a_proj": "MLA's key/value down-projection, in a config without qk_rope_head_dim: kept whole",
     "local_params": "parameters each rank keeps whole: kept whole",
@@ -739,6 +735,7 @@ def model_plan(model: nn.Module) -> tuple:
     modules = dict(model.named_modules())
     parameters = [n for n, _ in model.named_parameters()]
     plan, whole, gathered = {}, {}, {}
+    rope = getattr(config, "qk_rope_head_dim", None)   # (MLA's rotary key: the tail of kv_a_proj_with_mqa)
     for key, style in hf.items():
         key = base + key
         if style not in HF_STYLES and style not in HF_KEPT_WHOLE:
@@ -751,7 +748,6 @@ def model_plan(model: nn.Module) -> tuple:
                     "a parameter, not a module: kept whole on every rank"
             continue   # a module this configuration does not build
         module, parent = modules[found[0]], modules[found[0].rpartition(".")[0]]
-        rope = getattr(config, "qk_rope_head_dim", None)
         if style == "embedding_rowwise" and any(m is not module and getattr(m, "weight", None) is module.weight
                                                 for m in modules.values()):
             whole[key] = HF_KEPT_WHOLE[style]

@@ -805,13 +805,9 @@ class Pipeline:
         others. Every rank of the group calls it, with step's arguments (the inputs on the
         first stage, the targets on the last)."""
         self.infer(inputs)
-        m, device, total = self.m, next(self.module.parameters()).device, self.n_stages * self.chunks
-        staged = self.host_staging if self.host_staging is not None else \
-            device.type != "cpu" and dist.get_backend(self.group) == "gloo"
-        wire = torch.device("cpu") if staged else device
-        if self.first:
-            xs = list(zip(*(t.chunk(m) for t in inputs))) if isinstance(inputs, (tuple, list)) else inputs.chunk(m)
-        ys, losses = targets.chunk(m) if self.last else None, []
+        m, total = self.m, self.n_stages * self.chunks
+        device, wire, xs, ys = self._begin(inputs, targets)
+        losses = []
         for i in range(m):   # a micro-batch through every chunk in the model's order: each rank in turn
             for c in range(self.chunks):
                 v = self._virtual(c)
@@ -827,24 +823,30 @@ class Pipeline:
                     losses.append(self.loss_fn(out, ys[i]))
                 else:
                     for j, t in enumerate(_tensors_in(out)):
-                        dist.send(t.to(wire).contiguous(), dst=self.next, group=self.group,
-                                  tag=self._tag("F", v + 1, i, j))
+                        dist.send(self._wire(t), dst=self.next, group=self.group, tag=self._tag("F", v + 1, i, j))
         return torch.stack(losses).mean() if self.last else None
 
     def _wire(self, t):
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
         return t.to("cpu", copy=True) if self._staged else t.contiguous()   # (sends take dense tensors)
 
-    def step(self, inputs=None, targets=None):
-        m, device, last_virtual = self.m, next(self.module.parameters()).device, self.n_stages * self.chunks - 1
+    def _begin(self, inputs, targets):
+        """A step's (or an evaluation's) start: whether messages go through host memory
+        (self._staged), the stage's device and where received tensors land, the first
+        stage's inputs and the last's targets cut into the micro-batches (one tensor, or a
+        tuple of them, each cut along the batch; None elsewhere)."""
+        m, device = self.m, next(self.module.parameters()).device
         self._staged = self.host_staging if self.host_staging is not None else \
             device.type != "cpu" and dist.get_backend(self.group) == "gloo"
         wire = torch.device("cpu") if self._staged else device   # where received tensors land
-        if self.first:   # one tensor, or a tuple of them (each cut along the batch)
+        xs = [None] * m
+        if self.first:
             xs = list(zip(*(t.chunk(m) for t in inputs))) if isinstance(inputs, (tuple, list)) else inputs.chunk(m)
-        else:
-            xs = [None] * m
-        ys = targets.chunk(m) if self.last else [None] * m
+        return device, wire, xs, targets.chunk(m) if self.last else [None] * m
+
+    def step(self, inputs=None, targets=None):
+        m, last_virtual = self.m, self.n_stages * self.chunks - 1
+        device, wire, xs, ys = self._begin(inputs, targets)
         self.infer(inputs)
         saved_in, saved_out, held, stashes, losses, sends, sent, posted = {}, {}, {}, {}, [], [], [], {}
         live, self.timeline, t0, self.overhead, self.waited, self.waits = 0, [], time.perf_counter(), {}, 0.0, {}

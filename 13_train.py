@@ -45,10 +45,10 @@ import common
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import hf_checkpoint as hfc
 import placement
+import result_files
 import sharded_checkpoint
 
 nd = common.load_script(common.ROOT / "10_nd_parallel.py")   # the mesh, and the scripts it composes:
@@ -62,6 +62,23 @@ TINY_VOCAB = 512
 
 
 # ---- the model and the text written when none is given --------------------------------
+def tokenizer_files(folder) -> list:
+    """The names of a model folder's tokenizer files (they go with the weights)."""
+    return sorted(n for n in os.listdir(folder) if n.startswith(("tokenizer", "vocab", "merges", "special_tokens")))
+
+
+def written_aside(folder: Path, fill):
+    """``fill(tmp)`` writes a folder beside ``folder``, then it is renamed into place: a
+    reader never sees half of one, and where another process (torchrun's ranks) got there
+    first, its folder stays and this one goes."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    fill(tmp)
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def pydoc_text() -> str:
     """Python's own help text (pydoc_data.topics: every Python has it)."""
     from pydoc_data import topics
@@ -91,9 +108,8 @@ def token_file(data: Path, model: Path) -> Path:
     """Where the tokens of ``data`` by ``model``'s tokenizer are kept: beside the text,
     named by the tokenizer's hash and the text's size and time (a change makes a new one)."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(model)):
-        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
-            h.update(name.encode() + (model / name).read_bytes())
+    for name in tokenizer_files(model):
+        h.update(name.encode() + (model / name).read_bytes())
     st = data.stat()
     h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
     return data.with_name(f"{data.name}.tokens-{h.hexdigest()[:12]}.pt")
@@ -114,15 +130,12 @@ def tokenize(data: Path, model: Path) -> tuple:
 
 
 def _saved(path: Path, tensor) -> bool:
-    """torch.save to ``path`` atomically (a file of its own, renamed into place); False
-    where the folder does not take it (read-only, full)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    """torch.save to ``path`` atomically (result_files.atomic_write); False where the
+    folder does not take it (read-only, full)."""
     try:
-        torch.save(tensor, tmp)
-        os.replace(tmp, path)
+        result_files.atomic_write(path, lambda f: torch.save(tensor, f))
         return True
     except OSError:
-        tmp.unlink(missing_ok=True)
         return False
 
 
@@ -134,7 +147,7 @@ class Packed:
 
     def __init__(self, tokens, context: int, batch: int, seed: int, held: int):
         n = (tokens.numel() - 1) // context
-        self.seqs = torch.stack([tokens[i * context:i * context + context + 1] for i in range(n)]).long()
+        self.seqs = tokens[:n * context + 1].unfold(0, context + 1, context).long()   # (overlapping by one token)
         self.context, self.batch, self.seed = context, batch, seed
         self.train_n, self.held = n - held, held
 
@@ -252,8 +265,7 @@ class OnMesh:
         if self.pipe is not None:
             within, extra = self.context(x, y)
             with within, self.autocast():
-                loss = self.pipe.step((x, *extra) if self.pipe.first and extra else x if self.pipe.first else None,
-                                      y if self.pipe.last else None)
+                loss = self.pipe.step(*self._ends(x, y, extra))
         else:
             loss = 0.0
             for k, (xk, yk) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
@@ -275,9 +287,13 @@ class OnMesh:
         if self.pipe is not None:
             within, extra = self.context(x, y)
             with within, self.autocast():
-                return self.pipe.evaluate((x, *extra) if self.pipe.first and extra else x if self.pipe.first else None,
-                                          y if self.pipe.last else None)
+                return self.pipe.evaluate(*self._ends(x, y, extra))
         return self.forward_loss(x, y)
+
+    def _ends(self, x, y, extra):
+        """What the pipeline's step takes: the first stage's inputs (the ids, and cp's extra
+        inputs), the last stage's targets; None elsewhere."""
+        return ((x, *extra) if extra else x) if self.pipe.first else None, y if self.pipe.last else None
 
     def mean_over_mesh(self, loss) -> float:
         """The global batch's loss: the mean over the data replicas of the losses their last
@@ -291,8 +307,7 @@ class OnMesh:
         return (t[0] / t[1]).item()
 
 
-def lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+lm_loss = pp.lm_loss   # cross-entropy over every token, in float32
 
 
 def build_on_meta(folder, device=None):
@@ -431,9 +446,8 @@ def train(ctx, args, sizes):
     final = run_dir / "final"
     hfc.save_hf_checkpoint(run.stage, str(final), config=config)
     if ctx.rank == 0:
-        for name in os.listdir(args.model):   # the tokenizer's files beside the weights
-            if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
-                shutil.copy(Path(args.model) / name, final / name)
+        for name in tokenizer_files(args.model):   # the tokenizer's files beside the weights
+            shutil.copy(Path(args.model) / name, final / name)
         if (Path(args.model) / "generation_config.json").exists():
             shutil.copy(Path(args.model) / "generation_config.json", final / "generation_config.json")
         _progress(run_dir, history)
@@ -458,7 +472,7 @@ def torch_skip(sizes: dict, plan) -> str | None:
 def torch_composition(ctx, folder, sizes, plan):
     """The same model as transformers loads it (whole, on every rank), torch's TP over tp by
     ``plan`` (column -> ColwiseParallel, row -> RowwiseParallel), then FSDP2's fully_shard on
-    each decoder layer and the root over the data ranks: the model, its mesh."""
+    each decoder layer and the root over the data ranks."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -477,7 +491,7 @@ def torch_composition(ctx, folder, sizes, plan):
         if type(m).__name__ in (model._no_split_modules or ()):
             fully_shard(m, mesh=mesh["data"])
     fully_shard(model, mesh=mesh["data"])
-    return model, mesh
+    return model
 
 
 def torch_clip(parameters, max_norm):
@@ -513,7 +527,7 @@ def bench_method(ctx, args, sizes, folder, method, plan):
             placement.clip_grad_norm_(run.stage, args.clip)
             opt.step()
         return step, run.stage, opt
-    model, _ = torch_composition(ctx, folder, sizes, plan)
+    model = torch_composition(ctx, folder, sizes, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     mesh = nd.Mesh(sizes)
     replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
@@ -593,15 +607,12 @@ def larger_model(args, run_dir: Path) -> Path:
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers"):
         setattr(config, key, 2 * getattr(config, key))
     torch.manual_seed(args.seed)
-    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-    for name in os.listdir(args.model):
-        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+
+    def fill(tmp):
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        for name in tokenizer_files(args.model):
             shutil.copy(Path(args.model) / name, tmp / name)
-    try:
-        os.rename(tmp, folder)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    written_aside(folder, fill)
     return folder
 
 
@@ -797,16 +808,9 @@ def check(args):
             text = pydoc_text()
             home.parent.mkdir(parents=True, exist_ok=True)
             if not data.exists():
-                tmp = data.with_name(f".{data.name}.{os.getpid()}.partial")
-                tmp.write_text(text)
-                os.replace(tmp, data)
-            if not (home / "config.json").exists():   # written aside, then renamed: torchrun's ranks may race
-                tmp = home.with_name(f".{home.name}.{os.getpid()}.partial")
-                write_tiny_model(tmp, text, args.context_length, args.seed)
-                try:
-                    os.rename(tmp, home)
-                except OSError:   # another rank's is there: use it
-                    shutil.rmtree(tmp, ignore_errors=True)
+                result_files.atomic_write(data, lambda f: f.write(text.encode()))
+            if not (home / "config.json").exists():   # (torchrun's ranks may race: one folder stays)
+                written_aside(home, lambda tmp: write_tiny_model(tmp, text, args.context_length, args.seed))
         args.data = args.data or str(data)
     model = Path(args.model)
     if not (model / "config.json").exists():
