@@ -50,8 +50,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import gc
-import json
 import os
 import shutil
 import sys
@@ -625,24 +623,6 @@ def verify(ctx, args, cases, resume=None, levers=None):
     return out
 
 
-def train(ctx, args, shape):
-    """--train: the LM of --model-size on ``shape`` with the command's levers, trained from
-    the newest checkpoint in --checkpoint-dir (common.train_with_checkpoints: saves, resumes,
-    the final sha256); step i's global batch depends on i alone."""
-    levers = levers_of(args)
-    dims, m = common.MODEL_SIZES[args.model_size], levers.m(shape)
-    batch = args.batch_size or 2 * m * shape["dp"] * shape["fsdp"]
-    whole = moe_lm(dims, args.context_length, args.tie, args.seed, levers.experts, levers.top_k, ctx.device) \
-        if levers.ep > 1 else lm(dims, args.context_length, args.tie, args.seed, ctx.device)
-    model = ParallelLM(Mesh(shape), whole, batch, levers)
-    opt = make_optimizer(model)
-
-    def step(i):
-        x, y = common.lm_batch(batch, args.context_length, i, args.seed, ctx.device)
-        train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
-    return common.train_with_checkpoints(ctx, args, model.stage, opt, step)
-
-
 # ----------------------------------------------------------------------------------------
 # Accounting: bytes each axis sends and memory per rank, counted beside the formulas
 # ----------------------------------------------------------------------------------------
@@ -963,309 +943,6 @@ def recorder_cost(ctx, args, shape, dims):
         return lambda b, clock: train_step(model, opt, model.part(b), clock)
     return common.recorder_modes(ctx, argparse.Namespace(**{**vars(args), "batch_size": batch}), make,
                                  global_batch=True)
-
-
-# ----------------------------------------------------------------------------------------
-# --setup-memory: each rank's peak host memory while it sets the model up, whole or on meta
-# ----------------------------------------------------------------------------------------
-SETUP_MESHES = (mesh_of(pp=2, fsdp=2, tp=2), mesh_of(fsdp=8))
-SETUP_METHODS = ("built whole on every rank", "built on meta, materialize (ours)", "built on meta, torch's (FSDP2)")
-
-
-def _status_mb(field) -> float:
-    """A field of /proc/self/status in MiB (VmRSS: resident now; VmHWM: its peak)."""
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith(field + ":"))
-
-
-def _reset_peak():
-    """Start VmHWM again from the resident memory now (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def setup_memory(ctx, args, shape, method, size, steps):
-    """One way of setting the LM of ``size`` up on ``shape``, in fresh processes: the peak
-    resident memory of each rank from the start of the setup to its end (VmHWM, reset
-    first), what the rank then holds, and with ``steps`` that many training steps after it
-    (their peak too). Ours: ParallelLM on the whole model, or on a meta-built one then
-    ParallelLM.materialize with the LM's init; torch's: on meta, parallelize_module over tp
-    (08's baseline), the stage's blocks and the stage fully_shard over fsdp, to_empty on
-    the stage, every module's reset_parameters. A row, from the mesh's first rank."""
-    dims, levers = common.MODEL_SIZES[size], Levers()
-    batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
-    gc.collect()
-    start = _status_mb("VmRSS")
-    if ctx.device.type == "cuda":   # on a GPU the device's peak too
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    _reset_peak()
-    began = time.perf_counter()
-    if method == SETUP_METHODS[0]:
-        model = ParallelLM(Mesh(shape), lm(dims, args.context_length, False, args.seed, ctx.device), batch, levers)
-    elif method == SETUP_METHODS[1]:
-        whole = lm(dims, args.context_length, False, args.seed, "meta")
-        blueprint = copy.deepcopy(whole)   # the model as built: its init's order and shapes
-        model = ParallelLM(Mesh(shape), whole, batch, levers).materialize(
-            ctx.device, placement.initialized(blueprint, seed=args.seed))
-        del whole, blueprint
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        whole = lm(dims, args.context_length, False, args.seed, "meta")
-        tmesh = init_device_mesh(ctx.device.type, tuple(shape.values()), mesh_dim_names=AXES)
-        if shape["tp"] > 1:
-            tp_mod.torch_tensor_parallel_lm(whole, tmesh["tp"])
-        model = pp_mod.LMStage(whole, tmesh.get_local_rank("pp"), shape["pp"])
-        for block in model.blocks.values():
-            fully_shard(block, mesh=tmesh["dp", "fsdp"])
-        fully_shard(model, mesh=tmesh["dp", "fsdp"])
-        model.to_empty(device=ctx.device)
-        with torch.no_grad():
-            for mod in model.modules():
-                if hasattr(mod, "reset_parameters"):
-                    mod.reset_parameters()
-        del whole
-    gc.collect()
-    seconds, peak, now = time.perf_counter() - began, _status_mb("VmHWM"), _status_mb("VmRSS")
-    params = model.stage.parameters() if isinstance(model, ParallelLM) else model.parameters()
-    held = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in params) / 2**20
-    row = {"mesh": label(shape), "setup": method, "model_size": size, "whole_mib": lm_param_count_mib(size, args),
-           "held_mib": held, "start_mib": start, "setup_peak_mib": peak, "above_start_mib": peak - start,
-           "after_mib": now, "setup_s": seconds}
-    if ctx.device.type == "cuda":
-        row["device_peak_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-    if steps:   # plain SGD: no state beside the weights and their gradients (AdamW's would double them)
-        opt = torch.optim.SGD(model.module.parameters(), lr=1e-3)
-        _reset_peak()
-        began = time.perf_counter()
-        for i in range(steps):
-            loss = train_step(model, opt, model.part(common.lm_batch(batch, args.context_length, i, args.seed,
-                                                                     ctx.device)), common.StepClock(ctx.device))
-        row.update(step_s=(time.perf_counter() - began) / steps, step_peak_mib=_status_mb("VmHWM"),
-                   loss=loss if loss is not None else float("nan"))
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
-    out = dict(rows[0])
-    for k in ("held_mib", "start_mib", "setup_peak_mib", "above_start_mib", "after_mib", "setup_s", "step_s",
-              "step_peak_mib", "device_peak_mib"):
-        if k in out:
-            out[k] = max(r[k] for r in rows)
-    out["ranks_peak_gib"] = sum(r["setup_peak_mib"] for r in rows) / 1024
-    if "loss" in out:
-        out["loss"] = next((r["loss"] for r in rows if r["loss"] == r["loss"]), float("nan"))
-    return out
-
-
-def lm_param_count_mib(size, args) -> float:
-    return common.lm_param_count(size, args.context_length) * 4 / 2**20
-
-
-def report_setup_memory(args):
-    """--setup-memory: the table of SETUP_MESHES x SETUP_METHODS at --model-size, then the
-    --big-size model on meta at fsdp 8, set up and trained --big-steps steps."""
-    headers = SETUP_HEADERS + (["device_peak_mib"] if args.device == "cuda" else [])
-    rows, settings = [], {"backend": args.backend, "device": args.device, "context_length": args.context_length,
-                          "model_size": args.model_size, "big_size": args.big_size, "seed": args.seed}
-
-    def show(name, title, rows, headers, note):
-        if common.is_reporter():
-            table = common.save_results(args.out, name, rows, settings, headers=headers, title=title, note=note)
-            print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{name}.json and .md')}", flush=True)
-    for shape in SETUP_MESHES:
-        for method in SETUP_METHODS:
-            try:
-                rows.append(common.launch(setup_memory, args, shape, method, args.model_size, 0,
-                                          world_size=math.prod(shape.values())))
-            except common.LaunchError as e:
-                print(f"setup-memory: SKIP {method} on {label(shape)}: {str(e).splitlines()[0]}")
-            show("10_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
-                 f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks",
-                 rows, headers, SETUP_NOTE)
-    if args.big_size != "none":
-        big = common.launch(setup_memory, args, mesh_of(fsdp=8), SETUP_METHODS[1], args.big_size, args.big_steps,
-                            world_size=8)
-        whole = lm_param_count_mib(args.big_size, args) / 1024
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        show("10_setup_big", f"The {args.big_size} LM ({whole:.1f} GiB of float32 weights; whole on each of 8 ranks: "
-             f"{8 * whole:.0f} GiB, on a machine of {ram:.0f} GiB) built on meta at fsdp 8, then trained "
-             f"{args.big_steps} step(s) (SGD)", [big], headers + ["step_s", "step_peak_mib", "loss"],
-             SETUP_NOTE)
-
-
-SETUP_HEADERS = ["mesh", "setup", "held_mib", "setup_peak_mib", "above_start_mib", "after_mib", "ranks_peak_gib",
-                 "setup_s"]
-SETUP_NOTE = ("held_mib: the parameters the rank holds after the setup; setup_peak_mib: the peak resident memory of "
-              "the process from the start of its setup to its end (VmHWM, reset at the start; the largest rank); "
-              "above_start_mib: that peak less the process's resident memory at the start (torch imported, the "
-              "process group made); ranks_peak_gib: the ranks' peaks summed. Fresh processes for each row. Ours on "
-              "meta holds the rank's part plus one module's tensors whole at a time (placement.initialized); torch's is "
-              "FSDP2's meta path (to_empty, each module's reset_parameters on its shards), with 08's baseline of "
-              "torch's tensor parallelism. On a GPU, device_peak_mib: the device's peak allocated memory during "
-              "the setup (max_memory_allocated, reset at its start).")
-
-
-# ----------------------------------------------------------------------------------------
-# --hf-checkpoint: a Hugging Face checkpoint folder in and out, each rank's peak host memory
-# ----------------------------------------------------------------------------------------
-HF_ROWS = ((mesh_of(pp=2, fsdp=2, tp=2), "ours"), (mesh_of(fsdp=8), "ours"), (mesh_of(fsdp=8), "torch's DCP (FSDP2)"))
-
-
-def write_hf_source(args, folder, files=8):
-    """The LM of --model-size, whole in this process, as save_pretrained writes a sharded
-    checkpoint: ``files`` safetensors files of about equal bytes and their index."""
-    from safetensors.torch import save_file
-    model = lm(common.MODEL_SIZES[args.model_size], args.context_length, False, args.seed)
-    state = model.state_dict()
-    budget = sum(t.numel() * t.element_size() for t in state.values()) / files
-    groups, size = [[]], 0
-    for name, t in state.items():
-        if size >= budget and len(groups) < files:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += t.numel() * t.element_size()
-    os.makedirs(folder, exist_ok=True)
-    index = {}
-    for k, names in enumerate(groups):
-        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
-        index.update({n: file for n in names})
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                   "weight_map": index}, f)
-    return max(t.numel() * t.element_size() for t in state.values()) / 2**20
-
-
-def hf_checkpoint_memory(ctx, args, shape, method, source, out):
-    """Set the LM of --model-size up on ``shape`` from the checkpoint folder ``source`` and
-    save it to ``out``, in fresh processes: each phase's peak resident memory (VmHWM, reset
-    at its start) and time. Ours: built on meta, ParallelLM, load_hf_checkpoint, then
-    save_hf_checkpoint; torch's: built on meta, fully_shard per block and on the model,
-    to_empty, torch.distributed.checkpoint's load with HuggingFaceStorageReader, then its save
-    with HuggingFaceStorageWriter (each rank its shards, consolidated into whole tensors).
-    ``method`` "initialized()": the setup from placement.initialized instead (no checkpoint).
-    Rows from the mesh's first rank, the largest rank's peak and time."""
-    import hf_checkpoint
-    import torch.distributed.checkpoint as dcp
-    dims, levers = common.MODEL_SIZES[args.model_size], Levers()
-    batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
-    rows = []
-
-    def phase(name, run):
-        gc.collect()
-        start = _status_mb("VmRSS")
-        _reset_peak()
-        began = time.perf_counter()
-        result = run()
-        gc.collect()
-        rows.append({"mesh": label(shape), "method": method, "phase": name, "start_mib": start,
-                     "peak_mib": _status_mb("VmHWM"), "above_start_mib": _status_mb("VmHWM") - start,
-                     "seconds": time.perf_counter() - began})
-        return result
-    whole = lm(dims, args.context_length, False, args.seed, "meta")
-    if method == "torch's DCP (FSDP2)":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        def setup():
-            tmesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-            for block in whole.blocks:
-                fully_shard(block, mesh=tmesh)
-            fully_shard(whole, mesh=tmesh)
-            whole.to_empty(device=ctx.device)
-            state = whole.state_dict()
-            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(source))
-            return whole
-        model = phase("load", setup)
-        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
-        phase("save", lambda: dcp.save(model.state_dict(), storage_writer=dcp.HuggingFaceStorageWriter(
-            out, save_distributed=True, enable_consolidation=True)))
-    else:
-        if method == "initialized()":
-            blueprint = copy.deepcopy(whole)
-            model = phase("set up from initialized()", lambda: ParallelLM(Mesh(shape), whole, batch, levers).materialize(
-                ctx.device, placement.initialized(blueprint, seed=args.seed)))
-        else:
-            def load():
-                made = ParallelLM(Mesh(shape), whole, batch, levers)
-                hf_checkpoint.load_hf_checkpoint(made.stage, source, ctx.device)
-                return made
-            model = phase("load", load)
-            phase("save", lambda: hf_checkpoint.save_hf_checkpoint(model.stage, out))
-        held = sum(p.numel() * p.element_size() for p in model.stage.parameters()) / 2**20
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (rows, held))
-    out_rows = []
-    for i, row in enumerate(everyone[0][0]):
-        row = dict(row, held_mib=max(h for _, h in everyone))
-        for k in ("peak_mib", "above_start_mib", "seconds"):
-            row[k] = max(r[i][k] for r, _ in everyone)
-        out_rows.append(row)
-    return out_rows
-
-
-def report_hf_checkpoint(args):
-    """--hf-checkpoint: the LM of --model-size written as a sharded safetensors folder, then
-    set up from it and saved again by each of HF_ROWS (and set up from initialized() on
-    the first mesh), 8 ranks; the saved folders checked equal to the source, tensor by
-    tensor."""
-    work = tempfile.mkdtemp(prefix="hf-checkpoint-")
-    try:
-        source = os.path.join(work, "source")
-        largest = write_hf_source(args, source)
-        whole = lm_param_count_mib(args.model_size, args)
-        rows, settings = [], {"backend": args.backend, "device": args.device, "model_size": args.model_size,
-                              "context_length": args.context_length, "seed": args.seed}
-        cases = [*HF_ROWS, (HF_ROWS[0][0], "initialized()")]
-        for k, (shape, method) in enumerate(cases):
-            out = os.path.join(work, f"saved-{k}")
-            got = common.launch(hf_checkpoint_memory, args, shape, method, source, out, world_size=8)
-            if method != "initialized()":
-                got[-1]["round trip"] = same_tensors(source, out)
-            for row in got:
-                row.update(whole_mib=whole, part_and_largest_mib=row["held_mib"] + largest)
-            rows += got
-        if common.is_reporter():
-            title = (f"A Hugging Face checkpoint folder in and out: the {args.model_size} LM ({whole:.0f} MiB of "
-                     f"float32 weights, 8 safetensors files), 8 ranks")
-            headers = ["mesh", "method", "phase", "held_mib", "part_and_largest_mib", "whole_mib", "peak_mib",
-                       "above_start_mib", "seconds", "round trip"]
-            table = common.save_results(args.out, "10_hf_checkpoint", rows, settings, headers=headers, title=title,
-                                        note=HF_NOTE)
-            print(f"\n{title}\n{table}\n{common.wrote(args.out, '10_hf_checkpoint.json and .md')}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def same_tensors(a, b) -> str:
-    """Whether two checkpoint folders hold the same tensors by name, bit for bit (read by
-    the safetensors library, not by the kit's reader)."""
-    from safetensors import safe_open
-    maps = []
-    for folder in (a, b):
-        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-            maps.append(json.load(f)["weight_map"])
-    left, right = maps
-    if set(left) != set(right):
-        return f"names differ: {sorted(set(left) ^ set(right))[:3]}"
-    for name in left:
-        with safe_open(os.path.join(a, left[name]), "pt") as x, safe_open(os.path.join(b, right[name]), "pt") as y:
-            if not torch.equal(x.get_tensor(name), y.get_tensor(name)):
-                return f"{name} differs"
-    return "exact"
-
-
-HF_NOTE = ("held_mib: the parameters the rank holds; part_and_largest_mib: that plus the largest tensor of the model "
-           "(the bound a rank that makes one tensor whole at a time stays under); whole_mib: the model's float32 "
-           "weights; peak_mib: the peak resident memory of the process during the phase (VmHWM, reset at its start; "
-           "the largest rank), above_start_mib: that less its resident memory at the phase's start (torch imported, "
-           "the process group made); seconds: the slowest rank. load: built on meta, the axes applied, filled from "
-           "the folder (ours: hf_checkpoint.load_hf_checkpoint, each rank reading its slices; torch's: FSDP2's "
-           "to_empty, then torch.distributed.checkpoint.load with HuggingFaceStorageReader); save: written as a "
-           "folder from_pretrained reads (ours: save_hf_checkpoint, each tensor gathered whole on its shard groups "
-           "and written by the ranks in turn; torch's: HuggingFaceStorageWriter with save_distributed and "
-           "enable_consolidation). round trip: the saved folder's tensors against the source's, bit for bit. "
-           "Fresh processes for each method.")
 
 
 def measured_cuts(ctx, args, dims, shape, batch, levers) -> tuple:
@@ -1706,7 +1383,7 @@ def report_plan(args):
     if sp or recompute != "none":
         lines.append("memory levers: " + ", ".join(
             (["--sp: the blocks' activations split over tp (d/tp + d_ff/tp a token)"] if sp else []) +
-            ([f"--recompute full: a block keeps its input only, its forward run again (compute x 8/6)"]
+            (["--recompute full: a block keeps its input only, its forward run again (compute x 8/6)"]
              if recompute == "full" else []) +
             (["--recompute selective: attention's core, which this model of the activations leaves out: no change"]
              if recompute == "selective" else [])))
@@ -1804,25 +1481,12 @@ def parser():
     p.add_argument("--act-tokens", nargs="+", type=common.COUNT0, default=[0, 4096],
                    help="--plan, question (b): tokens of activations per device")
     p.add_argument("--plan-rows", type=common.COUNT, default=20, help="--plan: rows of the table (all go to the JSON)")
-    common.add_train_flags(p)
     p.add_argument("--split", choices=["measured", "flops"], default="measured",
                    help="where a pipeline's stages end in the benchmark: by the LM's pieces timed on the device (09's "
                         "measured split) or by FLOPs (the verification's)")
     p.add_argument("--recorder-cost", action="store_true",
                    help="instead of the verification and benchmark: ours on the mesh (pp 2 x dp 2 without one) with "
                         "the flight recorder off, on, and on with --check-collectives, steps alternating")
-    p.add_argument("--setup-memory", action="store_true",
-                   help="instead of the verification and benchmark: each rank's peak host memory while it sets "
-                        "--model-size up on pp 2 x fsdp 2 x tp 2 and on fsdp 8, built whole or on meta (ours, and "
-                        "torch's FSDP2), then --big-size built on meta at fsdp 8 and trained --big-steps steps")
-    p.add_argument("--hf-checkpoint", action="store_true",
-                   help="instead of the verification and benchmark: --model-size written as a sharded safetensors "
-                        "folder, set up from it and saved again on pp 2 x fsdp 2 x tp 2 and fsdp 8 (ours) and with "
-                        "torch.distributed.checkpoint's HuggingFaceStorageReader/Writer on FSDP2: each rank's peak "
-                        "host memory and the time")
-    p.add_argument("--big-size", choices=[*common.MODEL_SIZES, "none"], default="large",
-                   help="--setup-memory: the model too large to build whole on every rank (none: skip it)")
-    p.add_argument("--big-steps", type=common.COUNT, default=1, help="--setup-memory: --big-size's training steps")
     p.set_defaults(context_length=32)
     return p
 
@@ -1891,8 +1555,6 @@ def check_run(args, shape, single):
     why = refusal(shape, args.schedule, args.sp, args.recompute, args.ep)
     if why:
         raise common.UsageError(why)
-    if args.train and not single:
-        raise common.UsageError("--train runs one mesh: give it (--pp 2 --dp 2, say)")
     dims = common.MODEL_SIZES[args.model_size]
     timed = [shape] if single else [s for w in (4, 8) for s, tie, sched in SUITE[w] if not tie and sched == "1f1b"]
     cases = [(shape, args.tie, args.schedule)] if single else [c for cases in SUITE.values() for c in cases]
@@ -1949,23 +1611,27 @@ def run_benchmark(args, shape, single, timed):
                 print(common.wrote(path))
 
 
+# flags 10 once had, and where they went: a command written for them is told so
+MOVED = {"--train": "a training run with sharded checkpoints and resume is 13_train.py's (a model folder and a text: "
+                    "python 13_train.py --pp 2 --dp 2 --steps 40 --checkpoint-every 10)",
+         "--setup-memory": "it is 13_train.py --setup-memory", "--hf-checkpoint": "it is 13_train.py --hf-checkpoint"}
+MOVED.update({f: MOVED["--train"] + " (its checkpoints go to --run-dir)"
+              for f in ("--checkpoint-every", "--checkpoint-dir", "--checkpoint-async")})
+
+
 def main(argv=None):
+    moved = [f for f in (sys.argv[1:] if argv is None else argv) if f.split("=")[0] in MOVED]
+    if moved:
+        flag = moved[0].split("=")[0]
+        raise common.UsageError(f"{flag} moved out of 10_nd_parallel.py: {MOVED[flag]}")
     p = parser()
     first = p.parse_args(argv)
-    if first.setup_memory or first.hf_checkpoint:
-        p.cpu_size = p.gpu_size = "medium"
-        args = common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None)
-        return report_hf_checkpoint(args) if first.hf_checkpoint else report_setup_memory(args)
-    common.check_train_flags(first)
     check_moe_flags(first)
     if first.plan:
         first.model_size = first.model_size or "xxl"
         return report_plan(first)
     args, shape, single = mesh_args(p, first, argv)
     levers, timed = check_run(args, shape, single)
-    if args.train:
-        common.launch(train, args, shape)
-        return
     if args.recorder_cost:
         args.batch_size = args.batch_size or 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
         rows = common.launch(recorder_cost, args, shape, common.MODEL_SIZES[args.model_size])

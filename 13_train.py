@@ -32,12 +32,16 @@ Hugging Face folder); and <out>/13_train.{json,md} (the run's summary) with
 """
 import argparse
 import contextlib
+import copy
+import gc
 import hashlib
 import json
 import math
 import os
 import shutil
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -344,11 +348,43 @@ def read_plan(path):
 
 
 # ---- the workers ----------------------------------------------------------------------
+# Bytes a parameter of the check's one-process model takes on each rank: its weight, its
+# gradient and AdamW's two states (float32), and the mesh's weights gathered whole beside it
+CHECK_BYTES = 5 * 4
+
+
+def check_room(ctx, args) -> str | None:
+    """Why the check against one process does not fit here (None: it does). It builds the
+    model whole on every rank: CHECK_BYTES a parameter, against the memory a rank has (its
+    device's free memory over the ranks that share it; on the CPU, the host's available
+    memory over this node's ranks), the tightest rank's; ``args.room``: bytes a rank has,
+    given (the tests')."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    if args.room is not None:
+        have = args.room
+    elif ctx.device.type == "cuda":
+        have = torch.cuda.mem_get_info(ctx.device)[0] / -(-local // torch.cuda.device_count())
+    else:
+        with open("/proc/meminfo") as f:
+            have = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")) / local
+    least = torch.tensor([float(have)], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    need = CHECK_BYTES * args.n_params
+    if need <= 0.8 * least.item():
+        return None
+    return (f"the model whole in one process with AdamW's state ({need / 2**30:.2f} GiB a rank, {args.n_params:,} "
+            f"parameters) does not fit the {least.item() / 2**30:.2f} GiB a rank has here: the run goes on unchecked "
+            f"(check a smaller model of the same family on this mesh)")
+
+
 def verify(ctx, args, sizes):
     """The first --verify-steps steps of the run on the mesh against the same model trained
     in one process on the same global batches (each rank builds it whole: the check needs a
     model one process holds): the largest weight difference and whether every step's loss
-    agreed."""
+    agreed; {"skipped": why} where that model does not fit (check_room)."""
+    why = check_room(ctx, args)
+    if why:
+        return {"skipped": why}
     data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
     run = on_mesh(ctx, args, sizes, args.model)
     import transformers
@@ -397,9 +433,10 @@ def train(ctx, args, sizes):
     if folder:
         extra = sharded_checkpoint.load_sharded(run.stage, opt, folder)
         start, history = extra["step"], extra.get("history", [])   # (main said so before the workers started)
-    fault = args.fault_at or os.environ.get(common.FAULT_ENV)   # (the tests' kill -9: STEP:RANK)
-    kill_at, kill_rank = (int(v) for v in fault.split(":")) if fault else (None, None)
-    n_params = sum(p.numel() for p in build_on_meta(args.model).parameters())
+    fault = args.fault_at or os.environ.get(common.FAULT_ENV)   # (the tests' kill -9: STEP:RANK, on the first
+    kill_at, kill_rank = (int(v) for v in fault.split(":")) if fault else (None, None)   # attempt: torchrun's
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":                          # restarts count from 0)
+        kill_at = None
     tokens_per_step = args.batch_size * args.context_length
     peak = nd.peak_flops(ctx.device)
     def evaluate():
@@ -431,7 +468,7 @@ def train(ctx, args, sizes):
         if ctx.rank == 0 and ((i + 1) % args.log_every == 0 or i + 1 == args.steps or "eval" in row):
             elapsed = time.perf_counter() - began
             tok_s = tokens_per_step * done / elapsed
-            mfu = f" | mfu {6 * n_params * tok_s / peak / ctx.world_size:.1%}" if peak else ""
+            mfu = f" | mfu {6 * args.n_params * tok_s / peak / ctx.world_size:.1%}" if peak else ""
             mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _rss_mib()
             eta = elapsed / done * (args.steps - i - 1)
             print(f"step {i + 1:>5}/{args.steps} | loss {loss:.4f} | eval "
@@ -439,8 +476,8 @@ def train(ctx, args, sizes):
                   f"mem {mem:,.0f} MiB | {eta:,.0f} s left", flush=True)
             _progress(run_dir, history)
         if args.checkpoint_every and ((i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps):
-            sharded_checkpoint.save_sharded(run.stage, opt, str(ckpts), i + 1,
-                                            extra={"step": i + 1, "model": args.fingerprint, "history": history})
+            sharded_checkpoint.save_sharded(run.stage, opt, str(ckpts), i + 1, async_save=args.checkpoint_async,
+                                            extra={"step": i + 1, "model": args.fingerprint, "history": list(history)})
     sharded_checkpoint.wait_for_saves()
     digest = common.weights_sha256(placement.full_state_dict(run.stage, all_ranks=True))
     final = run_dir / "final"
@@ -658,6 +695,308 @@ def report_bench(args, sizes):
           f"{common.wrote(args.out, f'{NAME}_bench.json and .md')}", flush=True)
 
 
+# ---- --setup-memory: each rank's peak host memory while it sets a model up ---------------
+# (10's LM on 10's ParallelLM, whole or on meta, beside FSDP2's meta path; --hf-checkpoint
+# below: the same from and to a Hugging Face folder, beside torch.distributed.checkpoint)
+SETUP_MESHES = (nd.mesh_of(pp=2, fsdp=2, tp=2), nd.mesh_of(fsdp=8))
+SETUP_METHODS = ("built whole on every rank", "built on meta, materialize (ours)", "built on meta, torch's (FSDP2)")
+
+
+def _status_mb(field) -> float:
+    """A field of /proc/self/status in MiB (VmRSS: resident now; VmHWM: its peak)."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith(field + ":"))
+
+
+def _reset_peak():
+    """Start VmHWM again from the resident memory now (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def setup_memory(ctx, args, shape, method, size, steps):
+    """One way of setting the LM of ``size`` up on ``shape``, in fresh processes: the peak
+    resident memory of each rank from the start of the setup to its end (VmHWM, reset
+    first), what the rank then holds, and with ``steps`` that many training steps after it
+    (their peak too). Ours: 10's ParallelLM on the whole model, or on a meta-built one then
+    ParallelLM.materialize with the LM's init; torch's: on meta, parallelize_module over tp
+    (08's baseline), the stage's blocks and the stage fully_shard over fsdp, to_empty on
+    the stage, every module's reset_parameters. A row, from the mesh's first rank."""
+    dims, levers = common.MODEL_SIZES[size], nd.Levers()
+    batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
+    gc.collect()
+    start = _status_mb("VmRSS")
+    if ctx.device.type == "cuda":   # on a GPU the device's peak too
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    _reset_peak()
+    began = time.perf_counter()
+    if method == SETUP_METHODS[0]:
+        whole = nd.lm(dims, args.context_length, False, args.seed, ctx.device)
+        model = nd.ParallelLM(nd.Mesh(shape), whole, batch, levers)
+    elif method == SETUP_METHODS[1]:
+        whole = nd.lm(dims, args.context_length, False, args.seed, "meta")
+        blueprint = copy.deepcopy(whole)   # the model as built: its init's order and shapes
+        model = nd.ParallelLM(nd.Mesh(shape), whole, batch, levers).materialize(
+            ctx.device, placement.initialized(blueprint, seed=args.seed))
+        del whole, blueprint
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        whole = nd.lm(dims, args.context_length, False, args.seed, "meta")
+        tmesh = init_device_mesh(ctx.device.type, tuple(shape.values()), mesh_dim_names=nd.AXES)
+        if shape["tp"] > 1:
+            nd.tp_mod.torch_tensor_parallel_lm(whole, tmesh["tp"])
+        model = nd.pp_mod.LMStage(whole, tmesh.get_local_rank("pp"), shape["pp"])
+        for block in model.blocks.values():
+            fully_shard(block, mesh=tmesh["dp", "fsdp"])
+        fully_shard(model, mesh=tmesh["dp", "fsdp"])
+        model.to_empty(device=ctx.device)
+        with torch.no_grad():
+            for mod in model.modules():
+                if hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
+        del whole
+    gc.collect()
+    seconds, peak, now = time.perf_counter() - began, _status_mb("VmHWM"), _status_mb("VmRSS")
+    params = model.stage.parameters() if isinstance(model, nd.ParallelLM) else model.parameters()
+    held = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in params) / 2**20
+    row = {"mesh": nd.label(shape), "setup": method, "model_size": size, "whole_mib": lm_param_count_mib(size, args),
+           "held_mib": held, "start_mib": start, "setup_peak_mib": peak, "above_start_mib": peak - start,
+           "after_mib": now, "setup_s": seconds}
+    if ctx.device.type == "cuda":
+        row["device_peak_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+    if steps:   # plain SGD: no state beside the weights and their gradients (AdamW's would double them)
+        opt = torch.optim.SGD(model.module.parameters(), lr=1e-3)
+        _reset_peak()
+        began = time.perf_counter()
+        for i in range(steps):
+            loss = nd.train_step(model, opt, model.part(common.lm_batch(batch, args.context_length, i, args.seed,
+                                                                     ctx.device)), common.StepClock(ctx.device))
+        row.update(step_s=(time.perf_counter() - began) / steps, step_peak_mib=_status_mb("VmHWM"),
+                   loss=loss if loss is not None else float("nan"))
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    out = dict(rows[0])
+    for k in ("held_mib", "start_mib", "setup_peak_mib", "above_start_mib", "after_mib", "setup_s", "step_s",
+              "step_peak_mib", "device_peak_mib"):
+        if k in out:
+            out[k] = max(r[k] for r in rows)
+    out["ranks_peak_gib"] = sum(r["setup_peak_mib"] for r in rows) / 1024
+    if "loss" in out:
+        out["loss"] = next((r["loss"] for r in rows if r["loss"] == r["loss"]), float("nan"))
+    return out
+
+
+def lm_param_count_mib(size, args) -> float:
+    return common.lm_param_count(size, args.context_length) * 4 / 2**20
+
+
+def report_setup_memory(args):
+    """--setup-memory: the table of SETUP_MESHES x SETUP_METHODS at --model-size, then the
+    --big-size model on meta at fsdp 8, set up and trained --big-steps steps."""
+    headers = SETUP_HEADERS + (["device_peak_mib"] if args.device == "cuda" else [])
+    rows, settings = [], {"backend": args.backend, "device": args.device, "context_length": args.context_length,
+                          "model_size": args.model_size, "big_size": args.big_size, "seed": args.seed}
+
+    def show(name, title, rows, headers, note):
+        if common.is_reporter():
+            table = common.save_results(args.out, name, rows, settings, headers=headers, title=title, note=note)
+            print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{name}.json and .md')}", flush=True)
+    for shape in SETUP_MESHES:
+        for method in SETUP_METHODS:
+            try:
+                rows.append(common.launch(setup_memory, args, shape, method, args.model_size, 0,
+                                          world_size=math.prod(shape.values())))
+            except common.LaunchError as e:
+                print(f"setup-memory: SKIP {method} on {nd.label(shape)}: {str(e).splitlines()[0]}")
+            show("13_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
+                 f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks",
+                 rows, headers, SETUP_NOTE)
+    if args.big_size != "none":
+        big = common.launch(setup_memory, args, nd.mesh_of(fsdp=8), SETUP_METHODS[1], args.big_size, args.big_steps,
+                            world_size=8)
+        whole = lm_param_count_mib(args.big_size, args) / 1024
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        show("13_setup_big", f"The {args.big_size} LM ({whole:.1f} GiB of float32 weights; whole on each of 8 ranks: "
+             f"{8 * whole:.0f} GiB, on a machine of {ram:.0f} GiB) built on meta at fsdp 8, then trained "
+             f"{args.big_steps} step(s) (SGD)", [big], headers + ["step_s", "step_peak_mib", "loss"],
+             SETUP_NOTE)
+
+
+SETUP_HEADERS = ["mesh", "setup", "held_mib", "setup_peak_mib", "above_start_mib", "after_mib", "ranks_peak_gib",
+                 "setup_s"]
+SETUP_NOTE = ("held_mib: the parameters the rank holds after the setup; setup_peak_mib: the peak resident memory of "
+              "the process from the start of its setup to its end (VmHWM, reset at the start; the largest rank); "
+              "above_start_mib: that peak less the process's resident memory at the start (torch imported, the "
+              "process group made); ranks_peak_gib: the ranks' peaks summed. Fresh processes for each row. Ours on "
+              "meta holds the rank's part plus one module's tensors whole at a time (placement.initialized); torch's is "
+              "FSDP2's meta path (to_empty, each module's reset_parameters on its shards), with 08's baseline of "
+              "torch's tensor parallelism. On a GPU, device_peak_mib: the device's peak allocated memory during "
+              "the setup (max_memory_allocated, reset at its start).")
+
+
+# ---- --hf-checkpoint: a Hugging Face checkpoint folder in and out, each rank's peak memory --
+HF_ROWS = ((nd.mesh_of(pp=2, fsdp=2, tp=2), "ours"), (nd.mesh_of(fsdp=8), "ours"),
+           (nd.mesh_of(fsdp=8), "torch's DCP (FSDP2)"))
+
+
+def write_hf_source(args, folder, files=8):
+    """The LM of --model-size, whole in this process, as save_pretrained writes a sharded
+    checkpoint: ``files`` safetensors files of about equal bytes and their index."""
+    from safetensors.torch import save_file
+    model = nd.lm(common.MODEL_SIZES[args.model_size], args.context_length, False, args.seed)
+    state = model.state_dict()
+    budget = sum(t.numel() * t.element_size() for t in state.values()) / files
+    groups, size = [[]], 0
+    for name, t in state.items():
+        if size >= budget and len(groups) < files:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += t.numel() * t.element_size()
+    os.makedirs(folder, exist_ok=True)
+    index = {}
+    for k, names in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
+        index.update({n: file for n in names})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                   "weight_map": index}, f)
+    return max(t.numel() * t.element_size() for t in state.values()) / 2**20
+
+
+def hf_checkpoint_memory(ctx, args, shape, method, source, out):
+    """Set the LM of --model-size up on ``shape`` from the checkpoint folder ``source`` and
+    save it to ``out``, in fresh processes: each phase's peak resident memory (VmHWM, reset
+    at its start) and time. Ours: built on meta, 10's ParallelLM, load_hf_checkpoint, then
+    save_hf_checkpoint; torch's: built on meta, fully_shard per block and on the model,
+    to_empty, torch.distributed.checkpoint's load with HuggingFaceStorageReader, then its save
+    with HuggingFaceStorageWriter (each rank its shards, consolidated into whole tensors).
+    ``method`` "initialized()": the setup from placement.initialized instead (no checkpoint).
+    Rows from the mesh's first rank, the largest rank's peak and time."""
+    import torch.distributed.checkpoint as dcp
+    dims, levers = common.MODEL_SIZES[args.model_size], nd.Levers()
+    batch = 2 * levers.m(shape) * shape["dp"] * shape["fsdp"]
+    rows = []
+
+    def phase(name, run):
+        gc.collect()
+        start = _status_mb("VmRSS")
+        _reset_peak()
+        began = time.perf_counter()
+        result = run()
+        gc.collect()
+        rows.append({"mesh": nd.label(shape), "method": method, "phase": name, "start_mib": start,
+                     "peak_mib": _status_mb("VmHWM"), "above_start_mib": _status_mb("VmHWM") - start,
+                     "seconds": time.perf_counter() - began})
+        return result
+    whole = nd.lm(dims, args.context_length, False, args.seed, "meta")
+    if method == "torch's DCP (FSDP2)":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        def setup():
+            tmesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+            for block in whole.blocks:
+                fully_shard(block, mesh=tmesh)
+            fully_shard(whole, mesh=tmesh)
+            whole.to_empty(device=ctx.device)
+            state = whole.state_dict()
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(source))
+            return whole
+        model = phase("load", setup)
+        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+        phase("save", lambda: dcp.save(model.state_dict(), storage_writer=dcp.HuggingFaceStorageWriter(
+            out, save_distributed=True, enable_consolidation=True)))
+    else:
+        if method == "initialized()":
+            blueprint = copy.deepcopy(whole)
+            model = phase("set up from initialized()", lambda: nd.ParallelLM(nd.Mesh(shape), whole, batch, levers)
+                          .materialize(ctx.device, placement.initialized(blueprint, seed=args.seed)))
+        else:
+            def load():
+                made = nd.ParallelLM(nd.Mesh(shape), whole, batch, levers)
+                hfc.load_hf_checkpoint(made.stage, source, ctx.device)
+                return made
+            model = phase("load", load)
+            phase("save", lambda: hfc.save_hf_checkpoint(model.stage, out))
+        held = sum(p.numel() * p.element_size() for p in model.stage.parameters()) / 2**20
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (rows, held))
+    out_rows = []
+    for i, row in enumerate(everyone[0][0]):
+        row = dict(row, held_mib=max(h for _, h in everyone))
+        for k in ("peak_mib", "above_start_mib", "seconds"):
+            row[k] = max(r[i][k] for r, _ in everyone)
+        out_rows.append(row)
+    return out_rows
+
+
+def report_hf_checkpoint(args):
+    """--hf-checkpoint: the LM of --model-size written as a sharded safetensors folder, then
+    set up from it and saved again by each of HF_ROWS (and set up from initialized() on
+    the first mesh), 8 ranks; the saved folders checked equal to the source, tensor by
+    tensor."""
+    work = tempfile.mkdtemp(prefix="hf-checkpoint-")
+    try:
+        source = os.path.join(work, "source")
+        largest = write_hf_source(args, source)
+        whole = lm_param_count_mib(args.model_size, args)
+        rows, settings = [], {"backend": args.backend, "device": args.device, "model_size": args.model_size,
+                              "context_length": args.context_length, "seed": args.seed}
+        cases = [*HF_ROWS, (HF_ROWS[0][0], "initialized()")]
+        for k, (shape, method) in enumerate(cases):
+            out = os.path.join(work, f"saved-{k}")
+            got = common.launch(hf_checkpoint_memory, args, shape, method, source, out, world_size=8)
+            if method != "initialized()":
+                got[-1]["round trip"] = same_tensors(source, out)
+            for row in got:
+                row.update(whole_mib=whole, part_and_largest_mib=row["held_mib"] + largest)
+            rows += got
+        if common.is_reporter():
+            title = (f"A Hugging Face checkpoint folder in and out: the {args.model_size} LM ({whole:.0f} MiB of "
+                     f"float32 weights, 8 safetensors files), 8 ranks")
+            headers = ["mesh", "method", "phase", "held_mib", "part_and_largest_mib", "whole_mib", "peak_mib",
+                       "above_start_mib", "seconds", "round trip"]
+            table = common.save_results(args.out, "13_hf_checkpoint", rows, settings, headers=headers, title=title,
+                                        note=HF_NOTE)
+            print(f"\n{title}\n{table}\n{common.wrote(args.out, '13_hf_checkpoint.json and .md')}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def same_tensors(a, b) -> str:
+    """Whether two checkpoint folders hold the same tensors by name, bit for bit (read by
+    the safetensors library, not by the kit's reader)."""
+    from safetensors import safe_open
+    maps = []
+    for folder in (a, b):
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            maps.append(json.load(f)["weight_map"])
+    left, right = maps
+    if set(left) != set(right):
+        return f"names differ: {sorted(set(left) ^ set(right))[:3]}"
+    for name in left:
+        with safe_open(os.path.join(a, left[name]), "pt") as x, safe_open(os.path.join(b, right[name]), "pt") as y:
+            if not torch.equal(x.get_tensor(name), y.get_tensor(name)):
+                return f"{name} differs"
+    return "exact"
+
+
+HF_NOTE = ("held_mib: the parameters the rank holds; part_and_largest_mib: that plus the largest tensor of the model "
+           "(the bound a rank that makes one tensor whole at a time stays under); whole_mib: the model's float32 "
+           "weights; peak_mib: the peak resident memory of the process during the phase (VmHWM, reset at its start; "
+           "the largest rank), above_start_mib: that less its resident memory at the phase's start (torch imported, "
+           "the process group made); seconds: the slowest rank. load: built on meta, the axes applied, filled from "
+           "the folder (ours: hf_checkpoint.load_hf_checkpoint, each rank reading its slices; torch's: FSDP2's "
+           "to_empty, then torch.distributed.checkpoint.load with HuggingFaceStorageReader); save: written as a "
+           "folder from_pretrained reads (ours: save_hf_checkpoint, each tensor gathered whole on its shard groups "
+           "and written by the ranks in turn; torch's: HuggingFaceStorageWriter with save_distributed and "
+           "enable_consolidation). round trip: the saved folder's tensors against the source's, bit for bit. "
+           "Fresh processes for each method.")
+
+
 def _rss_mib() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -725,6 +1064,8 @@ def parser():
     p.add_argument("--eval-every", type=common.COUNT, default=50, help="eval loss on the held-out sequences")
     p.add_argument("--log-every", type=common.COUNT, default=10, help="a progress line")
     p.add_argument("--checkpoint-every", type=common.COUNT, default=100, help="a sharded checkpoint")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="each checkpoint copied to host memory, then written while training goes on")
     p.add_argument("--run-dir", default=str(common.ROOT / "runs" / "13_train"),
                    help="the run's folder: checkpoints, progress, the final model (and the tiny model beside it)")
     p.add_argument("--prompt", default="The for statement", help="the sample's start")
@@ -752,7 +1093,40 @@ def parser():
                         "alternating: step time, tokens/s, each rank's step peak, a checkpoint save")
     p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
     p.add_argument("--fault-at", default=None, help=argparse.SUPPRESS)   # STEP:RANK: that rank kill -9s itself there
+    p.add_argument("--room", type=int, default=None, help=argparse.SUPPRESS)   # bytes a rank has for the check
+    add_measure_flags(p)
     return p
+
+
+def add_measure_flags(p, own=False):
+    """--setup-memory and --hf-checkpoint: measurements of setting a model up on 8 ranks,
+    each with flags of its own (``own``: those, for their parser; else named only)."""
+    given = "" if own else " (its own flags: 13_train.py --setup-memory --help)"
+    p.add_argument("--setup-memory", action="store_true",
+                   help="instead of a run: each rank's peak host memory while it sets 10's LM of --model-size up on "
+                        "pp 2 x fsdp 2 x tp 2 and on fsdp 8, built whole or on meta (ours, and torch's FSDP2), then "
+                        "--big-size built on meta at fsdp 8 and trained --big-steps steps" + given)
+    p.add_argument("--hf-checkpoint", action="store_true",
+                   help="instead of a run: 10's LM of --model-size written as a sharded safetensors folder, set up from "
+                        "it and saved again on pp 2 x fsdp 2 x tp 2 and fsdp 8 (ours) and with "
+                        "torch.distributed.checkpoint's HuggingFaceStorageReader/Writer on FSDP2: each rank's peak "
+                        "host memory and the time" + given)
+    if own:
+        p.add_argument("--big-size", choices=[*common.MODEL_SIZES, "none"], default="large",
+                       help="--setup-memory: the model too large to build whole on every rank (none: skip it)")
+        p.add_argument("--big-steps", type=common.COUNT, default=1, help="--setup-memory: --big-size's training steps")
+
+
+def measure(argv):
+    """--setup-memory or --hf-checkpoint, with their own flags (10's LM, 8 ranks)."""
+    p = common.script_parser(__doc__, cpu_size="medium", gpu_size="medium", world="8, the measurements' meshes")
+    add_measure_flags(p, own=True)
+    p.set_defaults(context_length=32)
+    args = common.parse(p, argv, world=lambda a: 8, batch_unit=lambda a: None)
+    if args.setup_memory and args.hf_checkpoint:
+        raise common.UsageError("--setup-memory and --hf-checkpoint are two measurements: give one")
+    args.doing = "a Hugging Face folder in and out" if args.hf_checkpoint else "each rank's memory while it sets up"
+    return report_hf_checkpoint(args) if args.hf_checkpoint else report_setup_memory(args)
 
 
 def check(args):
@@ -826,6 +1200,7 @@ def check(args):
         raise common.UsageError(f"--data {data}: no such file")
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
+    args.n_params = sum(p.numel() for p in build_on_meta(model).parameters())   # (meta: no memory)
     tokens, path, cached = tokenize(data, model)
     args.tokens = str(path)
     if not cached:   # (the text's folder does not take it: the run's own copy)
@@ -894,6 +1269,9 @@ def mesh_label(sizes: dict, ep: int = 1) -> str:
 
 
 def main(argv=None):
+    given = sys.argv[1:] if argv is None else list(argv)
+    if "--setup-memory" in given or "--hf-checkpoint" in given:
+        return measure(given)
     args = parser().parse_args(argv)
     sizes, n_tokens, seqs = check(args)
     if common.is_reporter():
@@ -907,8 +1285,11 @@ def main(argv=None):
         return
     if not args.no_verify:
         r = common.launch(verify, args, sizes)
-        common.check_verification({f"first {args.verify_steps} steps against one process": r},
-                                  f"{NAME} on {mesh_label(sizes, args.ep)}")
+        if "skipped" in r:
+            print(f"  SKIP  the check against one process: {r['skipped']}", flush=True)
+        else:
+            common.check_verification({f"first {args.verify_steps} steps against one process": r},
+                                      f"{NAME} on {mesh_label(sizes, args.ep)}")
     result = common.launch(train, args, sizes)
     if not common.is_reporter():
         return

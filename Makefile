@@ -15,12 +15,12 @@
 #            checking (about 4 minutes; not in `all`)
 # make recorder-cost what the flight recorder (every job runs under it) and --check-collectives cost a step:
 #            05's DDPBucketed and 10's pp 2 x dp 2 mesh, steps alternating (about 1 minute; not in `all`)
-# make setup-memory each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
+# make setup-memory (13) each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
 #            or on the meta device (ours, FSDP2's), then the large LM (whole on 8 ranks: 22 GiB) built on
-#            meta and trained a step (about 6 minutes; not in `all`)
-# make hf-checkpoint the medium LM as a sharded safetensors folder, set up from it and saved again on 8
+#            meta and trained a step (about 2 minutes; not in `all`)
+# make hf-checkpoint (13) the medium LM as a sharded safetensors folder, set up from it and saved again on 8
 #            ranks (ours on pp 2 x fsdp 2 x tp 2 and fsdp 8, torch.distributed.checkpoint's Hugging Face
-#            reader and writer on FSDP2): each rank's peak host memory and the time (not in `all`)
+#            reader and writer on FSDP2): each rank's peak host memory and the time (about 30 s; not in `all`)
 # make train 13's default run: its own tiny Llama-style model (a byte-level BPE tokenizer trained on
 #            Python's help text) trained on that text on fsdp 2, checked against one process first,
 #            saved as a Hugging Face folder (runs/13_train/final) with a sample, the summary in
@@ -119,10 +119,10 @@ recorder-cost: $(STAMP)
 	$(PY) 10_nd_parallel.py --recorder-cost --no-verify --steps 40 --out results
 
 setup-memory: $(STAMP)
-	$(PY) 10_nd_parallel.py --setup-memory --out results
+	$(PY) 13_train.py --setup-memory --out results
 
 hf-checkpoint: $(STAMP)
-	$(PY) 10_nd_parallel.py --hf-checkpoint --out results
+	$(PY) 13_train.py --hf-checkpoint --out results
 
 checkpoints: $(STAMP)
 	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results

@@ -641,6 +641,8 @@ def _announce(args, world_size, backend, device):
              if not getattr(args, flag, False)]
     if getattr(args, "train", None):
         parts = [f"training, {args.train} steps"]
+    if getattr(args, "doing", None):   # a measurement of its own (13's --setup-memory, say)
+        parts = [args.doing]
     print(f"running: {Path(sys.argv[0]).name} on {world_size} rank{'s' * (world_size > 1)} ({backend}, {device}): "
           f"{', then '.join(parts) or 'nothing but the checks'}", flush=True)
 

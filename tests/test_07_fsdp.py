@@ -282,6 +282,15 @@ def test_methods_pick_the_tables_rows_and_the_time_box_stops_the_memory_jobs(tmp
         refused("07_fsdp.py", "--methods", "bf16")
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--checkpoint-every", "5"], "--checkpoint-every applies to a training run: add --train N"),
+    (["--train", "4", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--train", "4", "--checkpoint-async"], "--checkpoint-async needs --checkpoint-every"),
+])
+def test_training_flags_are_refused_where_they_do_not_apply(argv, words):
+    assert words in refused("07_fsdp.py", *argv)
+
+
 def test_the_step_peak_prints_nothing_when_a_block_from_before_it_is_freed_inside():
     """Only the kit's own lines: c10 warns the first time a block allocated before the count
     is freed during it; StepPeak spends that warning silently (such frees are not counted)."""

@@ -259,37 +259,13 @@ def test_a_refusal_concerns_only_what_the_command_runs():
     assert "the model's 4 heads" in tp8   # the verification LM is not named: it does not run
 
 
-TRAIN = ["10_nd_parallel.py", "--pp", "2", "--dp", "2", "--train", "40", "--checkpoint-every", "10"]
-
-
-def test_a_run_killed_after_its_second_checkpoint_resumes_to_the_same_weights(tmp_path):
-    """The documented command: under torchrun with one restart, rank 1 killed (SIGKILL) at
-    step 25, after the checkpoints of steps 10 and 20 (written in the background); the
-    restarted run resumes from step 20 and ends with the sha256 of a run never killed (data
-    order, optimizer state and RNG restored)."""
-    from conftest import run_script
-    whole = run_script(*TRAIN, "--checkpoint-dir", str(tmp_path / "whole"), "--out", str(tmp_path))
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    want = [line for line in whole.stdout.splitlines() if line.startswith("final weights sha256 ")]
-    assert len(want) == 1 and "resumed" not in whole.stdout
-    assert sorted(os.listdir(tmp_path / "whole")) == [f"step-{s:09d}" for s in (10, 20, 30, 40)]
-    killed = run_script("-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1", *TRAIN,
-                        "--checkpoint-async", "--checkpoint-dir", str(tmp_path / "killed"), "--out", str(tmp_path),
-                        env={common.FAULT_ENV: "25:1"}, timeout=300)
-    assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "failed (exitcode: -9) local_rank: 1" in killed.stderr   # the kill happened, and torchrun restarted
-    lines = killed.stdout.splitlines()
-    assert "resumed from step 20" in lines, killed.stdout
-    assert [line for line in lines if line.startswith("final weights sha256 ")] == want
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--pp", "2", "--checkpoint-every", "5"], "--checkpoint-every applies to a training run: add --train N"),
-    (["--pp", "2", "--train", "4", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
-    (["--train", "4"], "--train runs one mesh"),
-])
-def test_training_flags_are_refused_where_they_do_not_apply(argv, words):
-    assert words in refused("10_nd_parallel.py", *argv)
+def test_flags_that_moved_to_13_name_where_they_went():
+    """--train (and its checkpoint flags), --setup-memory and --hf-checkpoint are 13's now:
+    a command written for 10 is told where each went."""
+    assert "--train moved out of 10_nd_parallel.py: a training run with sharded checkpoints and resume is " \
+           "13_train.py's" in refused("10_nd_parallel.py", "--pp", "2", "--dp", "2", "--train", "40")
+    assert "--checkpoint-dir moved out" in refused("10_nd_parallel.py", "--pp", "2", "--checkpoint-dir=D")
+    assert "it is 13_train.py --hf-checkpoint" in refused("10_nd_parallel.py", "--hf-checkpoint")
 
 
 def test_torch_s_composition_is_left_out_with_its_reason_where_it_cannot_run():
@@ -300,35 +276,3 @@ def test_torch_s_composition_is_left_out_with_its_reason_where_it_cannot_run():
     assert "context_parallel" in nd.torch_skip(nd.mesh_of(dp=2, cp=2), plain, 1, "nccl", "cuda")
     assert "no expert parallelism" in nd.torch_skip(nd.mesh_of(dp=2), plain, 2, "gloo", "cpu")
     assert "SequenceParallel" in nd.torch_skip(nd.mesh_of(pp=2, tp=2), sp, 1, "gloo", "cpu")
-
-
-@pytest.mark.parametrize("method", ["ours", "torch's DCP (FSDP2)"])
-def test_hf_checkpoint_rows_load_and_save_the_folder_exactly(tmp_path, method):
-    """--hf-checkpoint's worker on fsdp 2 (the script's table runs 8 ranks): the nano LM
-    from a sharded safetensors folder, saved again; the saved folder holds the same
-    tensors bit for bit, each rank held half the weights."""
-    args = verify_args(2, context_length=16, model_size="nano")
-    source, out = str(tmp_path / "source"), str(tmp_path / "saved")
-    largest = nd.write_hf_source(args, source)
-    rows = common.launch(nd.hf_checkpoint_memory, args, nd.mesh_of(fsdp=2), method, source, out, world_size=2)
-    whole = common.lm_param_count("nano", 16) * 4 / 2**20
-    assert [r["phase"] for r in rows] == ["load", "save"] and largest > 0
-    for r in rows:
-        assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r
-        assert r["peak_mib"] >= r["start_mib"] and r["seconds"] > 0
-    assert nd.same_tensors(source, out) == "exact"
-
-
-def test_setup_memory_rows_hold_the_ranks_part_and_the_meta_path_trains():
-    """--setup-memory's worker on fsdp 2 (the script's table runs 8 ranks): each way of
-    setting up leaves each rank half the weights; ours from meta then trains a step."""
-    args = verify_args(2, context_length=16)
-    whole = common.lm_param_count("nano", 16) * 4 / 2**20
-    rows = [common.launch(nd.setup_memory, args, nd.mesh_of(fsdp=2), method, "nano", 1 if "ours" in method else 0,
-                          world_size=2) for method in nd.SETUP_METHODS]
-    for r in rows:
-        assert r["whole_mib"] == pytest.approx(whole)
-        assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r   # FSDP's padding aside
-        assert r["setup_peak_mib"] >= r["start_mib"] and r["above_start_mib"] >= 0
-    ours = rows[1]
-    assert ours["step_s"] > 0 and 8.0 < ours["loss"] < 10.5   # ln(10000) = 9.2: a fresh LM's loss

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load, refused, run_inline, run_script
+import common as kit
+from conftest import load, refused, run_inline, run_script, verify_args
 
 SHORT = ["--steps", "6", "--eval-every", "3", "--log-every", "3", "--checkpoint-every", "3", "--context-length", "32",
          "--batch-size", "8", "--verify-steps", "2", "--sample-tokens", "8"]
@@ -62,17 +63,26 @@ def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transfor
 
 def test_a_run_killed_by_kill_9_resumes_to_the_weights_of_one_never_killed(tiny, tmp_path):
     """cp 2 (each rank half of every sequence): rank 1 kills itself (SIGKILL) at step 5,
-    after the checkpoint of step 3; the same command again resumes from step 3 and ends with
-    the sha256 of a run never killed (the batches of step i depend on i alone)."""
-    common = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--cp", "2", *SHORT, "--no-verify",
-              "--out", str(tmp_path)]
-    whole = run_inline("13_train.py", *common, "--run-dir", str(tmp_path / "whole"))
+    after the checkpoint of step 3; the same command again resumes from step 3, now under
+    torchrun with one restart and a checkpoint every step written in the background, and
+    rank 1 kills itself again at step 6 of that first attempt; torchrun restarts both, they
+    resume from the newest published checkpoint (step 4 or 5: a save waits for the one
+    before it) and end with the sha256 of a run never killed (the batches of step i depend
+    on i alone; the optimizer's state and each rank's RNG come back with the weights)."""
+    args = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--cp", "2", *SHORT, "--no-verify",
+            "--out", str(tmp_path)]
+    whole = run_inline("13_train.py", *args, "--run-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = run_inline("13_train.py", *common, "--run-dir", str(tmp_path / "killed"), "--fault-at", "4:1")
+    killed = run_inline("13_train.py", *args, "--run-dir", str(tmp_path / "killed"), "--fault-at", "4:1")
     assert killed.returncode != 0 and "rank 1 died (signal 9)" in killed.stderr, killed.stderr[-2000:]
-    again = run_inline("13_train.py", *common, "--run-dir", str(tmp_path / "killed"))
+    again = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "13_train.py",
+                       *args, "--run-dir", str(tmp_path / "killed"), "--checkpoint-every", "1", "--checkpoint-async",
+                       "--fault-at", "5:1", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step 3" in again.stdout and sha(again) == sha(whole)
+    assert "failed (exitcode: -9) local_rank: 1" in again.stderr   # the kill happened, and torchrun restarted
+    resumed = re.findall(r"^resumed from step (\d+) ", again.stdout, re.M)
+    assert resumed[0] == "3" and resumed[1] in ("4", "5") and len(resumed) == 2, again.stdout
+    assert sha(again) == sha(whole)
 
 
 def _gpt2_folder(tiny, root: Path) -> Path:
@@ -112,12 +122,18 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
 
 def test_a_checkpoint_of_another_model_is_refused(tiny, tmp_path):
     """A run folder whose newest checkpoint was saved from another config: refused before any
-    worker starts, naming the checkpoint (here: the same weights, another rms_norm_eps)."""
+    worker starts, naming the checkpoint (here: the same weights, another rms_norm_eps).
+    The run that saved it had too little memory a rank (given: 1 MB) for the check's
+    one-process model: a SKIP line saying so, and the run goes on."""
     run = tmp_path / "run"
     p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--steps", "1",
-                   "--checkpoint-every", "1", "--context-length", "32", "--batch-size", "8", "--no-verify",
+                   "--checkpoint-every", "1", "--context-length", "32", "--batch-size", "8", "--room", "1000000",
                    "--sample-tokens", "2", "--run-dir", str(run), "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-2000:]
+    n = sum(t.numel() for t in load("13_train").build_on_meta(tiny / "model").parameters())
+    assert f"SKIP  the check against one process: the model whole in one process with AdamW's state " \
+           f"({20 * n / 2**30:.2f} GiB a rank, {n:,} parameters) does not fit the 0.00 GiB a rank has here: the run goes on unchecked" in p.stdout
+    assert "PASS" not in p.stdout and "final weights sha256" in p.stdout
     other = tmp_path / "other"
     shutil.copytree(tiny / "model", other)
     config = json.loads((other / "config.json").read_text())
@@ -175,3 +191,46 @@ def test_a_plain_run_writes_its_own_model_and_takes_fsdp_over_two_ranks(monkeypa
     assert (tmp_path / "13_tiny_model" / "tokenizer.json").exists() and (tmp_path / "13_pydoc_topics.txt").exists()
     help_text = " ".join(load("13_train").parser().format_help().split())
     assert "the ranks the other axes leave: --world-size, or 2 GPUs or more, else 2" in help_text
+
+
+# ---- --setup-memory and --hf-checkpoint (moved from 10): their workers on 2 ranks --------
+@pytest.mark.parametrize("method", ["ours", "torch's DCP (FSDP2)"])
+def test_hf_checkpoint_rows_load_and_save_the_folder_exactly(tmp_path, method):
+    """--hf-checkpoint's worker on fsdp 2 (the script's table runs 8 ranks): 10's nano LM
+    from a sharded safetensors folder, saved again; the saved folder holds the same
+    tensors bit for bit, each rank held half the weights."""
+    train = load("13_train")
+    args = verify_args(2, context_length=16, model_size="nano")
+    source, out = str(tmp_path / "source"), str(tmp_path / "saved")
+    largest = train.write_hf_source(args, source)
+    rows = kit.launch(train.hf_checkpoint_memory, args, train.nd.mesh_of(fsdp=2), method, source, out, world_size=2)
+    whole = kit.lm_param_count("nano", 16) * 4 / 2**20
+    assert [r["phase"] for r in rows] == ["load", "save"] and largest > 0
+    for r in rows:
+        assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r
+        assert r["peak_mib"] >= r["start_mib"] and r["seconds"] > 0
+    assert train.same_tensors(source, out) == "exact"
+
+
+def test_setup_memory_rows_hold_the_ranks_part_and_the_meta_path_trains():
+    """--setup-memory's worker on fsdp 2 (the script's table runs 8 ranks): each way of
+    setting 10's LM up leaves each rank half the weights; ours from meta then trains a step."""
+    train = load("13_train")
+    args = verify_args(2, context_length=16)
+    whole = kit.lm_param_count("nano", 16) * 4 / 2**20
+    rows = [kit.launch(train.setup_memory, args, train.nd.mesh_of(fsdp=2), method, "nano", 1 if "ours" in method else 0,
+                       world_size=2) for method in train.SETUP_METHODS]
+    for r in rows:
+        assert r["whole_mib"] == pytest.approx(whole)
+        assert whole / 2 <= r["held_mib"] < whole / 2 * 1.05, r   # FSDP's padding aside
+        assert r["setup_peak_mib"] >= r["start_mib"] and r["above_start_mib"] >= 0
+    ours = rows[1]
+    assert ours["step_s"] > 0 and 8.0 < ours["loss"] < 10.5   # ln(10000) = 9.2: a fresh LM's loss
+
+
+def test_the_measurements_take_their_own_flags(tmp_path):
+    """--setup-memory and --hf-checkpoint parse their own flags (10's LM, 8 ranks): a flag of
+    the training run is refused, and so are both at once."""
+    assert "unrecognized arguments: --pp 2" in refused("13_train.py", "--hf-checkpoint", "--pp", "2")
+    assert "two measurements: give one" in refused("13_train.py", "--hf-checkpoint", "--setup-memory",
+                                                   "--out", str(tmp_path))

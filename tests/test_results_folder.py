@@ -112,7 +112,7 @@ def test_a_read_only_or_full_file_system_is_refused_naming_why(tmp_path, script)
 
 def test_checkpoint_dir_and_data_root_are_asked_of_the_file_system_too():
     assert "--checkpoint-dir /proc/ck cannot be made (/proc refused" in refused(
-        "10_nd_parallel.py", "--pp", "2", "--train", "2", "--checkpoint-dir", "/proc/ck")
+        "07_fsdp.py", "--train", "2", "--checkpoint-dir", "/proc/ck")
     line = refused("02_naive_ddp.py", "--data", "mnist", "--download", "--data-root", "/proc/data")
     assert line.endswith("--data-root /proc/data: /proc/data/MNIST/raw cannot be made (/proc refused: "
                          "No such file or directory): choose another folder"), line
