@@ -1067,7 +1067,8 @@ def parser():
     p.add_argument("--checkpoint-async", action="store_true",
                    help="each checkpoint copied to host memory, then written while training goes on")
     p.add_argument("--run-dir", default=str(common.ROOT / "runs" / "13_train"),
-                   help="the run's folder: checkpoints, progress, the final model (and the tiny model beside it)")
+                   help="the run's folder: checkpoints, progress, the final model (and the tiny model beside it); "
+                        "on several nodes, a folder every node shares (each rank writes its checkpoint pieces there)")
     p.add_argument("--prompt", default="The for statement", help="the sample's start")
     p.add_argument("--sample-tokens", type=common.COUNT, default=40, help="tokens generate() adds to the prompt")
     p.add_argument("--dtype", choices=common.AUTOCAST_DTYPES, default="float32",

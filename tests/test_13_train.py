@@ -85,6 +85,36 @@ def test_a_run_killed_by_kill_9_resumes_to_the_weights_of_one_never_killed(tiny,
     assert sha(again) == sha(whole)
 
 
+def test_two_nodes_under_torchrun_train_one_mesh_checked_against_one_process(tiny, tmp_path):
+    """torchrun as on two machines (--nnodes 2, a node rank each, the first node's address;
+    here both on loopback, one process a node, the run folder shared as it must be):
+    fsdp 2 across the nodes passes the check against one process and trains."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+
+    def node(rank):
+        return ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", port, "13_train.py", "--model", str(tiny / "model"),
+                "--data", str(tiny / "text.txt"), "--steps", "2", "--eval-every", "2", "--checkpoint-every", "2",
+                "--context-length", "32", "--batch-size", "8", "--verify-steps", "1", "--sample-tokens", "2",
+                "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path)]
+    second = subprocess.Popen([sys.executable, *node(1)], cwd=Path(__file__).parent.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = run_script(*node(0), timeout=240)
+        out, err = second.communicate(timeout=60)
+    finally:
+        second.kill()
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + err[-2000:]
+    assert "verify 13_train on fsdp 2: PASS" in first.stdout and "final weights sha256" in first.stdout
+    assert "PASS" not in out   # only the first node's first rank prints
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step-000000002"]
+
+
 def _gpt2_folder(tiny, root: Path) -> Path:
     import transformers
     folder = root / "gpt2"
