@@ -1,0 +1,1115 @@
+"""Data-parallel replicas that survive the loss of one: the others step on, a replacement
+heals from a live peer, and nothing restarts.
+
+Each replica is its own group of ranks, its own job (spawned here, or a torchrun job on any
+machine), training the kit's LM with 05's DDPBucketed or 07's FSDP inside (--inner). Across
+the replicas a coordinator (a small TCP service; --coordinator runs it alone) forms a quorum
+of the live replicas at every step boundary. A replica that stops beating is left out of the
+next quorum: at once when its connection closes (kill -9), after --detect seconds when it
+hangs (SIGSTOP). Rank k of every member averages its gradients with rank k of the others over
+a gloo group made for that quorum (under FSDP they hold the same shard). Then every member
+votes, and the coordinator commits the step only if every member's all-reduce succeeded: a
+step that a lost replica broke is committed by nobody (no optimizer step from a partial
+all-reduce) and is redone by the next quorum. A replica that joins (a replacement, or a lost
+one that came back) enters at a step boundary: the quorum names a live peer at the newest
+step, whose ranks send it the weights, the optimizer state and the step (its data position:
+step i's batch depends on i and the replica alone) over the same group, rank by rank; the
+joiner checks its state's sha256 against the peer's before it steps.
+
+Run:
+    python 14_fault_tolerant_dp.py                     # verify under failures, then time (make 14)
+    python 14_fault_tolerant_dp.py --replicas 4 --inner ddp --no-bench
+    python 14_fault_tolerant_dp.py --coordinator --port 29510     # alone; then one torchrun job a replica:
+    torchrun --nproc-per-node 2 14_fault_tolerant_dp.py --join HOST:29510 --replica-id 0 --steps 200
+
+The verification trains --replicas replicas of --replica-ranks ranks through a scenario of
+failures: a replica killed (kill -9 of one of its ranks) and replaced; the heal of that
+replacement, whose source is killed midway; a replica hung (SIGSTOP), then killed and
+replaced; two replicas killed at once. Then it replays the committed steps in one process
+(at each, the average over the replicas that contributed, each replica its own fixed data
+shard) and compares: every replica's weights bit for bit alike, and the replay's. It prints
+the membership timeline (replicas x steps: stepped, healed, out) and draws it. The
+benchmark (--replicas 2, 3 and 4, one rank each) times a step without failures beside torch
+DDP over the same ranks (the quorum's cost), the time from a kill to the next committed step,
+and the heal; torchft's Manager beside it where torchft is installed (a SKIP line otherwise).
+Writes <out>/14_fault_tolerant_dp.{json,md} (the benchmark), 14_timeline.{json,png}.
+"""
+import argparse
+import importlib.util
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import common
+
+# ---- begin copy: fault-tolerant replicas (needs torch and the standard library) ----
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import socket
+import socketserver
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class CoordinatorGone(RuntimeError):
+    """The coordinator's connection closed: no quorum can form. The replica's state is
+    its last committed step (save it; a new coordinator resumes from there)."""
+
+
+def _send(sock, msg: dict):
+    sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+class Coordinator:
+    """The quorum service (torchft's lighthouse): one for the job, where every replica's
+    first rank can reach it. Each replica says hello, beats (a connection of its own, a line
+    every detect/5 seconds) and asks for a quorum at each step boundary. A quorum forms when
+    every live replica has asked (or, join_timeout seconds after the first asked, with those
+    that did, if at least min_replicas): its members, the step they take (the newest any
+    member holds), and for each member behind it the live peer it heals from. Then each
+    member votes; the step commits only if every member voted ok, and a member that goes
+    before it votes (a closed connection at once; no beat for ``detect`` seconds) aborts it
+    for all. It also holds the TCPStore through which each quorum's groups meet.
+
+        coordinator = Coordinator("0.0.0.0", 29510, detect=2.0)
+        print(coordinator.address)         # replicas: ReplicaManager(..., coordinator="HOST:29510", ...)
+        coordinator.serve()                 # until close() (or the process ends)
+    """
+
+    def __init__(self, host="127.0.0.1", port=0, detect=2.0, join_timeout=10.0, min_replicas=1):
+        self.detect, self.join_timeout, self.min_replicas = detect, join_timeout, min_replicas
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.lock = threading.Condition()
+        self.t0 = time.time()
+        self.replicas = {}      # id -> its record (beat, step, asked, done, connections, reply)
+        self.quorum, self.decisions, self.next_qid = None, {}, 0
+        self.history, self.events = [], []    # every quorum formed (and its fate); (t, replica, what)
+        self.faults = []        # {"replica": id or None (a heal's source), "fault": ...}: handed out with a quorum
+        self.stop_at = None     # the step at which every replica is told to stop
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                outer._serve(self.rfile, self.connection)
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.address = f"{host}:{self.server.server_address[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+        threading.Thread(target=self._tick, daemon=True).start()
+
+    def serve(self):
+        self._closed.wait()
+
+    def close(self):
+        self._closed.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    # ---- the connections: one thread each ----
+    def _serve(self, rfile, conn):
+        replica = None
+        try:
+            for line in rfile:
+                msg = json.loads(line)
+                replica = msg.get("replica", replica)
+                reply = getattr(self, "_" + msg["op"])(msg, id(conn))
+                if reply is not None:
+                    _send(conn, reply)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if replica is not None:
+                with self.lock:   # its connection closed: lost at once (unless it said it is done)
+                    rec = self.replicas.get(replica)
+                    if rec is not None and rec["conns"].get(id(conn)):
+                        rec["conns"][id(conn)] = False
+                        self.lock.notify_all()
+
+    def _hello(self, msg, conn):
+        with self.lock:
+            r = msg["replica"]
+            self._event(r, "rejoined" if r in self.replicas else "joined")
+            self.replicas[r] = {"beat": time.time(), "step": msg["step"], "asked": None, "in": False, "done": False,
+                                "conns": {conn: True}, "reply": None, "live": True, "pids": msg.get("pids"),
+                                "incarnation": msg.get("incarnation", 0)}
+            return {"store_port": self.store.port, "beat": self.detect / 5}
+
+    def _beat(self, msg, conn):
+        with self.lock:
+            rec = self.replicas.get(msg["replica"])
+            if rec is not None:
+                rec["beat"] = time.time()
+                rec["conns"].setdefault(conn, True)
+        return None
+
+    def _alive(self, rec) -> bool:
+        return not rec["done"] and time.time() - rec["beat"] < self.detect and all(rec["conns"].values())
+
+    def _event(self, r, what):
+        self.events.append((round(time.time() - self.t0, 3), r, what))
+
+    def _quorum(self, msg, conn):
+        r = msg["replica"]
+        with self.lock:
+            rec = self.replicas[r]
+            rec.update(step=msg["step"], asked=time.time(), reply=None)
+            rec["in"] = True
+            self.lock.notify_all()
+            while rec["reply"] is None:
+                self._form()
+                self.lock.wait(0.05)
+            reply, rec["reply"] = rec["reply"], None
+            return reply
+
+    def _vote(self, msg, conn):
+        with self.lock:
+            qid, q = msg["qid"], self.quorum
+            if qid not in self.decisions and q is not None and q["qid"] == qid:
+                q["votes"][msg["replica"]] = bool(msg["ok"])
+                q["info"][msg["replica"]] = msg.get("info") or {}
+                q["first_vote"] = q["first_vote"] or time.time()
+                self.lock.notify_all()
+                while qid not in self.decisions:
+                    self._decide()
+                    self.lock.wait(0.05)
+            return {"commit": self.decisions.get(qid, False)}
+
+    def _done(self, msg, conn):
+        with self.lock:
+            rec = self.replicas[msg["replica"]]
+            rec.update(done=True, step=msg["step"])
+            self._event(msg["replica"], "finished")
+            self.lock.notify_all()
+        return {}
+
+    def _status(self, msg, conn):
+        with self.lock:
+            last = next((q for q in reversed(self.history) if q.get("commit")), None)
+            return {"replicas": {r: {"alive": self._alive(rec), "step": rec["step"], "done": rec["done"],
+                                     "pids": rec["pids"], "incarnation": rec["incarnation"]}
+                                 for r, rec in self.replicas.items()},
+                    "last_commit": last and {k: last[k] for k in ("qid", "step", "members")},
+                    "history": self.history if msg.get("history") else None, "events": self.events,
+                    "t": time.time() - self.t0}
+
+    def _arm(self, msg, conn):
+        with self.lock:
+            self.faults += msg.get("faults", [])
+            if "stop_at" in msg:
+                self.stop_at = msg["stop_at"]
+        return {}
+
+    # ---- forming quorums and deciding votes ----
+    def _tick(self):
+        while not self._closed.is_set():
+            with self.lock:
+                for r, rec in self.replicas.items():
+                    live = self._alive(rec)
+                    if live != rec["live"]:
+                        rec["live"] = live
+                        if not rec["done"]:
+                            self._event(r, "back" if live else "lost")
+                self._decide()
+                self._form()
+                self.lock.notify_all()
+            time.sleep(0.05)
+
+    def _form(self):
+        if self.quorum is not None and self.quorum["qid"] not in self.decisions:
+            return   # a vote is still open
+        live = {r: rec for r, rec in self.replicas.items() if self._alive(rec) and rec["in"]}
+        asking = {r: rec for r, rec in live.items() if rec["asked"] is not None}
+        if not asking:
+            return
+        now = time.time()
+        if len(asking) < len(live) and (now - min(rec["asked"] for rec in asking.values()) < self.join_timeout
+                                        or len(asking) < self.min_replicas):
+            return
+        newest = max(rec["step"] for rec in asking.values())
+        finished = max([rec["step"] for rec in self.replicas.values() if rec["done"]], default=-1)
+        if self.stop_at is not None and newest >= self.stop_at or newest < finished:
+            for r, rec in asking.items():   # the run is over (or every peer with newer state has finished)
+                rec.update(reply={"stop": True, "step": newest}, asked=None)
+            return
+        members = sorted(asking)
+        source = min(r for r in members if asking[r]["step"] == newest)
+        heal = {r: source for r in members if asking[r]["step"] < newest}
+        self.next_qid += 1
+        q = {"qid": self.next_qid, "step": newest, "members": members, "heal": heal, "votes": {}, "info": {},
+             "first_vote": None, "formed": round(now - self.t0, 3)}
+        self.quorum = q
+        self.history.append({k: v for k, v in q.items() if k not in ("votes", "first_vote")})
+        faults = {r: [] for r in members}
+        for f in list(self.faults):   # (the tests' failures, handed to the replica that acts them out)
+            target = f["replica"] if f["replica"] is not None else (source if heal else None)
+            if target in faults:
+                faults[target].append(f["fault"])
+                self.faults.remove(f)
+        for r in members:
+            asking[r].update(asked=None, reply={"qid": q["qid"], "step": newest, "members": members,
+                                                "heal": {str(k): v for k, v in heal.items()}, "faults": faults[r]})
+
+    def _decide(self):
+        q = self.quorum
+        if q is None or q["qid"] in self.decisions:
+            return
+        votes, members = q["votes"], q["members"]
+        if len(votes) == len(members):
+            commit = all(votes.values())
+        elif any(not self._alive(self.replicas[r]) for r in members if r not in votes):
+            commit = False   # a member went before it voted
+        elif q["first_vote"] and time.time() - q["first_vote"] > self.join_timeout:
+            commit = False   # alive, but silent
+        else:
+            return
+        self.decisions[q["qid"]] = commit
+        h = self.history[-1]
+        h.update(commit=commit, decided=round(time.time() - self.t0, 3), votes=dict(votes), info=q["info"])
+        if commit:
+            for r in members:
+                self.replicas[r]["step"] = q["step"] + 1
+
+
+class ReplicaManager:
+    """One replica's part (torchft's Manager), on every rank of the replica: a quorum at each
+    step boundary, heal from a live peer when behind, the gradients averaged over the quorum,
+    and a vote on whether the step commits.
+
+        manager = ReplicaManager(model, opt, "HOST:29510", replica_id=r)   # every rank of replica r
+        while manager.start_step(steps):              # False once the run is over
+            x, y = my_shard(r, manager.step)            # the data position is the step
+            model(x, y).backward(); model.finish_gradient_synchronization()   # inside the replica
+            if manager.should_commit(manager.all_reduce_gradients()):
+                model.clip_grad_norm_(1.0); opt.step()
+            opt.zero_grad()
+
+    ``module``'s parameters and buffers are what this rank holds (a shard under FSDP): rank k
+    of every replica must hold the same tensors (the same composition inside each replica).
+    ``process_group``: the replica's own ranks (default: the world). ``timeout``: seconds a
+    cross-replica operation may wait for a peer (a hung peer fails it after that). The
+    cross-replica groups are gloo's: gradients on a GPU are reduced from device memory, a
+    heal's tensors travel through host memory (gloo's send takes CPU tensors only).
+    ``heal_hook(i, n)``: called by a heal's source after its i-th tensor of n (the tests'
+    kill during a heal). ``step``: the committed step this replica starts from (its own
+    checkpoint's; the quorum heals it if the others are further); ``incarnation``: which
+    start of this replica it is (the coordinator reports it: a launcher tells a replaced
+    replica's new start from the old one).
+    """
+
+    def __init__(self, module, optimizer, coordinator: str, replica_id: int, process_group=None, timeout=3.0,
+                 step=0, incarnation=0):
+        self.module, self.optimizer, self.group = module, optimizer, process_group
+        self.rank, self.replica_id, self.timeout, self.step = dist.get_rank(process_group), replica_id, timeout, step
+        self.device = next(module.parameters()).device
+        self.coordinator, self.qid, self.pg, self.members, self.faults = coordinator, None, None, [], []
+        self.heal_hook, self.heals, self.info = None, [], {}
+        host, port = coordinator.rsplit(":", 1)
+        hello, pids = None, [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(pids, os.getpid(), group=process_group)
+        if self.rank == 0:
+            self._sock = socket.create_connection((host, int(port)))
+            self._lines = self._sock.makefile("r")
+            hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "pids": pids,
+                               "incarnation": incarnation})
+            self._beats = socket.create_connection((host, int(port)))
+            threading.Thread(target=self._beat, args=(hello["beat"],), daemon=True).start()
+        hello = self._share(hello)
+        self.store = dist.TCPStore(host, hello["store_port"], is_master=False,
+                                   timeout=datetime.timedelta(seconds=max(60.0, timeout)))
+
+    # ---- the coordinator (the replica's first rank talks to it) ----
+    def _ask(self, msg):
+        try:
+            _send(self._sock, msg)
+            line = self._lines.readline()
+        except OSError as e:
+            raise CoordinatorGone(f"the coordinator at {self.coordinator} is gone ({e})") from None
+        if not line:
+            raise CoordinatorGone(f"the coordinator at {self.coordinator} is gone (its connection closed)")
+        return json.loads(line)
+
+    def _beat(self, every):
+        msg = (json.dumps({"op": "beat", "replica": self.replica_id}) + "\n").encode()
+        with contextlib.suppress(OSError):
+            while True:
+                self._beats.sendall(msg)
+                time.sleep(every)
+
+    def _share(self, obj):
+        """Rank 0's ``obj`` on every rank of the replica (an error on rank 0 too: it is raised everywhere)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
+        if isinstance(box[0], dict) and "gone" in box[0]:
+            raise CoordinatorGone(box[0]["gone"])
+        return box[0]
+
+    def _leader(self, msg):
+        """Rank 0 asks the coordinator; every rank gets the answer."""
+        reply = None
+        if self.rank == 0:
+            try:
+                reply = self._ask(msg)
+            except CoordinatorGone as e:
+                reply = {"gone": str(e)}
+        return self._share(reply)
+
+    # ---- a step ----
+    def start_step(self, steps=None) -> bool:
+        """Join the next quorum (False: the run is over: --steps reached, or the coordinator
+        says stop); heal from a live peer where this replica is behind, or serve a heal."""
+        if steps is not None and self.step >= steps:
+            if self.rank == 0:
+                with contextlib.suppress(CoordinatorGone):
+                    self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
+            return False
+        q = self._leader({"op": "quorum", "replica": self.replica_id, "step": self.step})
+        if q.get("stop"):
+            if self.rank == 0:
+                with contextlib.suppress(CoordinatorGone):
+                    self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
+            return False
+        self.quorum, self.faults, self.ok, self.info = q, q["faults"], True, {}
+        if q["qid"] != self.qid:
+            self._new_group(q)
+        heal = {int(k): v for k, v in q["heal"].items()}
+        if heal and self.pg is None:
+            self.ok = False
+        elif self.replica_id in heal or self.replica_id in heal.values():
+            self.ok = self._heal(heal, q["step"])
+        return True
+
+    def _new_group(self, q):
+        self.pg, self.qid, self.members = None, q["qid"], q["members"]
+        if len(self.members) > 1:
+            store = dist.PrefixStore(f"q{q['qid']}/rank{self.rank}", self.store)
+            try:
+                self.pg = dist.ProcessGroupGloo(store, self.members.index(self.replica_id), len(self.members),
+                                                datetime.timedelta(seconds=self.timeout))
+            except RuntimeError:   # a member went before the group met
+                self.pg = None
+
+    def all_reduce_gradients(self) -> bool:
+        """Each gradient this rank holds averaged with rank k of every member (one flat
+        all-reduce; a gradient no member has stays None). False: it failed (a member lost)."""
+        if not self.ok or len(self.members) > 1 and self.pg is None:
+            return False
+        if len(self.members) == 1:
+            return True
+        params = list(self.module.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(
+            [float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)])
+        try:
+            self.pg.allreduce([flat]).wait()
+        except RuntimeError:
+            return False
+        flat[:-len(params)] /= len(self.members)
+        had = flat[-len(params):].tolist()
+        at = 0
+        for p, h in zip(params, had):   # (in place where it has one: a bucket's view under DDPBucketed)
+            mean = flat[at:at + p.numel()].view_as(p)
+            if not h:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = mean.clone()
+            else:
+                p.grad.copy_(mean)
+            at += p.numel()
+        return True
+
+    def should_commit(self, ok: bool) -> bool:
+        """Every rank of the replica says whether its part went well; the first rank votes;
+        the coordinator commits the step only if every member voted ok. True: step the
+        optimizer (and the manager's step moves on); False: drop the gradients."""
+        flags = torch.tensor([0.0 if ok else 1.0, float(bool(self.info))], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # anyone failed; anyone healed
+        failed, healed = flags.tolist()
+        info = [None] * dist.get_world_size(self.group)
+        if healed:   # each rank's figures of the heal
+            dist.all_gather_object(info, self.info, group=self.group)
+        reply = self._leader({"op": "vote", "replica": self.replica_id, "qid": self.qid, "ok": not failed,
+                              "info": {k: [i.get(k) for i in info] for k in info[0]} if healed else {}})
+        if reply["commit"]:
+            self.step += 1
+        else:
+            self.pg, self.qid = None, None   # made again at the next quorum
+        return reply["commit"]
+
+    # ---- healing ----
+    def _state(self) -> list:
+        """This rank's tensors a heal carries, in a fixed order: parameters, buffers, then
+        each parameter's optimizer state by key."""
+        params = list(self.module.parameters())
+        out = [p.data for p in params] + list(self.module.buffers())
+        for p in params:
+            st = self.optimizer.state.get(p, {})
+            out += [st[k] for k in sorted(st) if torch.is_tensor(st[k])]
+        return out
+
+    def _layout(self) -> dict:
+        params = list(self.module.parameters())
+        state = [{k: (list(v.shape), str(v.dtype).split(".")[1], v.device == p.device) if torch.is_tensor(v)
+                  else v for k, v in self.optimizer.state.get(p, {}).items()} for p in params]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"state": state, "groups": groups, "step": self.step}
+
+    @staticmethod
+    def _digest(tensors, step) -> str:
+        h = hashlib.sha256(str(step).encode())
+        for t in tensors:
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def _send_obj(self, obj, dst):
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+        self.pg.send([data], dst, 1).wait()
+
+    def _recv_obj(self, src):
+        n = torch.zeros(1, dtype=torch.int64)
+        self.pg.recv([n], src, 0).wait()
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        self.pg.recv([data], src, 1).wait()
+        return json.loads(bytes(data.numpy()).decode())
+
+    def _heal(self, heal: dict, step: int) -> bool:
+        """The source sends each joiner its layout and every tensor of its state (rank k to
+        rank k); a joiner makes its optimizer state to that layout, receives, and checks the
+        sha256. The ranks of a replica agree before a joiner takes the step: where any of
+        them failed (a peer lost midway), it stays behind (and heals again) and this returns
+        False."""
+        began, index, joiner = time.perf_counter(), self.members.index, self.replica_id in heal
+        peers = [heal[self.replica_id]] if joiner else [j for j, s in heal.items() if s == self.replica_id]
+        tensors, exact, got = [], False, None
+        try:
+            if joiner:
+                src = index(peers[0])
+                layout = self._recv_obj(src)
+                for p, st in zip(self.module.parameters(), layout["state"]):
+                    self.optimizer.state[p] = {
+                        k: torch.zeros(v[0], dtype=getattr(torch, v[1]), device=p.device if v[2] else "cpu")
+                        if isinstance(v, list) else v for k, v in st.items()}
+                for g, given in zip(self.optimizer.param_groups, layout["groups"]):
+                    g.update(given)
+                tensors = self._state()
+                for i, t in enumerate(tensors):
+                    buf = torch.empty(t.shape, dtype=t.dtype)
+                    self.pg.recv([buf], src, 2 + i).wait()
+                    with torch.no_grad():
+                        t.copy_(buf)
+                got = layout["step"]
+                exact = self._digest(tensors, got) == layout["digest"]
+            else:
+                tensors = self._state()
+                layout = {**self._layout(), "digest": self._digest(tensors, self.step)}
+                for j in peers:
+                    self._send_obj(layout, index(j))
+                    for i, t in enumerate(tensors):
+                        self.pg.send([t.detach().cpu().contiguous()], index(j), 2 + i).wait()
+                        if self.heal_hook is not None:
+                            self.heal_hook(i, len(tensors))
+                exact = True
+        except RuntimeError:
+            exact = False
+        flag = torch.tensor([float(exact)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)   # every rank of the replica, or none
+        if not flag.item():
+            return False
+        if joiner:
+            self.step = got
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.heals.append({"role": "joiner" if joiner else "source", "peers": peers, "step": step, "bytes": nbytes,
+                           "seconds": time.perf_counter() - began, "exact": exact})
+        self.info = {"heal_bytes": nbytes, "heal_s": self.heals[-1]["seconds"], "exact": exact,
+                     "role": self.heals[-1]["role"]}
+        return True
+# ---- end copy: fault-tolerant replicas ----
+
+
+import placement                      # noqa: E402  (the script's part: the kit beyond the copy)
+import sharded_checkpoint             # noqa: E402
+
+ddp_mod = common.load_script(common.ROOT / "05_bucketed_ddp.py")
+fsdp_mod = common.load_script(common.ROOT / "07_fsdp.py")
+
+NAME = "14_fault_tolerant_dp"
+SCRIPT = str(Path(__file__).resolve())
+LR, CLIP = 1e-3, 1.0
+
+
+# ---- a replica: the training loop every rank of it runs -----------------------------------
+def build(ctx, args):
+    """The kit's LM (the same weights on every replica: the seed), inside the replica under
+    --inner over its ranks (one rank: the model alone), and AdamW."""
+    model = common.build_lm(args.model_size, args.context_length, ctx.device, args.seed)
+    if ctx.world_size > 1:
+        model = ddp_mod.DDPBucketed(model, args.bucket_mb) if args.inner == "ddp" else fsdp_mod.FSDP(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def shard_batch(args, replica: int, step: int, device):
+    """Replica ``replica``'s batch of step ``step``: its own fixed data shard (a seed of its
+    own), the same wherever and whenever it runs."""
+    return common.lm_batch(args.batch_size, args.context_length, step, args.seed * 1000 + 17 + replica, device)
+
+
+def act_out(faults, ctx):
+    """The scenario's failures, handed out by the coordinator with a quorum: kill -9 of the
+    replica's last rank, SIGSTOP of its first (its beats stop: it hangs)."""
+    if "kill" in faults and ctx.rank == ctx.world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if "stop" in faults and ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def replica_worker(ctx, args):
+    """One replica's training, on each of its ranks: from its own checkpoint (--run-dir,
+    where one is) or step 0, a quorum each step, until --steps or the coordinator says
+    stop. Where the coordinator is gone, each rank saves its part of the last committed
+    step (a sharded checkpoint in --run-dir) before the replica ends. Returns rank 0's
+    record: the weights (whole), the step, the heals, each step's seconds."""
+    model, opt = build(ctx, args)
+    sync = getattr(model, "finish_gradient_synchronization", lambda: None)
+    folder = Path(args.run_dir) / f"replica-{args.replica_id}" if args.run_dir else None
+    latest = sharded_checkpoint.latest_checkpoint(str(folder)) if folder and folder.exists() else None
+    start = sharded_checkpoint.load_sharded(model, opt, latest)["step"] if latest else 0
+    manager = ReplicaManager(model, opt, args.join, args.replica_id, timeout=args.detect, step=start,
+                             incarnation=args.incarnation)
+    manager.heal_hook = lambda i, n: act_out(["kill"] if "healkill" in manager.faults and i == n // 2 else [], ctx)
+    part = args.batch_size // ctx.world_size
+    times, pace = [], args.pace_ms / 1000
+    try:
+        while True:
+            began = time.perf_counter()   # (a step's time counts its quorum)
+            if not manager.start_step(args.steps):
+                break
+            act_out(manager.faults, ctx)
+            x, y = shard_batch(args, args.replica_id, manager.step, ctx.device)
+            model(x[ctx.rank * part:(ctx.rank + 1) * part], y[ctx.rank * part:(ctx.rank + 1) * part]).backward()
+            sync()
+            if manager.should_commit(manager.all_reduce_gradients()):
+                placement.clip_grad_norm_(model, CLIP)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - began)
+            time.sleep(max(0.0, pace - times[-1]))
+    except CoordinatorGone as e:
+        where = "nowhere (no --run-dir)"
+        if folder:
+            sharded_checkpoint.save_sharded(model, opt, str(folder), manager.step, extra={"step": manager.step})
+            where = str(folder)
+        raise CoordinatorGone(f"{e}: replica {args.replica_id} stops at its last committed step, {manager.step}; "
+                              f"its state is saved in {where}: start a coordinator and the replicas again to go on "
+                              f"from there") from None
+    full = {k.removeprefix("module."): v for k, v in placement.full_state_dict(model).items()}   # (the model's names)
+    return {"replica": args.replica_id, "step": manager.step, "heals": manager.heals, "times": times,
+            "weights": full, "started": start} if ctx.rank == 0 else None
+
+
+def run_replica(args):
+    """--join: this process is a rank of one replica (torchrun's, or the launcher's, which
+    sets torchrun's variables); rank 0 writes --result where given, and prints its summary."""
+    if args.parent:
+        common._watch_parent(args.parent)   # the launcher gone: so is this replica
+    out = common.launch(replica_worker, args, world_size=args.replica_ranks)
+    if out is None:
+        return
+    digest = common.weights_sha256(out["weights"])
+    if args.result:
+        common.save_file(args.result, lambda f: torch.save(out, f))
+    print(f"replica {args.replica_id}: {out['step']} steps committed (from step {out['started']}), "
+          f"{len(out['heals'])} heal(s); final weights sha256 {digest}", flush=True)
+
+
+# ---- the launcher: the coordinator and each replica's ranks as processes of their own ------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    """What `python 14_fault_tolerant_dp.py` starts: the coordinator (a process) and each
+    replica as its own job, its ranks started with torchrun's variables (so a replica runs
+    the same code spawned or under torchrun); a replica whose rank dies is ended whole (its
+    process group) and, while the run goes on, started again (a new incarnation); a replica
+    the coordinator has left out while its processes live (hung) is killed and started
+    again. Nothing is left running when it ends."""
+
+    def __init__(self, args, work: Path, replicas: int, ranks: int):
+        self.args, self.work, self.n, self.ranks = args, Path(work), replicas, ranks
+        self.procs, self.incarnation, self.finished, self.log = {}, {}, set(), []
+        cmd = [sys.executable, SCRIPT, "--coordinator", "--host", "127.0.0.1", "--port", "0", "--detect",
+               str(args.detect), "--join-timeout", str(args.join_timeout), "--parent", str(os.getpid())]
+        self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.work / "coordinator.log", "w"),
+                                            text=True, start_new_session=True)
+        line = self.coordinator.stdout.readline()
+        if not line.startswith("coordinator at "):
+            self.close()
+            raise common.LaunchError(f"the coordinator did not start: {(self.work / 'coordinator.log').read_text()}")
+        self.address = line.split()[2]
+        host, port = self.address.rsplit(":", 1)
+        self.ctl = socket.create_connection((host, int(port)))
+        self.ctl_lines = self.ctl.makefile("r")
+        self.t0 = time.time()
+
+    def ask(self, msg) -> dict:
+        _send(self.ctl, msg)
+        return json.loads(self.ctl_lines.readline())
+
+    def start(self, r):
+        """Replica r's ranks, a process group of their own, torchrun's variables set."""
+        self.incarnation[r] = self.incarnation.get(r, 0) + 1
+        a, port = self.args, free_port()
+        cmd = [sys.executable, SCRIPT, "--join", self.address, "--replica-id", str(r), "--incarnation",
+               str(self.incarnation[r]), "--replica-ranks", str(self.ranks), "--inner", a.inner, "--model-size",
+               a.model_size, "--context-length", str(a.context_length), "--batch-size", str(a.batch_size),
+               "--steps", str(a.steps), "--detect", str(a.detect), "--pace-ms", str(a.pace_ms), "--seed", str(a.seed),
+               "--backend", a.backend, "--device", a.device, "--timeout", str(a.timeout), "--parent", str(os.getpid()),
+               "--result", str(self.work / f"replica-{r}.pt")]
+        log = open(self.work / f"replica-{r}.{self.incarnation[r]}.log", "w")
+        procs, group = [], None
+        for rank in range(self.ranks):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
+                   "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          process_group=0 if group is None else group))
+            group = group or procs[0].pid
+        self.procs[r] = procs
+        self.event(r, f"started (incarnation {self.incarnation[r]})")
+
+    def event(self, r, what):
+        self.log.append((round(time.time() - self.t0, 3), r, what))
+
+    def end(self, r, why):
+        """Every process of replica r, killed (SIGKILL reaches a stopped one too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[r][0].pid, signal.SIGKILL)
+        for p in self.procs[r]:
+            p.wait()
+        self.event(r, why)
+
+    def watch(self, status) -> list:
+        """One look at every replica: ended ones started again (unless the run is over),
+        hung ones ended and started again. Returns the replicas that have finished."""
+        for r, procs in self.procs.items():
+            if r in self.finished:
+                continue
+            codes = [p.poll() for p in procs]
+            rec = status["replicas"].get(str(r)) or status["replicas"].get(r)
+            if all(c == 0 for c in codes):
+                self.finished.add(r)
+                self.event(r, "finished")
+            elif any(c not in (None, 0) for c in codes):
+                self.end(r, f"lost (exit codes {codes})")
+                self.start(r)
+            elif rec and rec["incarnation"] == self.incarnation[r] and not rec["alive"] and not rec["done"]:
+                self.end(r, "hung: left out of the quorum, its processes alive")
+                self.start(r)
+        return sorted(self.finished)
+
+    def close(self):
+        for r in list(self.procs):
+            if r not in self.finished:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.procs[r][0].pid, signal.SIGKILL)
+                for p in self.procs[r]:
+                    p.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.coordinator.pid, signal.SIGKILL)
+        self.coordinator.wait()
+
+    def tail(self, lines=15) -> str:
+        out = []
+        for f in sorted(self.work.glob("*.log")):
+            text = f.read_text().strip().splitlines()[-lines:]
+            if text:
+                out.append(f"--- {f.name}\n" + "\n".join(text))
+        return "\n".join(out)
+
+
+def run_scenario(args, replicas: int, ranks: int, phases, deadline: float) -> dict:
+    """The run: the coordinator and ``replicas`` replicas of ``ranks`` ranks; ``phases`` a
+    list of (condition(status, since), faults to arm, label): each phase's faults armed
+    once its condition holds (the last one's: stop a few steps on). Returns every replica's
+    final record, the coordinator's history and events, the launcher's log and when each
+    phase acted."""
+    work = Path(tempfile.mkdtemp(prefix="ft-"))
+    job = Launcher(args, work, replicas, ranks)
+    acted = []
+    try:
+        for r in range(replicas):
+            job.start(r)
+        since, phase = -1, 0
+        while True:
+            status = job.ask({"op": "status"})
+            done = job.watch(status)
+            if len(done) == replicas:
+                break
+            last = status["last_commit"]
+            if phase < len(phases) and last is not None:
+                cond, arm, label = phases[phase]
+                if cond(status, since):
+                    job.ask({"op": "arm", **arm(last)})
+                    acted.append({"t": round(status["t"], 3), "step": last["step"], "phase": label})
+                    since, phase = last["step"], phase + 1
+            if time.time() - job.t0 > deadline:
+                raise common.LaunchError(f"the run did not finish in {deadline:.0f} s (phase {phase}: "
+                                         f"{phases[min(phase, len(phases) - 1)][2]}):\n{job.tail()}")
+            time.sleep(0.05)
+        status = job.ask({"op": "status", "history": True})
+        records = {r: torch.load(work / f"replica-{r}.pt", weights_only=False) for r in range(replicas)}
+        return {"records": records, "history": status["history"], "events": status["events"], "log": job.log,
+                "acted": acted}
+    finally:
+        job.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def everyone(n):
+    """A condition: the last committed step had all ``n`` replicas, two steps after the
+    last phase acted."""
+    return lambda status, since: status["last_commit"]["members"] == list(range(n)) and \
+        status["last_commit"]["step"] >= since + 2
+
+
+def verification_phases(n: int) -> list:
+    """The scenario: replica 1 killed, with the source of the heal that follows killed
+    midway; replica n-1 hung (SIGSTOP); two replicas killed at once; then a stop."""
+    return [
+        (everyone(n), lambda last: {"faults": [{"replica": 1, "fault": "kill"}, {"replica": None, "fault": "healkill"}]},
+         "kill -9 replica 1; then the source of its heal, midway"),
+        (everyone(n), lambda last: {"faults": [{"replica": n - 1, "fault": "stop"}]}, f"SIGSTOP replica {n - 1}"),
+        (everyone(n), lambda last: {"faults": [{"replica": 0, "fault": "kill"}, {"replica": 1, "fault": "kill"}]},
+         "kill -9 replicas 0 and 1 at once"),
+        (everyone(n), lambda last: {"stop_at": last["step"] + 3}, "stop"),
+    ]
+
+
+# ---- the check: the committed steps replayed in one process --------------------------------
+def participation(history) -> list:
+    """(step, members) of every committed step, in order; each step committed exactly once."""
+    done = [(q["step"], q["members"]) for q in history if q.get("commit")]
+    if [s for s, _ in done] != list(range(len(done))):
+        raise common.LaunchError(f"the committed steps are not 0, 1, 2, ...: {[s for s, _ in done]}")
+    return done
+
+
+def replay(args, schedule) -> dict:
+    """One process: at each committed step, the mean loss over the batches of the replicas
+    that contributed (the average of their gradients), clipped by the global norm, AdamW."""
+    torch.manual_seed(args.seed)
+    model = common.build_lm(args.model_size, args.context_length, "cpu", args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    for step, members in schedule:
+        parts = [(shard_batch(args, r, step, "cpu"), {}) for r in members]
+        common.one_process_step(model, opt, parts, max_norm=CLIP)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def check(args, run) -> dict:
+    """Every replica's final weights bit for bit alike, every heal exact, and the replay's
+    weights within float32's reordering."""
+    schedule = participation(run["history"])
+    records = run["records"]
+    first = records[0]["weights"]
+    alike = all(all(torch.equal(first[k], rec["weights"][k]) for k in first) for rec in records.values())
+    heals = [i for q in run["history"] if q.get("commit") for i in q["info"].values() if "joiner" in i.get("role", [])]
+    exact = all(all(i["exact"]) for i in heals)
+    want = replay(args, schedule)
+    diff = max((first[k].float() - want[k].float()).abs().max().item() for k in want)
+    return {"ok": alike and exact and diff < 1e-4, "max_diff": diff, "alike": alike, "heals_exact": exact,
+            "steps": len(schedule), "heals": len(heals)}
+
+
+# ---- the timeline --------------------------------------------------------------------------
+def timeline(run, n) -> dict:
+    """Replicas x committed steps: 'stepped', 'healed' (joined there from a peer), or out;
+    and every aborted attempt (its step and members)."""
+    cells, aborted = {r: {} for r in range(n)}, []
+    for q in run["history"]:
+        if "commit" not in q:
+            continue
+        if not q["commit"]:
+            aborted.append({"step": q["step"], "members": q["members"], "t": q["decided"]})
+            continue
+        for r in q["members"]:
+            cells[r][q["step"]] = "healed" if str(r) in q["heal"] or r in q["heal"] else "stepped"
+    steps = 1 + max((q["step"] for q in run["history"] if q.get("commit")), default=-1)
+    return {"steps": steps, "cells": {r: [cells[r].get(s, "out") for s in range(steps)] for r in cells},
+            "aborted": aborted}
+
+
+def print_timeline(tl, acted):
+    mark = {"stepped": "#", "healed": "H", "out": "."}
+    print(f"\nMembership by committed step (# stepped, H healed from a peer there, . out); {tl['steps']} steps:")
+    for r, row in tl["cells"].items():
+        print(f"  replica {r}  {''.join(mark[c] for c in row)}")
+    for a in acted:
+        print(f"  armed after step {a['step']:>3}: {a['phase']}")
+    for a in tl["aborted"]:
+        print(f"  aborted at step {a['step']:>3} (members {a['members']}): not committed by anyone, redone")
+
+
+def draw_timeline(tl, acted, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    code = {"out": 0, "stepped": 1, "healed": 2}
+    rows = [[code[c] for c in tl["cells"][r]] for r in sorted(tl["cells"])]
+    fig, ax = plt.subplots(figsize=(min(14, 3 + tl["steps"] / 8), 1 + 0.5 * len(rows)))
+    ax.imshow(rows, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#eeeeee", "#4c72b0", "#55a868"]),
+              vmin=0, vmax=2)
+    for a in tl["aborted"]:
+        for r in a["members"]:
+            ax.plot(a["step"] - 0.5, r, "x", color="#c44e52", ms=7, mew=2)
+    for a in acted:
+        ax.axvline(a["step"] + 0.5, color="k", lw=0.6, ls="--")
+    ax.set_yticks(range(len(rows)), [f"replica {r}" for r in sorted(tl["cells"])])
+    ax.set_xlabel("committed step (blue: stepped; green: healed from a peer there; grey: out; "
+                  "red x: an attempt aborted; dashed: a failure armed)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    common.save_file(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    plt.close(fig)
+
+
+# ---- the benchmark: the quorum's cost beside torch DDP, a kill, a heal -----------------------
+BENCH_WARM = 5
+
+
+def ddp_steps(ctx, args, steps):
+    """torch DDP over the same ranks (one a replica), the same model and batches: each
+    step's seconds on rank 0 (forward, backward with its all-reduce, clip, AdamW)."""
+    model = torch.nn.parallel.DistributedDataParallel(
+        common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    times = []
+    for i in range(steps):
+        began = time.perf_counter()
+        x, y = shard_batch(args, ctx.rank, i, ctx.device)
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        common.sync(ctx.device)
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def bench_phases(n, measured):
+    return [(lambda st, since: st["last_commit"]["members"] == list(range(n))
+             and st["last_commit"]["step"] >= BENCH_WARM + measured,
+             lambda last: {"faults": [{"replica": n - 1, "fault": "kill"}]}, f"kill -9 replica {n - 1}"),
+            (everyone(n), lambda last: {"stop_at": last["step"] + 2}, "stop")]
+
+
+def bench_row(args, n, run, ddp) -> dict:
+    """From one run: replica 0's step with every replica in (after the warm-up), the time
+    from the kill (the quorum that handed it out) to the next committed step, and the
+    replacement's heal (its transfer, and from its hello to its first committed step)."""
+    hist, measured = run["history"], args.bench_steps
+    ours = statistics.median(run["records"][0]["times"][BENCH_WARM:BENCH_WARM + measured]) * 1000
+    armed = run["acted"][0]["t"]
+    fault = next(q for q in hist if q["formed"] >= armed and n - 1 in q["members"])
+    after = next(q for q in hist if q.get("commit") and q["formed"] > fault["formed"] and q["qid"] > fault["qid"]
+                 and (not fault.get("commit") or q["step"] > fault["step"]))
+    healed = next(q for q in hist if q.get("commit") and str(n - 1) in q["heal"])
+    back = max(t for t, r, what in run["events"] if r == n - 1 and what == "rejoined" and t <= healed["decided"])
+    info = healed["info"][str(n - 1)] if str(n - 1) in healed["info"] else healed["info"][n - 1]
+    return {"replicas": n, "ours_step_ms": round(ours, 2), "torch_ddp_step_ms": round(ddp, 2),
+            "vs_ddp": round(ours / ddp, 3), "kill_to_commit_s": round(after["decided"] - fault["formed"], 3),
+            "heal_s": round(max(info["heal_s"]), 4), "heal_MB": round(info["heal_bytes"][0] / 1e6, 2),
+            "rejoin_to_commit_s": round(healed["decided"] - back, 3)}
+
+
+def benchmark(args):
+    rows, settings = [], {"model_size": args.model_size, "context_length": args.context_length,
+                          "batch_size": args.batch_size, "detect_s": args.detect, "bench_steps": args.bench_steps,
+                          "backend": "gloo", "device": args.device}
+    if importlib.util.find_spec("torchft") is None:
+        print("benchmark: SKIP torchft's Manager: torchft is not installed here (this machine's package index has "
+              "none); ours and torch DDP only", flush=True)
+    fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0, "inner": "none"})
+    for n in args.bench_replicas:
+        run = run_scenario(fast, n, 1, bench_phases(n, args.bench_steps), deadline=args.deadline)
+        ddp = common.launch(ddp_steps, fast, BENCH_WARM + args.bench_steps, world_size=n)
+        rows.append(bench_row(args, n, run, statistics.median(ddp[BENCH_WARM:]) * 1000))
+        table = common.save_results(args.out, NAME, rows, settings, title=BENCH_TITLE, note=BENCH_NOTE)
+        print(f"\n{BENCH_TITLE}\n{table}", flush=True)
+    print(common.wrote(args.out, f"{NAME}.json and .md"), flush=True)
+
+
+BENCH_TITLE = "Replicas that survive a loss: a step beside torch DDP, a kill, a heal (one rank a replica)"
+BENCH_NOTE = ("ours_step_ms: replica 0's step with every replica in (the quorum, forward and backward, the gradients' "
+              "all-reduce over the quorum's gloo group, the vote, clip, AdamW), the median of --bench-steps after "
+              f"{BENCH_WARM} warm-up; torch_ddp_step_ms: torch DDP over the same ranks (one a replica), the same "
+              "model and batches, in its own job; vs_ddp: their ratio (the quorum's cost). kill_to_commit_s: from the "
+              "quorum that handed replica n-1 its kill -9 to the next committed step (the others' detection, an "
+              "aborted attempt and a new quorum); heal_s: the replacement's transfer from its live peer (weights, "
+              "AdamW's state, the step; heal_MB), rejoin_to_commit_s: from its hello to its first committed step. "
+              "Each replica count is its own run.")
+
+
+# ---- flags, checks, main --------------------------------------------------------------------
+def parser():
+    p = common.KitParser(description=__doc__.split("\n\n")[0], epilog=None)
+    p.add_argument("--replicas", type=common.COUNT, default=3, help="replicas (each its own job)")
+    p.add_argument("--replica-ranks", type=common.COUNT, default=2, help="ranks a replica")
+    p.add_argument("--inner", choices=["ddp", "fsdp"], default="fsdp",
+                   help="inside a replica of 2 ranks or more: 05's DDPBucketed or 07's FSDP")
+    p.add_argument("--model-size", choices=list(common.MODEL_SIZES), default="nano", help="the kit's LM")
+    p.add_argument("--context-length", type=common.COUNT, default=32, help="tokens a sequence")
+    p.add_argument("--batch-size", type=common.COUNT, default=8, help="a replica's batch, split over its ranks")
+    p.add_argument("--steps", type=common.COUNT, default=1000,
+                   help="the steps a replica trains at most (the verification's scenario stops it sooner)")
+    p.add_argument("--detect", type=common.SECONDS, default=2.0,
+                   help="seconds without a beat that leave a replica out (and a cross-replica operation's timeout)")
+    p.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
+                   help="seconds a quorum waits for a live replica that has not asked (a hung one that still beats)")
+    p.add_argument("--pace-ms", type=common.number(float, lo=0), default=None,
+                   help="a step takes at least this long (default: 100 in the verification, where the nano LM's "
+                        "step is a few ms and a replacement's start 3 to 5 s here: so the scenario's restarts "
+                        "land within a hundred steps; 0 for --join)")
+    p.add_argument("--bucket-mb", type=common.number(float, above=0), default=25.0, help="--inner ddp's buckets")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                   help="inside a replica (across replicas: always gloo)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, cpu for gloo")
+    p.add_argument("--seed", type=common.COUNT0, default=0, help="the weights, and each replica's data shard")
+    p.add_argument("--out", default=common.DEFAULT_OUT, help="folder for results (make all writes results/)")
+    p.add_argument("--timeout", type=common.SECONDS, default=300.0, help="seconds a collective inside a replica may wait")
+    common.add_stall_flags(p)
+    p.add_argument("--no-verify", action="store_true", help="skip the verification")
+    p.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    p.add_argument("--bench-replicas", type=common.COUNT, nargs="+", default=[2, 3, 4], help="the benchmark's runs")
+    p.add_argument("--bench-steps", type=common.COUNT, default=20, help="measured steps before the benchmark's kill")
+    p.add_argument("--deadline", type=common.SECONDS, default=240.0, help="seconds a run may take before it is ended")
+    p.add_argument("--coordinator", action="store_true",
+                   help="run the coordinator alone (for replicas under torchrun): it prints its address and serves")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="--coordinator: the address it listens on (loopback; give the machine's for other nodes)")
+    p.add_argument("--port", type=common.number(int, lo=0, hi=65535), default=29510, help="--coordinator: its port")
+    p.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="run as the ranks of one replica (under torchrun: one torchrun job a replica), joining the "
+                        "coordinator there")
+    p.add_argument("--replica-id", type=common.COUNT0, default=None, help="--join: this replica's number")
+    p.add_argument("--run-dir", default=None,
+                   help="--join: where a replica saves its last committed step when the coordinator is gone, and "
+                        "starts from (default: runs/14_fault_tolerant_dp)")
+    p.add_argument("--incarnation", type=common.COUNT0, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def check_args(args):
+    """Everything refused before any process starts (UsageError: one line, exit 2)."""
+    args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    if args.backend == "nccl" and args.device != "cuda":
+        raise common.UsageError("nccl works on CUDA tensors only: use --device cuda or --backend gloo")
+    if args.device == "cuda" and common.gpu_count() == 0:
+        raise common.UsageError("--device cuda but no GPU is visible: use --device cpu")
+    if args.coordinator and args.join:
+        raise common.UsageError("--coordinator and --join: a process is the coordinator or a replica's rank, not both")
+    if args.coordinator:
+        return
+    if args.batch_size % args.replica_ranks:
+        raise common.UsageError(f"--batch-size {args.batch_size} must divide by --replica-ranks {args.replica_ranks}: "
+                                f"each rank of a replica takes an equal part")
+    if args.join is not None:
+        host, _, port = args.join.rpartition(":")
+        if not host or not port.isdigit():
+            raise common.UsageError(f"--join {args.join}: give the coordinator's HOST:PORT")
+        if args.replica_id is None:
+            raise common.UsageError("--join needs --replica-id: this replica's number (its data shard)")
+        if common.under_torchrun():
+            args.replica_ranks = int(os.environ["WORLD_SIZE"])
+        args.pace_ms = args.pace_ms if args.pace_ms is not None else 0.0
+        args.run_dir = args.run_dir or str(common.ROOT / "runs" / NAME)
+        common.check_out(args.run_dir, "--run-dir")
+        return
+    if args.replica_id is not None or args.run_dir is not None:
+        raise common.UsageError(f"{'--replica-id' if args.replica_id is not None else '--run-dir'} applies to --join "
+                                f"(a replica's ranks)")
+    if args.replicas < 2:
+        raise common.UsageError(f"--replicas {args.replicas}: surviving a lost replica needs at least 2")
+    if not args.no_verify and args.replicas < 3:
+        raise common.UsageError(f"--replicas {args.replicas}: the verification loses two replicas at once and needs "
+                                f"one more to go on: use 3 or more (or --no-verify)")
+    if args.backend == "nccl" and common.gpu_count() < args.replicas * args.replica_ranks:
+        raise common.UsageError(f"nccl needs one GPU per rank: {args.replicas} replicas of {args.replica_ranks} ranks, "
+                                f"{common.gpu_count()} GPU(s); {common.NCCL_HINT}")
+    common.check_ranks(args.replicas * args.replica_ranks, args.backend, "--replicas x --replica-ranks")
+    if not args.no_bench:
+        common.check_ranks(max(args.bench_replicas), "gloo", "--bench-replicas")
+        if min(args.bench_replicas) < 2:
+            raise common.UsageError("--bench-replicas: each run needs 2 replicas or more")
+    args.pace_ms = args.pace_ms if args.pace_ms is not None else 100.0
+    common.check_out(args.out)
+
+
+def run_coordinator(args):
+    coordinator = Coordinator(args.host, args.port, detect=args.detect, join_timeout=args.join_timeout)
+    if args.parent:
+        common._watch_parent(args.parent)
+    print(f"coordinator at {coordinator.address} (its store at port {coordinator.store.port}); every replica's first "
+          f"rank joins it with --join {coordinator.address}", flush=True)
+    try:
+        coordinator.serve()
+    finally:
+        coordinator.close()
+
+
+def verify(args):
+    n = args.replicas
+    run = run_scenario(args, n, args.replica_ranks, verification_phases(n), deadline=args.deadline)
+    result = check(args, run)
+    tl = timeline(run, n)
+    if common.is_reporter():
+        print_timeline(tl, run["acted"])
+        inner = f"{args.replica_ranks} ranks a replica under {args.inner}" if args.replica_ranks > 1 else "1 rank a replica"
+        title = f"{n} replicas ({inner}), the {args.model_size} LM: membership by committed step"
+        common.save_file(Path(args.out) / "14_timeline.json", lambda f: f.write(json.dumps(
+            {"timeline": tl, "acted": run["acted"], "history": run["history"], "events": run["events"],
+             "launcher": run["log"], "check": result}, indent=1, default=str).encode()))
+        draw_timeline(tl, run["acted"], Path(args.out) / "14_timeline.png", title)
+        print(common.wrote(args.out, "14_timeline.json and .png"), flush=True)
+    label = (f"{result['steps']} committed steps, {result['heals']} heals (each exact: {result['heals_exact']}), "
+             f"every replica alike: {result['alike']}; against one process")
+    common.check_verification({label: result}, f"{NAME} at {n} replicas")
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    check_args(args)
+    if args.coordinator:
+        return run_coordinator(args)
+    if args.join is not None:
+        return run_replica(args)
+    if common.is_reporter():
+        print(f"running: {Path(SCRIPT).name}: {args.replicas} replicas of {args.replica_ranks} rank(s) "
+              f"({args.inner if args.replica_ranks > 1 else 'one rank'}), a coordinator, {args.backend}/{args.device}: "
+              f"{', then '.join(w for w, skip in (('verification', args.no_verify), ('benchmark', args.no_bench)) if not skip) or 'nothing'}",
+              flush=True)
+    if not args.no_verify:
+        verify(args)
+    if not args.no_bench:
+        benchmark(args)
+
+
+if __name__ == "__main__":
+    common.run_main(main)
