@@ -100,6 +100,7 @@ class Coordinator:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self):
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (small messages, at once)
                 outer._serve(self.rfile, self.connection)
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self.server = socketserver.ThreadingTCPServer((host, port), Handler)
@@ -167,9 +168,10 @@ class Coordinator:
             rec.update(step=msg["step"], asked=time.time(), reply=None)
             rec["in"] = True
             self.lock.notify_all()
+            self._form()
             while rec["reply"] is None:
-                self._form()
                 self.lock.wait(0.05)
+                self._form()
             reply, rec["reply"] = rec["reply"], None
             return reply
 
@@ -181,9 +183,10 @@ class Coordinator:
                 q["info"][msg["replica"]] = msg.get("info") or {}
                 q["first_vote"] = q["first_vote"] or time.time()
                 self.lock.notify_all()
+                self._decide()
                 while qid not in self.decisions:
-                    self._decide()
                     self.lock.wait(0.05)
+                    self._decide()
             return {"commit": self.decisions.get(qid, False)}
 
     def _done(self, msg, conn):
@@ -242,6 +245,7 @@ class Coordinator:
         if self.stop_at is not None and newest >= self.stop_at or newest < finished:
             for r, rec in asking.items():   # the run is over (or every peer with newer state has finished)
                 rec.update(reply={"stop": True, "step": newest}, asked=None)
+            self.lock.notify_all()
             return
         members = sorted(asking)
         source = min(r for r in members if asking[r]["step"] == newest)
@@ -260,6 +264,7 @@ class Coordinator:
         for r in members:
             asking[r].update(asked=None, reply={"qid": q["qid"], "step": newest, "members": members,
                                                 "heal": {str(k): v for k, v in heal.items()}, "faults": faults[r]})
+        self.lock.notify_all()
 
     def _decide(self):
         q = self.quorum
@@ -280,6 +285,7 @@ class Coordinator:
         if commit:
             for r in members:
                 self.replicas[r]["step"] = q["step"] + 1
+        self.lock.notify_all()
 
 
 class ReplicaManager:
@@ -320,6 +326,7 @@ class ReplicaManager:
         dist.all_gather_object(pids, os.getpid(), group=process_group)
         if self.rank == 0:
             self._sock = socket.create_connection((host, int(port)))
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._lines = self._sock.makefile("r")
             hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "pids": pids,
                                "incarnation": incarnation})
@@ -662,6 +669,7 @@ class Launcher:
         self.address = line.split()[2]
         host, port = self.address.rsplit(":", 1)
         self.ctl = socket.create_connection((host, int(port)))
+        self.ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.ctl_lines = self.ctl.makefile("r")
         self.t0 = time.time()
 
@@ -714,6 +722,10 @@ class Launcher:
                 self.finished.add(r)
                 self.event(r, "finished")
             elif any(c not in (None, 0) for c in codes):
+                if not rec or rec["incarnation"] != self.incarnation[r]:   # it never joined: it cannot start
+                    log = (self.work / f"replica-{r}.{self.incarnation[r]}.log").read_text().strip().splitlines()
+                    raise common.LaunchError(f"replica {r} could not start (exit codes {codes}):\n"
+                                             + "\n".join(log[-12:]))
                 self.end(r, f"lost (exit codes {codes})")
                 self.start(r)
             elif rec and rec["incarnation"] == self.incarnation[r] and not rec["alive"] and not rec["done"]:
@@ -928,7 +940,7 @@ def bench_row(args, n, run, ddp) -> dict:
     fault = next(q for q in hist if q["formed"] >= armed and n - 1 in q["members"])
     after = next(q for q in hist if q.get("commit") and q["formed"] > fault["formed"] and q["qid"] > fault["qid"]
                  and (not fault.get("commit") or q["step"] > fault["step"]))
-    healed = next(q for q in hist if q.get("commit") and str(n - 1) in q["heal"])
+    healed = next(q for q in hist if q.get("commit") and str(n - 1) in q["heal"] and q["formed"] > fault["formed"])
     back = max(t for t, r, what in run["events"] if r == n - 1 and what == "rejoined" and t <= healed["decided"])
     info = healed["info"][str(n - 1)] if str(n - 1) in healed["info"] else healed["info"][n - 1]
     return {"replicas": n, "ours_step_ms": round(ours, 2), "torch_ddp_step_ms": round(ddp, 2),
@@ -944,7 +956,7 @@ def benchmark(args):
     if importlib.util.find_spec("torchft") is None:
         print("benchmark: SKIP torchft's Manager: torchft is not installed here (this machine's package index has "
               "none); ours and torch DDP only", flush=True)
-    fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0, "inner": "none"})
+    fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0})   # (one rank a replica: --inner unused)
     for n in args.bench_replicas:
         run = run_scenario(fast, n, 1, bench_phases(n, args.bench_steps), deadline=args.deadline)
         ddp = common.launch(ddp_steps, fast, BENCH_WARM + args.bench_steps, world_size=n)
@@ -1105,6 +1117,7 @@ def main(argv=None):
               f"({args.inner if args.replica_ranks > 1 else 'one rank'}), a coordinator, {args.backend}/{args.device}: "
               f"{', then '.join(w for w, skip in (('verification', args.no_verify), ('benchmark', args.no_bench)) if not skip) or 'nothing'}",
               flush=True)
+    common._announce_next.clear()   # (said: the jobs it launches need not)
     if not args.no_verify:
         verify(args)
     if not args.no_bench:
