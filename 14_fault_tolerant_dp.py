@@ -39,7 +39,6 @@ import importlib.util
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -79,15 +78,18 @@ class Coordinator:
     member holds), and for each member behind it the live peer it heals from. Then each
     member votes; the step commits only if every member voted ok, and a member that goes
     before it votes (a closed connection at once; no beat for ``detect`` seconds) aborts it
-    for all. It also holds the TCPStore through which each quorum's groups meet.
+    for all. Until step 0 commits, every member but the source heals from it (``init_sync``:
+    replicas built apart start from one replica's weights). It also holds the TCPStore
+    through which each quorum's groups meet.
 
         coordinator = Coordinator("0.0.0.0", 29510, detect=2.0)
         print(coordinator.address)         # replicas: ReplicaManager(..., coordinator="HOST:29510", ...)
         coordinator.serve()                 # until close() (or the process ends)
     """
 
-    def __init__(self, host="127.0.0.1", port=0, detect=2.0, join_timeout=10.0, min_replicas=1):
+    def __init__(self, host="127.0.0.1", port=0, detect=2.0, join_timeout=10.0, min_replicas=1, init_sync=True):
         self.detect, self.join_timeout, self.min_replicas = detect, join_timeout, min_replicas
+        self.init_sync = init_sync
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.lock = threading.Condition()
         self.t0 = time.time()
@@ -142,7 +144,7 @@ class Coordinator:
         with self.lock:
             r = msg["replica"]
             self._event(r, "rejoined" if r in self.replicas else "joined")
-            self.replicas[r] = {"beat": time.time(), "step": msg["step"], "asked": None, "in": False, "done": False,
+            self.replicas[r] = {"beat": time.time(), "step": msg["step"], "asked": None, "done": False,
                                 "conns": {conn: True}, "reply": None, "live": True, "pids": msg.get("pids"),
                                 "incarnation": msg.get("incarnation", 0)}
             return {"store_port": self.store.port, "beat": self.detect / 5}
@@ -166,7 +168,6 @@ class Coordinator:
         with self.lock:
             rec = self.replicas[r]
             rec.update(step=msg["step"], asked=time.time(), reply=None)
-            rec["in"] = True
             self.lock.notify_all()
             self._form()
             while rec["reply"] is None:
@@ -232,13 +233,12 @@ class Coordinator:
     def _form(self):
         if self.quorum is not None and self.quorum["qid"] not in self.decisions:
             return   # a vote is still open
-        live = {r: rec for r, rec in self.replicas.items() if self._alive(rec) and rec["in"]}
+        live = {r: rec for r, rec in self.replicas.items() if self._alive(rec)}
         asking = {r: rec for r, rec in live.items() if rec["asked"] is not None}
-        if not asking:
+        if not asking or len(asking) < self.min_replicas:
             return
         now = time.time()
-        if len(asking) < len(live) and (now - min(rec["asked"] for rec in asking.values()) < self.join_timeout
-                                        or len(asking) < self.min_replicas):
+        if len(asking) < len(live) and now - min(rec["asked"] for rec in asking.values()) < self.join_timeout:
             return
         newest = max(rec["step"] for rec in asking.values())
         finished = max([rec["step"] for rec in self.replicas.values() if rec["done"]], default=-1)
@@ -249,7 +249,7 @@ class Coordinator:
             return
         members = sorted(asking)
         source = min(r for r in members if asking[r]["step"] == newest)
-        heal = {r: source for r in members if asking[r]["step"] < newest}
+        heal = {r: source for r in members if asking[r]["step"] < newest or self.init_sync and newest == 0 and r != source}
         self.next_qid += 1
         q = {"qid": self.next_qid, "step": newest, "members": members, "heal": heal, "votes": {}, "info": {},
              "first_vote": None, "formed": round(now - self.t0, 3)}
@@ -318,6 +318,7 @@ class ReplicaManager:
                  step=0, incarnation=0):
         self.module, self.optimizer, self.group = module, optimizer, process_group
         self.rank, self.replica_id, self.timeout, self.step = dist.get_rank(process_group), replica_id, timeout, step
+        self.size = dist.get_world_size(process_group)
         self.device = next(module.parameters()).device
         self.coordinator, self.qid, self.pg, self.members, self.faults = coordinator, None, None, [], []
         self.heal_hook, self.heals, self.info = None, [], {}
@@ -357,7 +358,8 @@ class ReplicaManager:
     def _share(self, obj):
         """Rank 0's ``obj`` on every rank of the replica (an error on rank 0 too: it is raised everywhere)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
+        if self.size > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
         if isinstance(box[0], dict) and "gone" in box[0]:
             raise CoordinatorGone(box[0]["gone"])
         return box[0]
@@ -441,10 +443,11 @@ class ReplicaManager:
         the coordinator commits the step only if every member voted ok. True: step the
         optimizer (and the manager's step moves on); False: drop the gradients."""
         flags = torch.tensor([0.0 if ok else 1.0, float(bool(self.info))], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # anyone failed; anyone healed
+        if self.size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # anyone failed; anyone healed
         failed, healed = flags.tolist()
-        info = [None] * dist.get_world_size(self.group)
-        if healed:   # each rank's figures of the heal
+        info = [self.info] * self.size
+        if healed and self.size > 1:   # each rank's figures of the heal
             dist.all_gather_object(info, self.info, group=self.group)
         reply = self._leader({"op": "vote", "replica": self.replica_id, "qid": self.qid, "ok": not failed,
                               "info": {k: [i.get(k) for i in info] for k in info[0]} if healed else {}})
@@ -531,7 +534,8 @@ class ReplicaManager:
         except RuntimeError:
             exact = False
         flag = torch.tensor([float(exact)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)   # every rank of the replica, or none
+        if self.size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)   # every rank of the replica, or none
         if not flag.item():
             return False
         if joiner:
@@ -630,6 +634,7 @@ def run_replica(args):
     sets torchrun's variables); rank 0 writes --result where given, and prints its summary."""
     if args.parent:
         common._watch_parent(args.parent)   # the launcher gone: so is this replica
+    args.doing = f"replica {args.replica_id}, joining the coordinator at {args.join}"
     out = common.launch(replica_worker, args, world_size=args.replica_ranks)
     if out is None:
         return
@@ -641,6 +646,22 @@ def run_replica(args):
 
 
 # ---- the launcher: the coordinator and each replica's ranks as processes of their own ------
+FORKS = __import__("multiprocessing").get_context("forkserver")   # (torch imported once, in the server)
+
+
+def _rank_entry(env: dict, argv: list, log: str):
+    """A rank of a replica the launcher starts: torchrun's variables, one thread, its
+    output to the replica's log, then the script as --join runs it."""
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
+    sys.argv = [SCRIPT, *argv]
+    common.run_main(lambda: main(argv))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -648,67 +669,56 @@ def free_port() -> int:
 
 
 class Launcher:
-    """What `python 14_fault_tolerant_dp.py` starts: the coordinator (a process) and each
-    replica as its own job, its ranks started with torchrun's variables (so a replica runs
-    the same code spawned or under torchrun); a replica whose rank dies is ended whole (its
-    process group) and, while the run goes on, started again (a new incarnation); a replica
-    the coordinator has left out while its processes live (hung) is killed and started
-    again. Nothing is left running when it ends."""
+    """What `python 14_fault_tolerant_dp.py` starts: the coordinator (in this process) and
+    each replica as a job of its own, its ranks forked from the fork server (torch already
+    imported) with torchrun's variables set, so a replica runs the code it runs under
+    torchrun. A replica whose rank dies is ended whole and, while the run goes on, started
+    again (a new incarnation); one the coordinator has left out while its processes live
+    (hung) is killed and started again; one that cannot start at all is an error. Nothing
+    is left running when it ends."""
 
     def __init__(self, args, work: Path, replicas: int, ranks: int):
         self.args, self.work, self.n, self.ranks = args, Path(work), replicas, ranks
         self.procs, self.incarnation, self.finished, self.log = {}, {}, set(), []
-        cmd = [sys.executable, SCRIPT, "--coordinator", "--host", "127.0.0.1", "--port", "0", "--detect",
-               str(args.detect), "--join-timeout", str(args.join_timeout), "--parent", str(os.getpid())]
-        self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.work / "coordinator.log", "w"),
-                                            text=True, start_new_session=True)
-        line = self.coordinator.stdout.readline()
-        if not line.startswith("coordinator at "):
-            self.close()
-            raise common.LaunchError(f"the coordinator did not start: {(self.work / 'coordinator.log').read_text()}")
-        self.address = line.split()[2]
-        host, port = self.address.rsplit(":", 1)
-        self.ctl = socket.create_connection((host, int(port)))
-        self.ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.ctl_lines = self.ctl.makefile("r")
-        self.t0 = time.time()
+        self.coordinator = Coordinator("127.0.0.1", 0, detect=args.detect, join_timeout=args.join_timeout)
+        self.address, self.t0 = self.coordinator.address, time.time()
 
     def ask(self, msg) -> dict:
-        _send(self.ctl, msg)
-        return json.loads(self.ctl_lines.readline())
+        """The coordinator's answer, as a replica would read it (through JSON)."""
+        return json.loads(json.dumps(getattr(self.coordinator, "_" + msg["op"])(msg, None)))
 
     def start(self, r):
-        """Replica r's ranks, a process group of their own, torchrun's variables set."""
+        """Replica r's ranks, torchrun's variables set, their output to its log."""
         self.incarnation[r] = self.incarnation.get(r, 0) + 1
         a, port = self.args, free_port()
-        cmd = [sys.executable, SCRIPT, "--join", self.address, "--replica-id", str(r), "--incarnation",
-               str(self.incarnation[r]), "--replica-ranks", str(self.ranks), "--inner", a.inner, "--model-size",
-               a.model_size, "--context-length", str(a.context_length), "--batch-size", str(a.batch_size),
-               "--steps", str(a.steps), "--detect", str(a.detect), "--pace-ms", str(a.pace_ms), "--seed", str(a.seed),
-               "--backend", a.backend, "--device", a.device, "--timeout", str(a.timeout), "--parent", str(os.getpid()),
-               "--result", str(self.work / f"replica-{r}.pt")]
-        log = open(self.work / f"replica-{r}.{self.incarnation[r]}.log", "w")
-        procs, group = [], None
+        argv = ["--join", self.address, "--replica-id", str(r), "--incarnation", str(self.incarnation[r]),
+                "--replica-ranks", str(self.ranks), "--inner", a.inner, "--model-size", a.model_size,
+                "--context-length", str(a.context_length), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
+                "--detect", str(a.detect), "--pace-ms", str(a.pace_ms), "--seed", str(a.seed), "--backend", a.backend,
+                "--device", a.device, "--timeout", str(a.timeout), "--parent", str(os.getpid()),
+                "--result", str(self.work / f"replica-{r}.pt")]
+        log = str(self.work / f"replica-{r}.{self.incarnation[r]}.log")
+        procs = []
         for rank in range(self.ranks):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
-                   "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          process_group=0 if group is None else group))
-            group = group or procs[0].pid
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
+                   "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(FORKS.Process(target=_rank_entry, args=(env, argv, log), daemon=False))
+            procs[-1].start()
         self.procs[r] = procs
         self.event(r, f"started (incarnation {self.incarnation[r]})")
 
     def event(self, r, what):
         self.log.append((round(time.time() - self.t0, 3), r, what))
 
-    def end(self, r, why):
+    def end(self, r, why=None):
         """Every process of replica r, killed (SIGKILL reaches a stopped one too)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.procs[r][0].pid, signal.SIGKILL)
         for p in self.procs[r]:
-            p.wait()
-        self.event(r, why)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs[r]:
+            p.join()
+        if why:
+            self.event(r, why)
 
     def watch(self, status) -> list:
         """One look at every replica: ended ones started again (unless the run is over),
@@ -716,13 +726,14 @@ class Launcher:
         for r, procs in self.procs.items():
             if r in self.finished:
                 continue
-            codes = [p.poll() for p in procs]
-            rec = status["replicas"].get(str(r)) or status["replicas"].get(r)
+            codes = [p.exitcode for p in procs]
+            rec = status["replicas"].get(str(r))
             if all(c == 0 for c in codes):
                 self.finished.add(r)
                 self.event(r, "finished")
             elif any(c not in (None, 0) for c in codes):
                 if not rec or rec["incarnation"] != self.incarnation[r]:   # it never joined: it cannot start
+                    self.end(r)
                     log = (self.work / f"replica-{r}.{self.incarnation[r]}.log").read_text().strip().splitlines()
                     raise common.LaunchError(f"replica {r} could not start (exit codes {codes}):\n"
                                              + "\n".join(log[-12:]))
@@ -734,15 +745,10 @@ class Launcher:
         return sorted(self.finished)
 
     def close(self):
-        for r in list(self.procs):
+        for r in self.procs:
             if r not in self.finished:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.procs[r][0].pid, signal.SIGKILL)
-                for p in self.procs[r]:
-                    p.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.coordinator.pid, signal.SIGKILL)
-        self.coordinator.wait()
+                self.end(r)
+        self.coordinator.close()
 
     def tail(self, lines=15) -> str:
         out = []
@@ -942,7 +948,7 @@ def bench_row(args, n, run, ddp) -> dict:
                  and (not fault.get("commit") or q["step"] > fault["step"]))
     healed = next(q for q in hist if q.get("commit") and str(n - 1) in q["heal"] and q["formed"] > fault["formed"])
     back = max(t for t, r, what in run["events"] if r == n - 1 and what == "rejoined" and t <= healed["decided"])
-    info = healed["info"][str(n - 1)] if str(n - 1) in healed["info"] else healed["info"][n - 1]
+    info = healed["info"][str(n - 1)]
     return {"replicas": n, "ours_step_ms": round(ours, 2), "torch_ddp_step_ms": round(ddp, 2),
             "vs_ddp": round(ours / ddp, 3), "kill_to_commit_s": round(after["decided"] - fault["formed"], 3),
             "heal_s": round(max(info["heal_s"]), 4), "heal_MB": round(info["heal_bytes"][0] / 1e6, 2),
@@ -994,7 +1000,7 @@ def parser():
     p.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
                    help="seconds a quorum waits for a live replica that has not asked (a hung one that still beats)")
     p.add_argument("--pace-ms", type=common.number(float, lo=0), default=None,
-                   help="a step takes at least this long (default: 100 in the verification, where the nano LM's "
+                   help="a step takes at least this long (default: 200 in the verification, where the nano LM's "
                         "step is a few ms and a replacement's start 3 to 5 s here: so the scenario's restarts "
                         "land within a hundred steps; 0 for --join)")
     p.add_argument("--bucket-mb", type=common.number(float, above=0), default=25.0, help="--inner ddp's buckets")
@@ -1015,6 +1021,8 @@ def parser():
     p.add_argument("--host", default="127.0.0.1",
                    help="--coordinator: the address it listens on (loopback; give the machine's for other nodes)")
     p.add_argument("--port", type=common.number(int, lo=0, hi=65535), default=29510, help="--coordinator: its port")
+    p.add_argument("--min-replicas", type=common.COUNT, default=1,
+                   help="--coordinator: a quorum never has fewer members (the others wait for them)")
     p.add_argument("--join", default=None, metavar="HOST:PORT",
                    help="run as the ranks of one replica (under torchrun: one torchrun job a replica), joining the "
                         "coordinator there")
@@ -1070,12 +1078,13 @@ def check_args(args):
         common.check_ranks(max(args.bench_replicas), "gloo", "--bench-replicas")
         if min(args.bench_replicas) < 2:
             raise common.UsageError("--bench-replicas: each run needs 2 replicas or more")
-    args.pace_ms = args.pace_ms if args.pace_ms is not None else 100.0
+    args.pace_ms = args.pace_ms if args.pace_ms is not None else 200.0
     common.check_out(args.out)
 
 
 def run_coordinator(args):
-    coordinator = Coordinator(args.host, args.port, detect=args.detect, join_timeout=args.join_timeout)
+    coordinator = Coordinator(args.host, args.port, detect=args.detect, join_timeout=args.join_timeout,
+                              min_replicas=args.min_replicas)
     if args.parent:
         common._watch_parent(args.parent)
     print(f"coordinator at {coordinator.address} (its store at port {coordinator.store.port}); every replica's first "

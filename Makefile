@@ -36,7 +36,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12 13
+SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14
 
 .PHONY: all test setup docs train train-bench clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
@@ -172,6 +172,9 @@ cp-sweep: $(STAMP)
 # ep 2 (8 experts, top-2, capacity 1.25): every case verified, EP beside the replicated MoE and a dense model
 12: $(STAMP)
 	$(PY) 12_expert_parallel.py --warmup 3 --experts 8 --out results
+
+14: $(STAMP)
+	$(PY) 14_fault_tolerant_dp.py --out results
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu-check PY=python3              # first: kernels, a measured table, every smoke job (8 min)

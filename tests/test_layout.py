@@ -15,9 +15,10 @@ CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp
            "05_bucketed_ddp": "DDPBucketed", "06_sharded_optimizer": "sharded optimizers", "07_fsdp": "FSDP",
            "08_tensor_parallel": "tensor-parallel layers", "09_pipeline_parallel": "pipeline parallelism",
            "10_nd_parallel": "Mesh", "11_context_parallel": "context-parallel attention",
-           "12_expert_parallel": "mixture of experts"}
+           "12_expert_parallel": "mixture of experts", "14_fault_tolerant_dp": "fault-tolerant replicas"}
 MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel layers": "ColumnParallelLinear", "pipeline parallelism": "Pipeline",   # several classes
-              "context-parallel attention": "_RingAttention", "mixture of experts": "MoE"}
+              "context-parallel attention": "_RingAttention", "mixture of experts": "MoE",
+              "fault-tolerant replicas": "ReplicaManager"}
 # (script or library file, region name; None: the whole file is the copy)
 REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point", "placement": None, "sharded_checkpoint": None,
            "hf_checkpoint": None}

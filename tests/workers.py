@@ -255,6 +255,8 @@ def train_with_copied_region(ctx, args, script, name):
         return train_cp_copy(ctx, args, mod)
     if script == "12_expert_parallel":
         return train_moe_copy(ctx, args, mod)
+    if script == "14_fault_tolerant_dp":
+        return train_ft_copy(ctx, args, mod)
     if name == "sharded optimizers":   # stage 1 under 02's copied NaiveDDP, stage 2 alone
         one, two = (train_sharded_copy(ctx, args, mod, stage) for stage in (1, 2))
         return {"ok": one["ok"] and two["ok"], "max_diff": max(one["max_diff"], two["max_diff"])}
@@ -415,6 +417,32 @@ def train_cp_copy(ctx, args, mod):
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, diff)
     return {"ok": max(everyone) < 1e-5, "max_diff": max(everyone)}
+
+
+def train_ft_copy(ctx, args, mod):
+    """14's copied region: each rank a replica of its own (its own group of one rank), the
+    Coordinator on rank 0 (at least 2 replicas a quorum), an ordinary loop with
+    ReplicaManager, against one process on the whole batches (every step with both)."""
+    run = common.VerifyRun(ctx, args, {"opt": "adamw", "tied": True, "unused": True})
+    coordinator = mod.Coordinator(min_replicas=2) if ctx.rank == 0 else None
+    box = [coordinator.address if coordinator else None]
+    dist.broadcast_object_list(box, src=0)
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]
+    optimizer = run.optimizer(run.model.parameters())
+    manager = mod.ReplicaManager(run.model, optimizer, box[0], replica_id=ctx.rank, process_group=groups[ctx.rank])
+    committed = 0
+    while manager.start_step(run.steps):
+        x, y = run.batch(manager.step)
+        run.model(x, y, use_extra=run.step_options(manager.step)["use_extra"]).backward()
+        if manager.should_commit(manager.all_reduce_gradients()):
+            optimizer.step()
+            committed += 1
+        optimizer.zero_grad()
+    dist.barrier()
+    if coordinator:
+        coordinator.close()
+    r = run.compare(run.model)
+    return {**r, "ok": r["ok"] and committed == run.steps}
 
 
 def train_moe_copy(ctx, args, mod):

@@ -181,8 +181,21 @@ def h13(results):
     return f"{text} ({doc['machine']['device']}, {doc['settings'].get('backend', 'gloo')})"
 
 
+def h14(results):
+    doc, tl = load("14_fault_tolerant_dp", results), load("14_timeline", results)
+    text = ""
+    if tl:
+        c = tl["check"]
+        text = (f"{c['steps']} steps committed through a kill -9, a kill during a heal, a SIGSTOP and two lost at once, "
+                f"{c['heals']} exact heals; ")
+    rows = {r["replicas"]: r for r in doc["rows"]}
+    n = max(rows)
+    return (f"{text}step vs torch DDP {x(rows[n]['vs_ddp'])} at {n} replicas, a kill to the next commit "
+            f"{rows[n]['kill_to_commit_s']:.2f} s, a heal {rows[n]['heal_s'] * 1000:.0f} ms ({where(doc)})")
+
+
 HEADLINES = {"01": h01, "02": h02, "03": h03, "04": h04, "05": h05, "06": h06, "07": h07, "08": h08, "09": h09,
-             "10": h10, "11": h11, "12": h12, "13": h13}
+             "10": h10, "11": h11, "12": h12, "13": h13, "14": h14}
 
 
 def verified(script: str, results: Path = RESULTS) -> str:

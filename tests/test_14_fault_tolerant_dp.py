@@ -1,0 +1,241 @@
+"""14_fault_tolerant_dp.py: replicas that survive the loss of one. The coordinator's rules
+in this process (its replicas played by sockets); the whole scenario (kill -9, a kill
+during a heal, SIGSTOP, two lost at once) with DDPBucketed and with FSDP inside, both at
+once (they mostly wait); replicas as torchrun jobs whose coordinator dies, then resumed."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, load, refused, run_script, seconds
+
+ft = load("14_fault_tolerant_dp")
+
+
+# ---- the coordinator's rules, its replicas played by sockets ------------------------------
+class Fake:
+    """A replica's first rank as the coordinator sees it: a connection that asks, and one
+    that beats (until stopped: as a SIGSTOP'd process's beats stop)."""
+
+    def __init__(self, coordinator, r, step=0):
+        host, port = coordinator.address.rsplit(":", 1)
+        self.r, self.sock = r, socket.create_connection((host, int(port)))
+        self.lines = self.sock.makefile("r")
+        self.ask({"op": "hello", "replica": r, "step": step})
+        self.beats, self.beating = socket.create_connection((host, int(port))), True
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self):
+        while self.beating:
+            ft._send(self.beats, {"op": "beat", "replica": self.r})
+            time.sleep(0.05)
+
+    def ask(self, msg):
+        ft._send(self.sock, msg)
+        return json.loads(self.lines.readline())
+
+    def quorum(self, step):
+        return self.ask({"op": "quorum", "replica": self.r, "step": step})
+
+    def vote(self, q, ok=True):
+        return self.ask({"op": "vote", "replica": self.r, "qid": q["qid"], "ok": ok})["commit"]
+
+    def close(self):
+        self.beating = False
+        self.sock.close()
+        self.beats.close()
+
+
+def together(*calls):
+    """Each call in a thread of its own (replicas ask at once); their answers in order."""
+    out = [None] * len(calls)
+    threads = [threading.Thread(target=lambda i=i, c=c: out.__setitem__(i, c())) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_the_coordinator_forms_quorums_heals_the_behind_and_commits_only_when_every_member_votes_ok():
+    c = ft.Coordinator(detect=0.5, join_timeout=5.0)
+    try:
+        a, b = Fake(c, 0, step=4), Fake(c, 1, step=0)
+        q0, q1 = together(lambda: a.quorum(4), lambda: b.quorum(0))
+        assert q0 == q1 and q0["members"] == [0, 1] and q0["step"] == 4 and q0["heal"] == {"1": 0}   # 1 heals from 0
+        assert together(lambda: a.vote(q0), lambda: b.vote(q0, ok=False)) == [False, False]   # one failed: nobody
+        q0, q1 = together(lambda: a.quorum(4), lambda: b.quorum(4))
+        assert q0 == q1 and q0["heal"] == {} and q0["step"] == 4
+        assert together(lambda: a.vote(q0), lambda: b.vote(q1)) == [True, True]
+        # b hangs (its beats stop) inside the next step: a's vote is decided without it, as an abort
+        q0, _ = together(lambda: a.quorum(5), lambda: b.quorum(5))
+        b.beating = False
+        began = time.time()
+        assert a.vote(q0) is False and time.time() - began < seconds(3.0)
+        q = a.quorum(5)   # the next quorum: a alone (b is not alive), the step redone
+        assert q["members"] == [0] and q["step"] == 5 and a.vote(q) is True
+        assert b.vote(q0) is False   # b back: its old quorum's vote is the abort decided without it
+        hist = c._status({"history": True}, None)["history"]
+        assert [(h["step"], h["members"], h["commit"]) for h in hist] == [
+            (4, [0, 1], False), (4, [0, 1], True), (5, [0, 1], False), (5, [0], True)]
+        events = [(r, what) for _, r, what in c.events]
+        assert (1, "lost") in events and (0, "lost") not in events
+        a.close(), b.close()
+    finally:
+        c.close()
+
+
+def test_a_member_whose_connection_closes_aborts_at_once_and_a_late_joiner_is_stopped_not_trained_alone():
+    c = ft.Coordinator(detect=30.0, join_timeout=30.0)   # (no timeout helps: the closed connection alone)
+    try:
+        a, b = Fake(c, 0), Fake(c, 1)
+        q, _ = together(lambda: a.quorum(0), lambda: b.quorum(0))
+        b.close()   # kill -9: its connections close
+        began = time.time()
+        assert a.vote(q) is False and time.time() - began < seconds(2.0)
+        q = a.quorum(0)
+        assert q["members"] == [0] and a.vote(q) is True
+        assert a.ask({"op": "done", "replica": 0, "step": 1}) == {}
+        late = Fake(c, 2)   # joins after everyone with newer state finished: nothing to heal from
+        assert late.quorum(0) == {"stop": True, "step": 0}
+        a.close(), late.close()
+    finally:
+        c.close()
+
+
+# ---- the scenario, with each composition inside ----------------------------------------------
+def own_processes(tag: str) -> list:
+    """PIDs of live processes carrying ``tag`` in their environment (zombies aside)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if f"FT_TEST={tag}".encode() in env and state != "Z":
+                out.append(int(entry))
+    return out
+
+
+def start(*argv, tag, **kw):
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "FT_TEST": tag}, **kw)
+
+
+def test_the_scenario_passes_with_ddp_and_with_fsdp_inside_and_leaves_nothing_running(tmp_path):
+    """3 replicas of 2 ranks: replica 1 killed, the source of its heal killed midway, replica
+    2 hung (SIGSTOP) then ended and replaced, replicas 0 and 1 killed at once. Every
+    committed step replayed in one process gives every replica's weights; every aborted
+    attempt was committed by nobody; the timeline has each failure; nothing is left."""
+    tag = uuid.uuid4().hex
+    runs = {inner: start("14_fault_tolerant_dp.py", "--inner", inner, "--no-bench", "--out", str(tmp_path / inner),
+                         tag=tag) for inner in ("ddp", "fsdp")}
+    for inner, p in runs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+        assert "verify 14_fault_tolerant_dp at 3 replicas: PASS" in out and "(each exact: True)" in out, out
+        tl = json.loads((tmp_path / inner / "14_timeline.json").read_text())
+        assert [a["phase"] for a in tl["acted"]] == [
+            "kill -9 replica 1; then the source of its heal, midway", "SIGSTOP replica 2",
+            "kill -9 replicas 0 and 1 at once", "stop"]
+        assert len(tl["timeline"]["aborted"]) >= 4   # the kill, the heal's, the hang, the two
+        lost = [what for _, r, what in tl["launcher"] if what.startswith(("lost", "hung"))]
+        assert sum(w.startswith("lost") for w in lost) >= 4 and sum(w.startswith("hung") for w in lost) == 1, lost
+        rows = tl["timeline"]["cells"]
+        assert all(rows[r][-1] in ("stepped", "healed") for r in rows)   # all three back at the end
+        assert "replica 2" in out and "H" in out.split("Membership by committed step")[1]
+        assert (tmp_path / inner / "14_timeline.png").stat().st_size > 5000
+    assert own_processes(tag) == []
+
+
+# ---- torchrun: each replica its own job; the coordinator dies, and the run resumes ---------------
+def status(address):
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        ft._send(s, {"op": "status"})
+        return json.loads(s.makefile("r").readline())
+
+
+def coordinator(tag):
+    p = start("14_fault_tolerant_dp.py", "--coordinator", "--port", "0", "--detect", "2", "--min-replicas", "2",
+              tag=tag, start_new_session=True)
+    return p, p.stdout.readline().split()[2]
+
+
+def test_torchrun_replicas_outlive_nothing_when_the_coordinator_dies_and_resume_from_what_they_saved(tmp_path):
+    """Two replicas, each a torchrun job of 2 ranks (FSDP inside), joined to a coordinator
+    given on the command line (it waits for both: --min-replicas 2). The coordinator is killed (kill -9): each replica ends with
+    one line naming it and the step it stopped at, having saved that step (each rank its
+    part); a new coordinator and the same two commands go on from there to the end, the
+    replicas alike."""
+    tag = uuid.uuid4().hex
+    coord, address = coordinator(tag)
+    args = ["--detect", "2", "--run-dir", str(tmp_path / "run"), "--pace-ms", "30"]
+
+    def replica(r, address, steps):
+        return start("-m", "torch.distributed.run", "--nproc-per-node", "2", "14_fault_tolerant_dp.py", "--join",
+                     address, "--replica-id", str(r), "--steps", str(steps), *args, tag=tag)
+    jobs = [replica(r, address, 10_000) for r in (0, 1)]
+    deadline = time.time() + 120
+    while True:
+        last = status(address)["last_commit"]
+        if last and last["members"] == [0, 1] and last["step"] >= 5 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert last and last["step"] >= 5, [j.poll() for j in jobs]
+    os.killpg(coord.pid, signal.SIGKILL)
+    coord.wait()
+    saved = []
+    for r, j in enumerate(jobs):
+        out, err = j.communicate(timeout=120)
+        assert j.returncode != 0
+        said = re.search(rf"the coordinator at {address} is gone \(.*\): replica {r} stops at its last committed "
+                         rf"step, (\d+); its state is saved in (\S+): start a coordinator", err)
+        assert said, err[-3000:]
+        saved.append(int(said.group(1)))
+    assert saved[0] == saved[1] and sorted(os.listdir(tmp_path / "run" / "replica-0")) == [f"step-{saved[0]:09d}"]
+    coord, address = coordinator(tag)
+    try:
+        jobs = [replica(r, address, saved[0] + 3) for r in (0, 1)]
+        outs = [j.communicate(timeout=120) for j in jobs]
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait()
+    shas = []
+    for r, (j, (out, err)) in enumerate(zip(jobs, outs)):
+        assert j.returncode == 0, err[-3000:]
+        line = re.search(rf"replica {r}: (\d+) steps committed \(from step (\d+)\), \d+ heal\(s\); final weights sha256 "
+                         rf"(\w+)", out)
+        assert line and int(line.group(1)) == saved[0] + 3 and int(line.group(2)) == saved[0], out
+        shas.append(line.group(3))
+    assert shas[0] == shas[1]
+    time.sleep(0.5)
+    assert own_processes(tag) == []
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path):
+    assert "surviving a lost replica needs at least 2" in refused("14_fault_tolerant_dp.py", "--replicas", "1")
+    assert "the verification loses two replicas at once" in refused("14_fault_tolerant_dp.py", "--replicas", "2")
+    assert "--batch-size 7 must divide by --replica-ranks 2" in refused("14_fault_tolerant_dp.py", "--batch-size", "7")
+    assert "--join needs --replica-id" in refused("14_fault_tolerant_dp.py", "--join", "127.0.0.1:29510")
+    assert "--join nohost: give the coordinator's HOST:PORT" in refused("14_fault_tolerant_dp.py", "--join", "nohost",
+                                                                       "--replica-id", "0")
+    assert "--replica-id applies to --join" in refused("14_fault_tolerant_dp.py", "--replica-id", "1")
+    assert "a process is the coordinator or a replica's rank" in refused("14_fault_tolerant_dp.py", "--coordinator",
+                                                                         "--join", "h:1")
+    assert "--replicas x --replica-ranks: 10 processes" in refused("14_fault_tolerant_dp.py", "--replicas", "5")
+    assert "--bench-replicas: each run needs 2 replicas or more" in refused("14_fault_tolerant_dp.py", "--no-verify",
+                                                                            "--bench-replicas", "1", "2")
