@@ -21,6 +21,9 @@
 # make hf-checkpoint (13) the medium LM as a sharded safetensors folder, set up from it and saved again on 8
 #            ranks (ours on pp 2 x fsdp 2 x tp 2 and fsdp 8, torch.distributed.checkpoint's Hugging Face
 #            reader and writer on FSDP2): each rank's peak host memory and the time (about 30 s; not in `all`)
+# make 14   replicas that survive a loss (in `all`): 3 replicas of 2 ranks through a kill -9, a kill during a
+#            heal, a SIGSTOP and two lost at once, replayed in one process; then a step beside torch DDP,
+#            a kill and a heal at 2, 3 and 4 replicas (about 30 s)
 # make train 13's default run: its own tiny Llama-style model (a byte-level BPE tokenizer trained on
 #            Python's help text) trained on that text on fsdp 2, checked against one process first,
 #            saved as a Hugging Face folder (runs/13_train/final) with a sample, the summary in
@@ -276,7 +279,7 @@ gpu-12: $(GPU_DEPS)
 # log per job and SUMMARY.md under SMOKE_OUT). Each fails if a job did. Dry runs on a CPU
 # machine (gloo in NCCL's place; the smoke jobs then run under the device audit):
 #   make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
-SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12 13
+SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12 13 14
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 # (empty: sized to this machine's CPU count, tools/gpu_check.py --help)
 SMOKE_JOBS ?=

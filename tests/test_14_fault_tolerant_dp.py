@@ -12,11 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
-
-import pytest
-
-from conftest import ROOT, load, refused, run_script, seconds
+from conftest import ROOT, listening_sockets, load, refused, seconds
 
 ft = load("14_fault_tolerant_dp")
 
@@ -139,10 +135,16 @@ def test_the_scenario_passes_with_ddp_and_with_fsdp_inside_and_leaves_nothing_ru
     """3 replicas of 2 ranks: replica 1 killed, the source of its heal killed midway, replica
     2 hung (SIGSTOP) then ended and replaced, replicas 0 and 1 killed at once. Every
     committed step replayed in one process gives every replica's weights; every aborted
-    attempt was committed by nobody; the timeline has each failure; nothing is left."""
+    attempt was committed by nobody; the timeline has each failure; every socket its
+    processes listen on is on loopback; nothing is left."""
     tag = uuid.uuid4().hex
     runs = {inner: start("14_fault_tolerant_dp.py", "--inner", inner, "--no-bench", "--out", str(tmp_path / inner),
                          tag=tag) for inner in ("ddp", "fsdp")}
+    listening = set()
+    while any(p.poll() is None for p in runs.values()):   # what its processes listen on, while they run
+        listening |= listening_sockets(own_processes(tag))
+        time.sleep(0.5)
+    assert listening and {a for a, _ in listening} == {"127.0.0.1"}, listening   # the coordinator, stores, gloo
     for inner, p in runs.items():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, out[-3000:] + err[-3000:]
@@ -177,10 +179,10 @@ def coordinator(tag):
 
 def test_torchrun_replicas_outlive_nothing_when_the_coordinator_dies_and_resume_from_what_they_saved(tmp_path):
     """Two replicas, each a torchrun job of 2 ranks (FSDP inside), joined to a coordinator
-    given on the command line (it waits for both: --min-replicas 2). The coordinator is killed (kill -9): each replica ends with
-    one line naming it and the step it stopped at, having saved that step (each rank its
-    part); a new coordinator and the same two commands go on from there to the end, the
-    replicas alike."""
+    given on the command line (it waits for both: --min-replicas 2). The coordinator is
+    killed (kill -9): each replica ends with one line naming it and the step it stopped at,
+    having saved that step (each rank its part); a new coordinator and the same two
+    commands go on from there to the end, the replicas alike."""
     tag = uuid.uuid4().hex
     coord, address = coordinator(tag)
     args = ["--detect", "2", "--run-dir", str(tmp_path / "run"), "--pace-ms", "30"]

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import result_files  # noqa: E402  (the standard library only, as this file)
-SCRIPTS = [f"{n:02d}" for n in range(1, 14)]
+SCRIPTS = [f"{n:02d}" for n in range(1, 15)]
 PARTS = ("kernels", "measure", "smoke")
 AUDIT_ENV = "KIT_DEVICE_AUDIT"   # diagnostics.AUDIT_ENV (this file imports no torch: it only starts jobs)
 
@@ -84,6 +84,10 @@ def smoke_jobs(scripts, dev, nccl, size) -> list:
                for setting, argv in ((f"{nccl}_1rank", ["--backend", nccl, "--fsdp", "1"]),
                                      ("gloo_2ranks", ["--backend", "gloo", "--pp", "2"]),
                                      ("bf16", ["--backend", "gloo", "--fsdp", "2", "--dtype", "bf16", "--recompute"]))],
+        # replicas of one NCCL rank each share the GPU (each its own world); gloo inside replicas of 2 ranks
+        "14": [(f"{nccl}_1rank", ["--backend", nccl, "--device", dev, "--model-size", size or "small",
+                                  "--replica-ranks", "1", "--no-bench"]),
+               ("gloo_2ranks", ["--backend", "gloo", "--device", dev, "--model-size", size or "small", "--no-bench"])],
     }
     jobs = [(f"{script(n)[:-3]}.{setting}", [script(n), *argv]) for n in scripts
             for setting, argv in per.get(n, [(f"{nccl}_1rank", one), ("gloo_2ranks", two)])]
