@@ -36,6 +36,7 @@ Writes <out>/14_fault_tolerant_dp.{json,md} (the benchmark), 14_timeline.{json,p
 """
 import argparse
 import importlib.util
+import multiprocessing
 import shutil
 import signal
 import statistics
@@ -657,7 +658,7 @@ def run_replica(args):
 
 
 # ---- the launcher: the coordinator and each replica's ranks as processes of their own ------
-FORKS = __import__("multiprocessing").get_context("forkserver")   # (torch imported once, in the server)
+FORKS = multiprocessing.get_context("forkserver")   # (torch imported once, in the server)
 
 
 def _rank_entry(env: dict, argv: list, log: str):
@@ -712,7 +713,7 @@ class Launcher:
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
                    "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "TORCHELASTIC_USE_AGENT_STORE": "True", "BACKEND": a.backend}
-            procs.append(FORKS.Process(target=_rank_entry, args=(env, argv, log), daemon=False))
+            procs.append(FORKS.Process(target=common.script_call, args=(SCRIPT, "_rank_entry", env, argv, log)))
             procs[-1].start()
         self.procs[r] = procs
         self.event(r, f"started (incarnation {self.incarnation[r]})")

@@ -385,6 +385,12 @@ def load_script(path) -> object:
     return sys.modules[name]
 
 
+def script_call(path, name: str, *args):
+    """``name`` of the script at ``path``, called with ``args``: a forked process's target
+    that finds a script loaded by path (not importable by name) again by its path."""
+    return getattr(load_script(path), name)(*args)
+
+
 def _device_for(device: str, local_rank: int) -> torch.device:
     if device == "cuda":
         return torch.device("cuda", local_rank % torch.cuda.device_count())

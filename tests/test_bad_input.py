@@ -160,7 +160,8 @@ def test_help_states_each_fixed_default_and_refuses_abbreviations(script):
         assert shown in text, (a.option_strings, shown)
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if not s.startswith(("01", "13"))])   # (13: a model folder)
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if not s.startswith(("01", "13", "14"))])
+# (13: a model folder; 14: the nano LM wherever it runs, in replicas it starts itself)
 def test_help_names_the_model_size_and_world_a_plain_run_gets(monkeypatch, tmp_path, script):
     """What --help says a plain run on this CPU gets is what parse() gives it."""
     for var in common.TORCHRUN_VARS:
