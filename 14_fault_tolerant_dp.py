@@ -77,10 +77,9 @@ class Coordinator:
     every live replica (one that said hello and beats) has asked, or join_timeout seconds
     after the first asked, with those that did; never with fewer than min_replicas. Its
     answer: the members, the step they take (the newest any member holds), and for each
-    member behind it the live peer it heals from. Then each
-    member votes; the step commits only if every member voted ok, and a member that goes
-    before it votes (a closed connection at once; no beat for ``detect`` seconds) aborts it
-    for all. Until step 0 commits, every member but the source heals from it (``init_sync``:
+    member behind it the live peer it heals from. Then each member votes; the step commits
+    only if every member voted ok, and a member that goes before it votes (a closed
+    connection at once; no beat for ``detect`` seconds) aborts it for all. Until step 0 commits, every member but the source heals from it (``init_sync``:
     replicas built apart start from one replica's weights). It also holds the TCPStore
     through which each quorum's groups meet.
 
@@ -100,7 +99,7 @@ class Coordinator:
         self.lock = threading.Condition()
         self.t0 = time.time()
         self.replicas = {}      # id -> its record (beat, step, asked, done, connections, reply)
-        self.quorum, self.decisions, self.next_qid = None, {}, 0
+        self.quorum, self.decisions, self.next_qid, self.next_group, self.hellos = None, {}, 0, 0, 0
         self.history, self.events = [], []    # every quorum formed (and its fate); (t, replica, what)
         self.faults = []        # {"replica": id or None (a heal's source), "fault": ...}: handed out with a quorum
         self.stop_at = None     # the step at which every replica is told to stop
@@ -110,9 +109,10 @@ class Coordinator:
             def handle(self):
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (small messages, at once)
                 outer._serve(self.rfile, self.connection)
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
-        self.server.daemon_threads = True
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address, daemon_threads = True, True
+        self.server = Server((host, port), Handler)
         self.address = f"{host}:{self.server.server_address[1]}"
         self._closed = threading.Event()
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
@@ -136,7 +136,7 @@ class Coordinator:
                 reply = getattr(self, "_" + msg["op"])(msg, id(conn))
                 if reply is not None:
                     _send(conn, reply)
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):   # gone, or not a replica's message
             pass
         finally:
             if replica is not None:
@@ -150,7 +150,8 @@ class Coordinator:
         with self.lock:
             r = msg["replica"]
             self._event(r, "rejoined" if r in self.replicas else "joined")
-            self.replicas[r] = {"beat": time.time(), "step": msg["step"], "asked": None, "done": False,
+            self.hellos += 1   # (which start of a replica this is: a restarted one gets new groups)
+            self.replicas[r] = {"hello": self.hellos, "beat": time.time(), "step": msg["step"], "asked": None, "done": False,
                                 "conns": {conn: True}, "reply": None, "live": True, "pids": msg.get("pids"),
                                 "incarnation": msg.get("incarnation", 0)}
             return {"store_port": self.store.port, "beat": self.detect / 5}
@@ -177,6 +178,8 @@ class Coordinator:
             self.lock.notify_all()
             self._form()
             while rec["reply"] is None:
+                if self.replicas.get(r) is not rec:   # a new start of this replica said hello: this one is gone
+                    return {"stop": True, "step": msg["step"]}
                 self.lock.wait(0.05)
                 self._form()
             reply, rec["reply"] = rec["reply"], None
@@ -258,10 +261,16 @@ class Coordinator:
         source = min(r for r in members if asking[r]["step"] == newest)
         heal = {r: source for r in members if asking[r]["step"] < newest or self.init_sync and newest == 0 and r != source}
         self.next_qid += 1
-        q = {"qid": self.next_qid, "step": newest, "members": members, "heal": heal, "votes": {}, "info": {},
+        prev, who = self.quorum, [(r, asking[r]["hello"]) for r in members]
+        if prev is None or prev["who"] != who or not self.decisions.get(prev["qid"]):
+            self.next_group += 1   # the same starts of the same replicas after a commit keep their groups
+        for old in [k for k in self.decisions if k < self.next_qid - 1000]:   # (a vote that old is long stale)
+            del self.decisions[old]
+        q = {"qid": self.next_qid, "group": self.next_group, "who": who, "step": newest, "members": members,
+             "heal": heal, "votes": {}, "info": {},
              "first_vote": None, "formed": round(now - self.t0, 3)}
         self.quorum = q
-        self.history.append({k: v for k, v in q.items() if k not in ("votes", "first_vote")})
+        self.history.append({k: v for k, v in q.items() if k not in ("votes", "first_vote", "who")})
         faults = {r: [] for r in members}
         for f in list(self.faults):   # (the tests' failures, handed to the replica that acts them out)
             target = f["replica"] if f["replica"] is not None else (source if heal else None)
@@ -269,7 +278,7 @@ class Coordinator:
                 faults[target].append(f["fault"])
                 self.faults.remove(f)
         for r in members:
-            asking[r].update(asked=None, reply={"qid": q["qid"], "step": newest, "members": members,
+            asking[r].update(asked=None, reply={"qid": q["qid"], "group": q["group"], "step": newest, "members": members,
                                                 "heal": {str(k): v for k, v in heal.items()}, "faults": faults[r]})
         self.lock.notify_all()
 
@@ -327,7 +336,8 @@ class ReplicaManager:
         self.rank, self.replica_id, self.timeout, self.step = dist.get_rank(process_group), replica_id, timeout, step
         self.size = dist.get_world_size(process_group)
         self.device = next(module.parameters()).device
-        self.coordinator, self.qid, self.pg, self.members, self.faults = coordinator, None, None, [], []
+        self.coordinator, self.qid, self.group_id, self.pg, self.members = coordinator, None, None, None, []
+        self.faults = []
         self.heal_hook, self.heals, self.info = None, [], {}
         host, port = coordinator.rsplit(":", 1)
         hello, pids = None, [None] * dist.get_world_size(process_group)
@@ -397,7 +407,8 @@ class ReplicaManager:
                     self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
             return False
         self.quorum, self.faults, self.ok, self.info = q, q["faults"], True, {}
-        if q["qid"] != self.qid:
+        self.qid = q["qid"]
+        if q["group"] != self.group_id:   # the members changed, or the last step aborted: a group of their own
             self._new_group(q)
         heal = {int(k): v for k, v in q["heal"].items()}
         if heal and self.pg is None:
@@ -407,9 +418,9 @@ class ReplicaManager:
         return True
 
     def _new_group(self, q):
-        self.pg, self.qid, self.members = None, q["qid"], q["members"]
+        self.pg, self.group_id, self.members = None, q["group"], q["members"]
         if len(self.members) > 1:
-            store = dist.PrefixStore(f"q{q['qid']}/rank{self.rank}", self.store)
+            store = dist.PrefixStore(f"group{q['group']}/rank{self.rank}", self.store)
             options = dist.ProcessGroupGloo._Options()   # listening where GLOO_SOCKET_IFNAME says, as torch's groups do
             iface = os.environ.get("GLOO_SOCKET_IFNAME")
             options._devices = [dist.ProcessGroupGloo.create_device(interface=iface.split(",")[0]) if iface
@@ -465,7 +476,7 @@ class ReplicaManager:
         if reply["commit"]:
             self.step += 1
         else:
-            self.pg, self.qid = None, None   # made again at the next quorum
+            self.pg, self.group_id = None, None   # made again at the next quorum
         return reply["commit"]
 
     # ---- healing ----
@@ -1112,8 +1123,10 @@ def run_coordinator(args):
                               min_replicas=args.min_replicas)
     if args.parent:
         common._watch_parent(args.parent)
+    port = coordinator.address.rsplit(":", 1)[1]
+    reach = f"{socket.gethostname()}:{port}" if args.host in ("0.0.0.0", "") else coordinator.address
     print(f"coordinator at {coordinator.address} (its store at port {coordinator.store.port}); every replica's first "
-          f"rank joins it with --join {coordinator.address}", flush=True)
+          f"rank joins it with --join {reach}", flush=True)
     try:
         coordinator.serve()
     finally:

@@ -69,16 +69,19 @@ def test_the_coordinator_forms_quorums_heals_the_behind_and_commits_only_when_ev
         q0, q1 = together(lambda: a.quorum(4), lambda: b.quorum(0))
         assert q0 == q1 and q0["members"] == [0, 1] and q0["step"] == 4 and q0["heal"] == {"1": 0}   # 1 heals from 0
         assert together(lambda: a.vote(q0), lambda: b.vote(q0, ok=False)) == [False, False]   # one failed: nobody
+        aborted = q0
         q0, q1 = together(lambda: a.quorum(4), lambda: b.quorum(4))
-        assert q0 == q1 and q0["heal"] == {} and q0["step"] == 4
+        assert q0 == q1 and q0["heal"] == {} and q0["step"] == 4 and q0["group"] != aborted["group"]   # (a new group)
         assert together(lambda: a.vote(q0), lambda: b.vote(q1)) == [True, True]
+        committed = q0
         # b hangs (its beats stop) inside the next step: a's vote is decided without it, as an abort
         q0, _ = together(lambda: a.quorum(5), lambda: b.quorum(5))
+        assert q0["group"] == committed["group"]   # the same starts of the same replicas after a commit: kept
         b.beating = False
         began = time.time()
         assert a.vote(q0) is False and time.time() - began < seconds(3.0)
         q = a.quorum(5)   # the next quorum: a alone (b is not alive), the step redone
-        assert q["members"] == [0] and q["step"] == 5 and a.vote(q) is True
+        assert q["members"] == [0] and q["step"] == 5 and a.vote(q) is True and q["group"] != q0["group"]
         assert b.vote(q0) is False   # b back: its old quorum's vote is the abort decided without it
         hist = c._status({"history": True}, None)["history"]
         assert [(h["step"], h["members"], h["commit"]) for h in hist] == [
