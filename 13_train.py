@@ -24,11 +24,15 @@ Run:
     python 13_train.py --model FOLDER --data FILE --pp 2 --fsdp 2 --tp 2 --steps 200
     python 13_train.py --model FOLDER --data FILE --dp 2 --cp 2 --steps 100 --run-dir runs/mine
     torchrun --nproc-per-node 8 13_train.py --model FOLDER --data FILE --pp 2 --fsdp 2 --tp 2
+    python 13_train.py --setup-memory        # each rank's memory while a model is set up (make setup-memory)
+    python 13_train.py --hf-checkpoint       # a Hugging Face folder in and out, beside DCP (make hf-checkpoint)
 
 Prints the check (PASS/FAIL), a progress line every --log-every steps and a sample from the
 saved folder. Writes <run-dir>/: progress.jsonl, loss.png, checkpoints/, final/ (the
 Hugging Face folder); and <out>/13_train.{json,md} (the run's summary) with
-<out>/13_train_loss.png; --bench instead writes <out>/13_train_bench.{json,md}.
+<out>/13_train_loss.png; --bench instead writes <out>/13_train_bench.{json,md};
+--setup-memory <out>/13_setup_memory and 13_setup_big, --hf-checkpoint <out>/13_hf_checkpoint
+(10's LM on 8 ranks, each with flags of its own: 13_train.py --setup-memory --help).
 """
 import argparse
 import contextlib
