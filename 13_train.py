@@ -473,7 +473,7 @@ def train(ctx, args, sizes):
             elapsed = time.perf_counter() - began
             tok_s = tokens_per_step * done / elapsed
             mfu = f" | mfu {6 * args.n_params * tok_s / peak / ctx.world_size:.1%}" if peak else ""
-            mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _rss_mib()
+            mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _status_mb("VmHWM")
             eta = elapsed / done * (args.steps - i - 1)
             print(f"step {i + 1:>5}/{args.steps} | loss {loss:.4f} | eval "
                   f"{'-' if last_eval is None else f'{last_eval:.4f}'} | lr {lr:.2e} | {tok_s:,.0f} tok/s{mfu} | "
@@ -999,11 +999,6 @@ HF_NOTE = ("held_mib: the parameters the rank holds; part_and_largest_mib: that 
            "and written by the ranks in turn; torch's: HuggingFaceStorageWriter with save_distributed and "
            "enable_consolidation). round trip: the saved folder's tensors against the source's, bit for bit. "
            "Fresh processes for each method.")
-
-
-def _rss_mib() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _progress(run_dir: Path, history: list):

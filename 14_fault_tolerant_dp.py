@@ -152,7 +152,7 @@ class Coordinator:
             self._event(r, "rejoined" if r in self.replicas else "joined")
             self.hellos += 1   # (which start of a replica this is: a restarted one gets new groups)
             self.replicas[r] = {"hello": self.hellos, "beat": time.time(), "step": msg["step"], "asked": None, "done": False,
-                                "conns": {conn: True}, "reply": None, "live": True, "pids": msg.get("pids"),
+                                "conns": {conn: True}, "reply": None, "live": True,
                                 "incarnation": msg.get("incarnation", 0)}
             return {"store_port": self.store.port, "beat": self.detect / 5}
 
@@ -211,7 +211,7 @@ class Coordinator:
         with self.lock:
             last = next((q for q in reversed(self.history) if q.get("commit")), None)
             return {"replicas": {r: {"alive": self._alive(rec), "step": rec["step"], "done": rec["done"],
-                                     "pids": rec["pids"], "incarnation": rec["incarnation"]}
+                                     "incarnation": rec["incarnation"]}
                                  for r, rec in self.replicas.items()},
                     "last_commit": last and {k: last[k] for k in ("qid", "step", "members")},
                     "history": self.history if msg.get("history") else None, "events": self.events,
@@ -340,14 +340,12 @@ class ReplicaManager:
         self.faults = []
         self.heal_hook, self.heals, self.info = None, [], {}
         host, port = coordinator.rsplit(":", 1)
-        hello, pids = None, [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(pids, os.getpid(), group=process_group)
+        hello = None
         if self.rank == 0:
             self._sock = socket.create_connection((host, int(port)))
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._lines = self._sock.makefile("r")
-            hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "pids": pids,
-                               "incarnation": incarnation})
+            hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "incarnation": incarnation})
             self._beats = socket.create_connection((host, int(port)))
             threading.Thread(target=self._beat, args=(hello["beat"],), daemon=True).start()
         hello = self._share(hello)
@@ -406,8 +404,7 @@ class ReplicaManager:
                 with contextlib.suppress(CoordinatorGone):
                     self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
             return False
-        self.quorum, self.faults, self.ok, self.info = q, q["faults"], True, {}
-        self.qid = q["qid"]
+        self.qid, self.faults, self.ok, self.info = q["qid"], q["faults"], True, {}
         if q["group"] != self.group_id:   # the members changed, or the last step aborted: a group of their own
             self._new_group(q)
         heal = {int(k): v for k, v in q["heal"].items()}
@@ -696,7 +693,7 @@ class Launcher:
     is left running when it ends."""
 
     def __init__(self, args, work: Path, replicas: int, ranks: int):
-        self.args, self.work, self.n, self.ranks = args, Path(work), replicas, ranks
+        self.args, self.work, self.ranks = args, Path(work), ranks
         self.procs, self.incarnation, self.finished, self.log, self.stores = {}, {}, set(), [], {}
         self.coordinator = Coordinator("127.0.0.1", 0, detect=args.detect, join_timeout=args.join_timeout,
                                        min_replicas=replicas)   # (the first step waits for all; then 1: run_scenario)

@@ -562,3 +562,35 @@ def dropped(ctx, args):
     case("MoE", with_experts, lambda m: (data_parallel(m), ep.reduce_expert_gradients(m.module)), make=llama_moe)
     case("a hook holding its wrapper (the control)", Holding, lambda m: llama.loss_fn(m.module(x), y).backward())
     return out
+
+
+def fault_tolerant_replicas(ctx, args):
+    """The Llama in two replicas of one rank each (14's ReplicaManager, its Coordinator on
+    rank 0 waiting for both), each replica half of every batch, torch's clip, AdamW: equal
+    to one process on the whole batches, every step committed."""
+    ft = common.load_script(os.path.join(common.ROOT, "14_fault_tolerant_dp.py"))
+    data = batches()
+    torch.manual_seed(0)
+    ref = llama.Transformer(llama.ModelArgs())
+    model = copy.deepcopy(ref)
+    train_reference(ref, data)
+    coordinator = ft.Coordinator(min_replicas=2) if ctx.rank == 0 else None
+    address = [coordinator.address if coordinator else None]
+    dist.broadcast_object_list(address, src=0)
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]   # each replica its own group
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    manager = ft.ReplicaManager(model, opt, address[0], replica_id=ctx.rank, process_group=groups[ctx.rank])
+    committed = 0
+    while manager.start_step(len(data)):
+        x, y = (z.chunk(2)[ctx.rank] for z in data[manager.step])
+        llama.loss_fn(model(x), y).backward()
+        if manager.should_commit(manager.all_reduce_gradients()):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            committed += 1
+        opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    if coordinator:
+        coordinator.close()
+    r = compare({k: v.detach() for k, v in model.state_dict().items()}, ref)
+    return {**r, "ok": r["ok"] and committed == len(data)}

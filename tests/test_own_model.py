@@ -143,3 +143,10 @@ def test_each_class_dropped_after_training_frees_the_model():
     assert not r.pop(control)
     assert r == dict.fromkeys(["DDPIndividualParameters", "DDPBucketed", "ShardedOptimizer", "ShardedGradientOptimizer",
                                "FSDP", "parallelize", "PipelineStage", "context_parallel", "MoE"], True), r
+
+
+def test_llama_in_replicas_that_survive_a_loss_trains_like_one_process():
+    """14's ReplicaManager around the Llama as written (one rank a replica): the quorum's
+    all-reduce and vote give one process's weights."""
+    r = run("fault_tolerant_replicas", 2)
+    assert r["ok"], r
