@@ -210,7 +210,8 @@ class Coordinator:
     def _status(self, msg, conn):
         with self.lock:
             last = next((q for q in reversed(self.history) if q.get("commit")), None)
-            return {"replicas": {r: {"alive": self._alive(rec), "step": rec["step"], "done": rec["done"],
+            self._liveness()
+            return {"replicas": {r: {"alive": rec["live"], "step": rec["step"], "done": rec["done"],
                                      "incarnation": rec["incarnation"]}
                                  for r, rec in self.replicas.items()},
                     "last_commit": last and {k: last[k] for k in ("qid", "step", "members")},
@@ -229,21 +230,26 @@ class Coordinator:
     def _tick(self):
         while not self._closed.is_set():
             with self.lock:
-                for r, rec in self.replicas.items():
-                    live = self._alive(rec)
-                    if live != rec["live"]:
-                        rec["live"] = live
-                        if not rec["done"]:
-                            self._event(r, "back" if live else "lost")
                 self._decide()
                 self._form()
                 self.lock.notify_all()
             time.sleep(0.05)
 
+    def _liveness(self):
+        """Each replica's liveness now, a change recorded as an event: before any decision
+        that reads it, so the events name every replica a decision left out."""
+        for r, rec in self.replicas.items():
+            live = self._alive(rec)
+            if live != rec["live"]:
+                rec["live"] = live
+                if not rec["done"]:
+                    self._event(r, "back" if live else "lost")
+
     def _form(self):
+        self._liveness()
         if self.quorum is not None and self.quorum["qid"] not in self.decisions:
             return   # a vote is still open
-        live = {r: rec for r, rec in self.replicas.items() if self._alive(rec)}
+        live = {r: rec for r, rec in self.replicas.items() if rec["live"]}
         asking = {r: rec for r, rec in live.items() if rec["asked"] is not None}
         if not asking or len(asking) < self.min_replicas:
             return
@@ -283,13 +289,14 @@ class Coordinator:
         self.lock.notify_all()
 
     def _decide(self):
+        self._liveness()
         q = self.quorum
         if q is None or q["qid"] in self.decisions:
             return
         votes, members = q["votes"], q["members"]
         if len(votes) == len(members):
             commit = all(votes.values())
-        elif any(not self._alive(self.replicas[r]) for r in members if r not in votes):
+        elif any(not self.replicas[r]["live"] for r in members if r not in votes):
             commit = False   # a member went before it voted
         elif q["first_vote"] and time.time() - q["first_vote"] > self.join_timeout:
             commit = False   # alive, but silent
