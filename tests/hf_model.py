@@ -4,6 +4,7 @@ sdpa; Qwen3-MoE with 4 experts of its own, 3D tensors, top 2), built from their 
 classes and never changed, put on every axis with documented calls only and compared with
 the same model trained in one process (clipped AdamW steps). Their forward returns a
 ModelOutput (a dict and a dataclass), which the loss reads by name."""
+import contextlib
 import copy
 import json
 import os
@@ -159,6 +160,79 @@ def data_parallel(ctx, kind, data, wrap, seen=None):
         return module, step, lambda n: placement.clip_grad_norm_(model, n), \
             lambda: placement.full_state_dict(model, all_ranks=True)
     return against_one_process(kind, data, put, parts=ctx.world_size)
+
+
+_replica_groups = {}
+
+
+def replicas(ctx, kind, data, tied=False, inner=None, join=2):
+    """14's ReplicaManager around the model as built, two replicas of half the ranks each
+    (``inner``: "fsdp", 07's FSDP over a replica's ranks; None: one rank a replica, the
+    model alone): replica 0 trains alone for ``join`` steps; then replica 1, built apart (its
+    weights moved), joins and heals from it, rank k from rank k (the weights or FSDP's
+    shards, the buffers the model registered, persistent or not, AdamW's state and the step)
+    before both go on. Each step the quorum's ranks share the batch's 4 parts, so every step
+    is one process's; the clip is torch's on a whole model, placement's on shards."""
+    ft = common.load_script(os.path.join(common.ROOT, "14_fault_tolerant_dp.py"))
+    size = ctx.world_size // 2
+    me, k = divmod(ctx.rank, size)   # this rank's replica, its rank in it
+    ref = tiny(kind, tied=tied)
+    model = copy.deepcopy(ref)
+    want = train_reference(ref, data, parts=4)
+    if ctx.world_size not in _replica_groups:   # (made once, by every rank)
+        made = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(2)]
+        _replica_groups[ctx.world_size] = made
+    group = _replica_groups[ctx.world_size][me]
+    coordinator = ft.Coordinator(min_replicas=1) if ctx.rank == 0 else None
+    address = everyone(coordinator and coordinator.address)[0]
+    if me == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    module = fsdp.FSDP(model, process_group=group) if inner == "fsdp" else model
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-6)
+
+    def manager():
+        return ft.ReplicaManager(module, opt, address, replica_id=me, process_group=group)
+    if me == 0:
+        m = manager()
+    else:
+        dist.barrier()   # replica 0 is at its step ``join``: say hello (a live replica that has
+        m = manager()    # not asked holds the quorum up to the coordinator's join_timeout)
+        dist.barrier()
+    norms, waited = {}, False
+    while True:
+        if me == 0 and m.step == join and not waited:
+            dist.barrier()
+            dist.barrier()   # replica 1 said hello: this quorum waits for it
+            waited = True
+        if not m.start_step(len(data)):
+            break
+        x, y = data[m.step]
+        mine = range(m.members.index(me) * size + k, 4, len(m.members) * size)   # this rank's parts
+        for n, i in enumerate(mine):   # (accumulated: FSDP communicates at the last)
+            with module.no_sync() if inner and n < len(mine) - 1 else contextlib.nullcontext():
+                (loss_of(module, x.chunk(4)[i], y.chunk(4)[i]) / len(mine)).backward()
+        if inner:
+            module.finish_gradient_synchronization()
+        at = m.step
+        if m.should_commit(m.all_reduce_gradients()):
+            norms[at] = (placement.clip_grad_norm_(model, MAX_NORM, process_group=group) if inner else
+                         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)).item()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    heals = everyone([{k: h[k] for k in ("role", "step", "bytes", "exact")} for h in m.heals])
+    stepped = everyone(sorted(norms))
+    full = placement.full_state_dict(model, process_group=group, all_ranks=True) if inner else \
+        {n: v.detach() for n, v in model.state_dict().items()}
+    dist.barrier()
+    if coordinator:
+        coordinator.close()
+    r = compare(full, ref)
+    r["norms"] = max(abs(norms[i] - want[i]) / want[i] for i in stepped[ctx.rank]) < 1e-4
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())   # (this rank's: a shard under FSDP)
+    r.update(stepped=stepped, heals=heals, weights=weights)
+    return r
 
 
 def tensor_parallel(ctx, kind, data, plan=None, own=None):
@@ -399,7 +473,8 @@ def expert_parallel(ctx, kind, data, rest):
 
 def axes(ctx, args):
     """Every axis at 2 ranks, both models: dp (DDPBucketed), fsdp, tp, pp with each
-    schedule, cp with each method; Qwen3-MoE's own experts split, with dp and with fsdp."""
+    schedule, cp with each method, 14's replicas (ft) with a late joiner that heals;
+    Qwen3-MoE's own experts split, with dp and with fsdp."""
     data, out, seen = batches(), {"outputs": {}, "own plans": {}, "units": {}}, {}
     for kind in MODELS:
         for wrap in ("dp", "dp 04", "fsdp"):
@@ -412,6 +487,7 @@ def axes(ctx, args):
             out[f"{kind}, pp {schedule}"] = pipeline(ctx, kind, data, schedule)
         for method in cpm.METHODS:
             out[f"{kind}, cp {method}"] = context_parallel(ctx, kind, data, method)
+        out[f"{kind}, ft"] = replicas(ctx, kind, data)
     for kind in [*FAMILIES, "gpt2"]:   # each by its own plans, nothing written for it
         if kind != "gpt2":
             own = {}
@@ -421,6 +497,8 @@ def axes(ctx, args):
         for wrap in ("dp", "fsdp"):
             out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap)
         out[f"{kind}, cp ring"] = context_parallel(ctx, kind, data, "ring")
+        out[f"{kind}, ft"] = replicas(ctx, kind, data)
+    out["gemma3, tied, ft"] = replicas(ctx, "gemma3", data, tied=True)
     for kind in MOE_FAMILIES:
         out[f"{kind}, ep with dp"] = expert_parallel(ctx, kind, batches(), "dp")
     out["gemma3, tied, pp 1f1b"] = pipeline(ctx, "gemma3", data, "1f1b", tied=True)   # its own default
@@ -458,10 +536,14 @@ def split_refusals():
     return out
 
 
-def experts_on_four(ctx, args):
+def four_ranks(ctx, args):
     """Qwen3-MoE at 4 ranks: ep 2 with two copies of each expert, DDPBucketed on the rest;
-    and dp 2 x tp 2 with the experts split over dp."""
-    return {f"qwen3-moe, ep with {rest}": expert_parallel(ctx, "qwen3-moe", batches(), rest) for rest in ("dp", "tp")}
+    and dp 2 x tp 2 with the experts split over dp. Both models in 14's replicas of 2 ranks,
+    FSDP inside each."""
+    out = {f"qwen3-moe, ep with {rest}": expert_parallel(ctx, "qwen3-moe", batches(), rest) for rest in ("dp", "tp")}
+    for kind in MODELS:
+        out[f"{kind}, ft with fsdp inside"] = replicas(ctx, kind, batches(), inner="fsdp")
+    return out
 
 
 def compose(kind, model, mesh, m=2):

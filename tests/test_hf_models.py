@@ -22,7 +22,7 @@ def run(worker, world_size):
 
 AXES = [f"{kind}, {axis}" for kind in ("llama", "qwen3-moe")
         for axis in ("dp", "dp 04", "fsdp", "tp", "pp gpipe", "pp 1f1b", "pp interleaved", "pp zb1",
-                     "cp ring", "cp allgather", "cp ulysses")] + ["qwen3-moe, ep with dp", "qwen3-moe, ep with fsdp"]
+                     "cp ring", "cp allgather", "cp ulysses", "ft")] + ["qwen3-moe, ep with dp", "qwen3-moe, ep with fsdp"]
 
 
 @pytest.mark.parametrize("case", AXES)
@@ -57,14 +57,14 @@ def test_a_per_head_norm_left_out_of_the_tp_plan_does_not_train_like_one_process
 
 @pytest.mark.parametrize("case", ["qwen3-moe, ep with dp", "qwen3-moe, ep with tp"])
 def test_qwen3_moe_experts_split_beside_copies_or_tp_train_like_one_process(case):
-    r = run("experts_on_four", 4)[case]
+    r = run("four_ranks", 4)[case]
     assert r["ok"], f"{case}: max diff {r['max_diff']}"
     assert r["norms"]
 
 
 FAMILIES = ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3"]
-FAMILY_AXES = [f"{kind}, {axis}" for kind in FAMILIES for axis in ("tp", "pp 1f1b", "dp", "fsdp", "cp ring")] + \
-    [f"gpt2, {axis}" for axis in ("dp", "fsdp", "cp ring")] + \
+FAMILY_AXES = [f"{kind}, {axis}" for kind in FAMILIES for axis in ("tp", "pp 1f1b", "dp", "fsdp", "cp ring", "ft")] + \
+    [f"gpt2, {axis}" for axis in ("dp", "fsdp", "cp ring", "ft")] + ["gemma3, tied, ft"] + \
     [f"{kind}, ep with dp" for kind in ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")] + \
     ["gemma3, tied, pp 1f1b", "deepseek-v3, tp with MLA by heads"]
 
@@ -86,6 +86,41 @@ def test_every_family_trains_on_every_axis_it_takes_like_one_process(case):
     assert r["norms"], f"{case}: a step's global norm differs from one process's"
     if " pp " in case:
         assert r["loads"], "the merged stages' checkpoint does not load into the model as built"
+
+
+def _healed_late(case, c, ranks=1):
+    """Replica 1 (its ranks after replica 0's) stepped from step 2 on, after a heal from
+    replica 0, rank k from rank k, exact (sha256), of the weights and AdamW's two moments."""
+    assert c["stepped"] == [[0, 1, 2, 3]] * ranks + [[2, 3]] * ranks, (case, c["stepped"])
+    sources, joiners = c["heals"][:ranks], c["heals"][ranks:]
+    for (source,), (joiner,) in zip(sources, joiners):
+        assert source["role"] == "source" and joiner["role"] == "joiner", case
+        assert joiner["step"] == 2 and joiner["exact"] and joiner["bytes"] == source["bytes"], (case, joiner)
+        assert joiner["bytes"] >= 3 * c["weights"], (case, joiner["bytes"], c["weights"])   # + exp_avg, exp_avg_sq
+
+
+def test_a_replica_that_joins_late_heals_every_familys_model_and_its_optimizer_state():
+    """14's replicas ("ft" above, one rank each): replica 1, its weights moved, joins at
+    step 2 and heals from replica 0: every tensor the model registered (nested names,
+    non-persistent rotary buffers, 3D experts, a tied head once) and AdamW's state, checked
+    by sha256; then both step, each on its parts of the batch. (Without the heal its weights
+    would stay 0.5 away; they are one process's.)"""
+    r = run("axes", 2)
+    cases = [k for k in r if k.endswith(", ft")]
+    assert len(cases) == 2 + len(FAMILIES) + 2
+    for case in cases:
+        _healed_late(case, r[case])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_replicas_of_two_ranks_with_fsdp_inside_heal_shard_by_shard_and_train_like_one_process(kind):
+    """14's replicas of 2 ranks each, 07's FSDP over a replica's ranks (its units the model's
+    own decoder layers): replica 1 joins at step 2 and each of its ranks heals its shards
+    from the same rank of replica 0; the global norm is placement's, over the replica."""
+    c = run("four_ranks", 4)[f"{kind}, ft with fsdp inside"]
+    assert c["ok"], f"max diff {c['max_diff']}"
+    assert c["norms"]
+    _healed_late(kind, c, ranks=2)
 
 
 @pytest.mark.parametrize("case", [f"{kind}, {mesh}" for kind in ("llama", "qwen3-moe", *FAMILIES)
