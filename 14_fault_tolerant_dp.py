@@ -4,17 +4,18 @@ heals from a live peer, and nothing restarts.
 Each replica is its own group of ranks, its own job (spawned here, or a torchrun job on any
 machine), training the kit's LM with 05's DDPBucketed or 07's FSDP inside (--inner). Across
 the replicas a coordinator (a small TCP service; --coordinator runs it alone) forms a quorum
-of the live replicas at every step boundary. A replica that stops beating is left out of the
-next quorum: at once when its connection closes (kill -9), after --detect seconds when it
-hangs (SIGSTOP). Rank k of every member averages its gradients with rank k of the others over
-a gloo group made for that quorum (under FSDP they hold the same shard). Then every member
-votes, and the coordinator commits the step only if every member's all-reduce succeeded: a
-step that a lost replica broke is committed by nobody (no optimizer step from a partial
-all-reduce) and is redone by the next quorum. A replica that joins (a replacement, or a lost
-one that came back) enters at a step boundary: the quorum names a live peer at the newest
-step, whose ranks send it the weights, the optimizer state and the step (its data position:
-step i's batch depends on i and the replica alone) over the same group, rank by rank; the
-joiner checks its state's sha256 against the peer's before it steps.
+of the live replicas at every step boundary. Every rank of a replica beats; a replica is
+left out of the next quorum when any of its ranks goes: at once when its connection closes
+(kill -9), after --detect seconds when it hangs (SIGSTOP). Rank k of every member averages
+its gradients with rank k of the others over a gloo group made for that quorum (under FSDP
+they hold the same shard). Then every member votes, and the coordinator commits the step
+only if every member's all-reduce succeeded: a step that a lost replica broke is committed
+by nobody (no optimizer step from a partial all-reduce) and is redone by the next quorum. A
+replica that joins (a replacement, or a lost one that came back) enters at a step boundary:
+the quorum names a live peer at the newest step, whose ranks send it the weights, the
+optimizer state and the step (its data position: step i's batch depends on i and the replica
+alone) over the same group, rank by rank; the joiner checks its state's sha256 against the
+peer's before it steps.
 
 Run:
     python 14_fault_tolerant_dp.py                     # verify under failures, then time (make 14)
@@ -24,14 +25,15 @@ Run:
 
 The verification trains --replicas replicas of --replica-ranks ranks through a scenario of
 failures: a replica killed (kill -9 of one of its ranks) and replaced; the heal of that
-replacement, whose source is killed midway; a replica hung (SIGSTOP), then killed and
-replaced; two replicas killed at once. Then it replays the committed steps in one process
-(at each, the average over the replicas that contributed, each replica its own fixed data
-shard) and compares: every replica's weights bit for bit alike, and the replay's. It prints
-the membership timeline (replicas x steps: stepped, healed, out) and draws it. The
-benchmark (--replicas 2, 3 and 4, one rank each) times a step without failures beside torch
-DDP over the same ranks (the quorum's cost), the time from a kill to the next committed step,
-and the heal; torchft's Manager beside it where torchft is installed (a SKIP line otherwise).
+replacement, whose source is killed midway; a replica hung (SIGSTOP of its last rank, its
+first beating on), then killed and replaced; two replicas killed at once. Then it replays
+the committed steps in one process (at each, the average over the replicas that contributed,
+each replica its own fixed data shard) and compares: every replica's weights bit for bit
+alike, and the replay's. It prints the membership timeline (replicas x steps: stepped,
+healed, out) and draws it. The benchmark (--replicas 2, 3 and 4, one rank each) times a step
+without failures beside torch DDP over the same ranks (the quorum's cost), the time from a
+kill to the next committed step, and the heal; torchft's Manager beside it where torchft is
+installed (a SKIP line otherwise).
 Writes <out>/14_fault_tolerant_dp.{json,md} (the benchmark), 14_timeline.{json,png}.
 """
 import argparse
@@ -71,17 +73,18 @@ def _send(sock, msg: dict):
 
 
 class Coordinator:
-    """The quorum service (torchft's lighthouse): one for the job, where every replica's
-    first rank can reach it. Each replica says hello, beats (a connection of its own, a line
-    every detect/5 seconds) and asks for a quorum at each step boundary. A quorum forms when
-    every live replica (one that said hello and beats) has asked, or join_timeout seconds
-    after the first asked, with those that did; never with fewer than min_replicas. Its
-    answer: the members, the step they take (the newest any member holds), and for each
-    member behind it the live peer it heals from. Then each member votes; the step commits
-    only if every member voted ok, and a member that goes before it votes (a closed
-    connection at once; no beat for ``detect`` seconds) aborts it for all. Until step 0 commits, every member but the source heals from it (``init_sync``:
-    replicas built apart start from one replica's weights). It also holds the TCPStore
-    through which each quorum's groups meet.
+    """The quorum service (torchft's lighthouse): one for the job, where every rank can reach
+    it. Each replica's first rank says hello and asks for a quorum at each step boundary;
+    every rank of it beats (a connection of its own, a line every detect/5 seconds), so a
+    replica is live while each of its ranks beats and no connection closed. A quorum forms
+    when every live replica has asked, or join_timeout seconds after the first asked, with
+    those that did; never with fewer than min_replicas. Its answer: the members, the step
+    they take (the newest any member holds), and for each member behind it the live peer it
+    heals from. Then each member votes; the step commits only if every member voted ok, and
+    a member that goes before it votes (a closed connection at once; no beat for ``detect``
+    seconds) aborts it for all. Until step 0 commits, every member but the source heals from
+    it (``init_sync``: replicas built apart start from one replica's weights). It also holds
+    the TCPStore through which each quorum's groups meet.
 
         coordinator = Coordinator("0.0.0.0", 29510, detect=2.0)
         print(coordinator.address)         # replicas: ReplicaManager(..., coordinator="HOST:29510", ...)
@@ -98,7 +101,7 @@ class Coordinator:
                                    master_listen_fd=listen.detach())
         self.lock = threading.Condition()
         self.t0 = time.time()
-        self.replicas = {}      # id -> its record (beat, step, asked, done, connections, reply)
+        self.replicas = {}      # id -> its record (each rank's beat, step, asked, done, connections, reply)
         self.quorum, self.decisions, self.next_qid, self.next_group, self.hellos = None, {}, 0, 0, 0
         self.history, self.events = [], []    # every quorum formed (and its fate); (t, replica, what)
         self.faults = []        # {"replica": id or None (a heal's source), "fault": ...}: handed out with a quorum
@@ -151,21 +154,23 @@ class Coordinator:
             r = msg["replica"]
             self._event(r, "rejoined" if r in self.replicas else "joined")
             self.hellos += 1   # (which start of a replica this is: a restarted one gets new groups)
-            self.replicas[r] = {"hello": self.hellos, "beat": time.time(), "step": msg["step"], "asked": None, "done": False,
-                                "conns": {conn: True}, "reply": None, "live": True,
-                                "incarnation": msg.get("incarnation", 0)}
-            return {"store_port": self.store.port, "beat": self.detect / 5}
+            self.replicas[r] = {"hello": self.hellos, "beats": dict.fromkeys(range(msg.get("ranks", 1)), time.time()),
+                                "step": msg["step"], "asked": None, "done": False, "conns": {conn: True},
+                                "reply": None, "live": True, "incarnation": msg.get("incarnation", 0)}
+            return {"store_port": self.store.port, "beat": self.detect / 5, "hello": self.hellos}
 
     def _beat(self, msg, conn):
         with self.lock:
-            rec = self.replicas.get(msg["replica"])
-            if rec is not None:
-                rec["beat"] = time.time()
+            rec = self.replicas.get(msg["replica"])   # (a beat of an earlier start of the replica: not its)
+            if rec is not None and msg.get("hello", rec["hello"]) == rec["hello"] and msg.get("rank", 0) in rec["beats"]:
+                rec["beats"][msg.get("rank", 0)] = time.time()
                 rec["conns"].setdefault(conn, True)
         return None
 
     def _alive(self, rec) -> bool:
-        return not rec["done"] and time.time() - rec["beat"] < self.detect and all(rec["conns"].values())
+        now = time.time()
+        return not rec["done"] and all(now - t < self.detect for t in rec["beats"].values()) \
+            and all(rec["conns"].values())
 
     def _event(self, r, what):
         self.events.append((round(time.time() - self.t0, 3), r, what))
@@ -352,10 +357,11 @@ class ReplicaManager:
             self._sock = socket.create_connection((host, int(port)))
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._lines = self._sock.makefile("r")
-            hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "incarnation": incarnation})
-            self._beats = socket.create_connection((host, int(port)))
-            threading.Thread(target=self._beat, args=(hello["beat"],), daemon=True).start()
+            hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "incarnation": incarnation,
+                               "ranks": self.size})
         hello = self._share(hello)
+        self._beats = socket.create_connection((host, int(port)))   # every rank: one hung or gone is seen
+        threading.Thread(target=self._beat, args=(hello["beat"], hello["hello"]), daemon=True).start()
         self.store = dist.TCPStore(host, hello["store_port"], is_master=False,
                                    timeout=datetime.timedelta(seconds=max(60.0, timeout)))
 
@@ -370,8 +376,8 @@ class ReplicaManager:
             raise CoordinatorGone(f"the coordinator at {self.coordinator} is gone (its connection closed)")
         return json.loads(line)
 
-    def _beat(self, every):
-        msg = (json.dumps({"op": "beat", "replica": self.replica_id}) + "\n").encode()
+    def _beat(self, every, hello):
+        msg = (json.dumps({"op": "beat", "replica": self.replica_id, "rank": self.rank, "hello": hello}) + "\n").encode()
         with contextlib.suppress(OSError):
             while True:
                 self._beats.sendall(msg)
@@ -605,10 +611,10 @@ def shard_batch(args, replica: int, step: int, device):
 
 def act_out(faults, ctx):
     """The scenario's failures, handed out by the coordinator with a quorum: kill -9 of the
-    replica's last rank, SIGSTOP of its first (its beats stop: it hangs)."""
+    replica's last rank, SIGSTOP of it (its beats stop: it hangs; its first rank still beats)."""
     if "kill" in faults and ctx.rank == ctx.world_size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    if "stop" in faults and ctx.rank == 0:
+    if "stop" in faults and ctx.rank == ctx.world_size - 1:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 

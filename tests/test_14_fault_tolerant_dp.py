@@ -2,6 +2,7 @@
 in this process (its replicas played by sockets); the whole scenario (kill -9, a kill
 during a heal, SIGSTOP, two lost at once) with DDPBucketed and with FSDP inside, both at
 once (they mostly wait); replicas as torchrun jobs whose coordinator dies, then resumed."""
+import contextlib
 import json
 import os
 import re
@@ -19,21 +20,24 @@ ft = load("14_fault_tolerant_dp")
 
 # ---- the coordinator's rules, its replicas played by sockets ------------------------------
 class Fake:
-    """A replica's first rank as the coordinator sees it: a connection that asks, and one
-    that beats (until stopped: as a SIGSTOP'd process's beats stop)."""
+    """A replica as the coordinator sees it: its first rank's connection that asks, and a
+    connection a rank that beats (until stopped: as a SIGSTOP'd process's beats stop)."""
 
-    def __init__(self, coordinator, r, step=0):
+    def __init__(self, coordinator, r, step=0, ranks=1):
         host, port = coordinator.address.rsplit(":", 1)
         self.r, self.sock = r, socket.create_connection((host, int(port)))
         self.lines = self.sock.makefile("r")
-        self.ask({"op": "hello", "replica": r, "step": step})
-        self.beats, self.beating = socket.create_connection((host, int(port))), True
-        threading.Thread(target=self._beat, daemon=True).start()
+        self.hello = self.ask({"op": "hello", "replica": r, "step": step, "ranks": ranks})["hello"]
+        self.beats = [socket.create_connection((host, int(port))) for _ in range(ranks)]
+        self.beating = [True] * ranks
+        for k in range(ranks):
+            threading.Thread(target=self._beat, args=(k,), daemon=True).start()
 
-    def _beat(self):
-        while self.beating:
-            ft._send(self.beats, {"op": "beat", "replica": self.r})
-            time.sleep(0.05)
+    def _beat(self, k):
+        with contextlib.suppress(OSError):
+            while self.beating[k]:
+                ft._send(self.beats[k], {"op": "beat", "replica": self.r, "rank": k, "hello": self.hello})
+                time.sleep(0.05)
 
     def ask(self, msg):
         ft._send(self.sock, msg)
@@ -46,9 +50,10 @@ class Fake:
         return self.ask({"op": "vote", "replica": self.r, "qid": q["qid"], "ok": ok})["commit"]
 
     def close(self):
-        self.beating = False
+        self.beating = [False] * len(self.beating)
         self.sock.close()
-        self.beats.close()
+        for b in self.beats:
+            b.close()
 
 
 def together(*calls):
@@ -77,7 +82,7 @@ def test_the_coordinator_forms_quorums_heals_the_behind_and_commits_only_when_ev
         # b hangs (its beats stop) inside the next step: a's vote is decided without it, as an abort
         q0, _ = together(lambda: a.quorum(5), lambda: b.quorum(5))
         assert q0["group"] == committed["group"]   # the same starts of the same replicas after a commit: kept
-        b.beating = False
+        b.beating[0] = False
         began = time.time()
         assert a.vote(q0) is False and time.time() - began < seconds(3.0)
         q = a.quorum(5)   # the next quorum: a alone (b is not alive), the step redone
@@ -107,6 +112,41 @@ def test_a_member_whose_connection_closes_aborts_at_once_and_a_late_joiner_is_st
         late = Fake(c, 2)   # joins after everyone with newer state finished: nothing to heal from
         assert late.quorum(0) == {"stop": True, "step": 0}
         a.close(), late.close()
+    finally:
+        c.close()
+
+
+def test_a_replica_is_lost_when_any_of_its_ranks_hangs_or_goes_not_only_its_first():
+    """Every rank of a replica beats: rank 1 of a 2-rank replica stopped (SIGSTOP) while its
+    first rank still beats leaves it out after ``detect``, not the join timeout; rank 1's
+    connection closing (kill -9) at once. A beat of an earlier start of the replica (its
+    hello's number) keeps nothing alive."""
+    c = ft.Coordinator(detect=0.5, join_timeout=30.0)
+    try:
+        a, b = Fake(c, 0), Fake(c, 1, ranks=2)
+        q, _ = together(lambda: a.quorum(0), lambda: b.quorum(0))
+        b.beating[1] = False   # its first rank beats on
+        began = time.time()
+        assert a.vote(q) is False and time.time() - began < seconds(3.0)
+        q = a.quorum(0)
+        assert q["members"] == [0] and a.vote(q) is True
+        b.close()
+        stale = b.hello
+        b = Fake(c, 1, step=1, ranks=2)   # its new start
+        q, _ = together(lambda: a.quorum(1), lambda: b.quorum(1))
+        assert q["members"] == [0, 1]
+        b.beats[1].close()   # rank 1 killed
+        began = time.time()
+        assert a.vote(q) is False and time.time() - began < seconds(2.0)
+        host, port = c.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as old:   # the old start's rank 1, still beating
+            for _ in range(20):
+                ft._send(old, {"op": "beat", "replica": 1, "rank": 1, "hello": stale})
+                time.sleep(0.05)
+            assert c._status({}, None)["replicas"][1]["alive"] is False
+        events = [(r, what) for _, r, what in c.events]
+        assert events.count((1, "lost")) == 2 and (0, "lost") not in events
+        a.close(), b.close()
     finally:
         c.close()
 
