@@ -261,6 +261,7 @@ class OnMesh:
             with self.autocast():
                 logits = self.module(input_ids=x, use_cache=False, **kw)["logits"]
             loss = lm_loss(logits, y)
+            del logits   # (autograd keeps what backward needs: the logits themselves would be held through it)
             if scale is not None:
                 (loss * scale).backward()
             return loss.detach()
