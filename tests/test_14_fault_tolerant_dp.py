@@ -179,10 +179,13 @@ def test_the_scenario_passes_with_ddp_and_with_fsdp_inside_and_leaves_nothing_ru
     2 hung (SIGSTOP) then ended and replaced, replicas 0 and 1 killed at once. Every
     committed step replayed in one process gives every replica's weights; every aborted
     attempt was committed by nobody; the timeline has each failure; every socket its
-    processes listen on is on loopback; nothing is left."""
+    processes listen on is on loopback; nothing is left. And 3 replicas of one rank, whose
+    all-reduce runs in buckets during backward (the losses land with buckets in flight)."""
     tag = uuid.uuid4().hex
     runs = {inner: start("14_fault_tolerant_dp.py", "--inner", inner, "--no-bench", "--out", str(tmp_path / inner),
                          tag=tag) for inner in ("ddp", "fsdp")}
+    runs["one rank"] = start("14_fault_tolerant_dp.py", "--replica-ranks", "1", "--overlap", "on", "--bucket-mb", "1",
+                             "--no-bench", "--out", str(tmp_path / "one rank"), tag=tag)
     listening = set()
     while any(p.poll() is None for p in runs.values()):   # what its processes listen on, while they run
         listening |= listening_sockets(own_processes(tag))
@@ -282,5 +285,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     assert "a process is the coordinator or a replica's rank" in refused("14_fault_tolerant_dp.py", "--coordinator",
                                                                          "--join", "h:1")
     assert "--replicas x --replica-ranks: 10 processes" in refused("14_fault_tolerant_dp.py", "--replicas", "5")
+    assert "--overlap on: the all-reduce runs during backward only where a replica is one rank (--replica-ranks 2" \
+        in refused("14_fault_tolerant_dp.py", "--overlap", "on")
     assert "--bench-replicas: each run needs 2 replicas or more" in refused("14_fault_tolerant_dp.py", "--no-verify",
                                                                             "--bench-replicas", "1", "2")

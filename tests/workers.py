@@ -422,27 +422,46 @@ def train_cp_copy(ctx, args, mod):
 def train_ft_copy(ctx, args, mod):
     """14's copied region: each rank a replica of its own (its own group of one rank), the
     Coordinator on rank 0 (at least 2 replicas a quorum), an ordinary loop with
-    ReplicaManager, against one process on the whole batches (every step with both)."""
-    run = common.VerifyRun(ctx, args, {"opt": "adamw", "tied": True, "unused": True})
-    coordinator = mod.Coordinator(min_replicas=2) if ctx.rank == 0 else None
-    box = [coordinator.address if coordinator else None]
-    dist.broadcast_object_list(box, src=0)
+    ReplicaManager, against one process on the whole batches (every step with both): its
+    one all-reduce after backward; bucket_mb's buckets during backward (several, the one
+    holding the parameter that gets no gradient launched after it); those with 2
+    micro-batches a step, the first inside no_sync. Two backward passes outside no_sync are
+    refused, not summed wrong."""
     groups = [dist.new_group([r]) for r in range(ctx.world_size)]
-    optimizer = run.optimizer(run.model.parameters())
-    manager = mod.ReplicaManager(run.model, optimizer, box[0], replica_id=ctx.rank, process_group=groups[ctx.rank])
-    committed = 0
-    while manager.start_step(run.steps):
-        x, y = run.batch(manager.step)
-        run.model(x, y, use_extra=run.step_options(manager.step)["use_extra"]).backward()
-        if manager.should_commit(manager.all_reduce_gradients()):
-            optimizer.step()
-            committed += 1
-        optimizer.zero_grad()
-    dist.barrier()
-    if coordinator:
-        coordinator.close()
-    r = run.compare(run.model)
-    return {**r, "ok": r["ok"] and committed == run.steps}
+    out = {}
+    for label, bucket_mb, accum in (("after backward", None, 1), ("buckets", 0.004, 1), ("buckets, accum", 0.004, 2),
+                                    ("twice", 0.004, 2)):
+        run = common.VerifyRun(ctx, args, {"opt": "adamw", "tied": True, "unused": True, "accum": accum})
+        coordinator = mod.Coordinator(min_replicas=2) if ctx.rank == 0 else None
+        box = [coordinator.address if coordinator else None]
+        dist.broadcast_object_list(box, src=0)
+        optimizer = run.optimizer(run.model.parameters())
+        manager = mod.ReplicaManager(run.model, optimizer, box[0], replica_id=ctx.rank,
+                                     process_group=groups[ctx.rank], bucket_mb=bucket_mb, first_bucket_mb=0.001)
+        committed = 0
+        try:
+            while manager.start_step(run.steps):
+                x, y = run.batch(manager.step)
+                extra = run.step_options(manager.step)["use_extra"]
+                for k, (xk, yk) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+                    quiet = k < accum - 1 and label != "twice"
+                    with manager.no_sync() if quiet else contextlib.nullcontext():
+                        (run.model(xk, yk, use_extra=extra) / accum).backward()
+                if manager.should_commit(manager.all_reduce_gradients()):
+                    optimizer.step()
+                    committed += 1
+                optimizer.zero_grad()
+            out[label] = {**run.compare(run.model), "committed": committed == run.steps,
+                          "buckets": len(manager.buckets)}
+        except RuntimeError as e:
+            out[label] = {"refused": str(e)}
+        dist.barrier()
+        if coordinator:
+            coordinator.close()
+    cases = [out[k] for k in ("after backward", "buckets", "buckets, accum")]
+    return {"ok": all(c["ok"] and c["committed"] for c in cases) and out["buckets"]["buckets"] > 2
+            and "run every backward of the step but the last inside manager.no_sync()" in out["twice"].get("refused", ""),
+            "max_diff": max(c["max_diff"] for c in cases), "cases": out}
 
 
 def train_moe_copy(ctx, args, mod):

@@ -84,9 +84,10 @@ def smoke_jobs(scripts, dev, nccl, size) -> list:
                for setting, argv in ((f"{nccl}_1rank", ["--backend", nccl, "--fsdp", "1"]),
                                      ("gloo_2ranks", ["--backend", "gloo", "--pp", "2"]),
                                      ("bf16", ["--backend", "gloo", "--fsdp", "2", "--dtype", "bf16", "--recompute"]))],
-        # replicas of one NCCL rank each share the GPU (each its own world); gloo inside replicas of 2 ranks
+        # replicas of one NCCL rank each share the GPU (each its own world), their all-reduce during backward
+        # (as --overlap auto on a GPU); gloo inside replicas of 2 ranks
         "14": [(f"{nccl}_1rank", ["--backend", nccl, "--device", dev, "--model-size", size or "small",
-                                  "--replica-ranks", "1", "--no-bench"]),
+                                  "--replica-ranks", "1", "--overlap", "on", "--no-bench"]),
                ("gloo_2ranks", ["--backend", "gloo", "--device", dev, "--model-size", size or "small", "--no-bench"])],
     }
     jobs = [(f"{script(n)[:-3]}.{setting}", [script(n), *argv]) for n in scripts
