@@ -364,6 +364,9 @@ class ReplicaManager:
         self.faults = []
         self.heal_hook, self.heals, self.info = None, [], {}
         host, port = coordinator.rsplit(":", 1)
+        if bucket_mb is not None and self.size > 1:   # (before the hello: nothing to undo)
+            raise ValueError(f"bucket_mb: the all-reduce runs during backward only where a replica is one rank "
+                             f"(this one has {self.size}: its gradients are final after its own synchronization)")
         hello = None
         if self.size > 1:   # every rank here before the hello: each must beat within ``detect`` of it
             dist.barrier(group=process_group)
@@ -386,9 +389,6 @@ class ReplicaManager:
         """The parameters in buckets of about ``bucket_mb`` MB (the first ``first_bucket_mb``:
         its all-reduce starts early), in reverse order (roughly the order backward makes their
         gradients), each parameter's hook counting its bucket down."""
-        if self.size > 1:
-            raise ValueError(f"bucket_mb: the all-reduce runs during backward only where a replica is one rank "
-                             f"(this one has {self.size}: its gradients are final after its own synchronization)")
         size = 0
         for p in reversed([p for p in self.module.parameters() if p.requires_grad]):
             limit = (first_bucket_mb if len(self.buckets) == 1 else bucket_mb) * 2**20

@@ -192,8 +192,13 @@ def replicas(ctx, kind, data, tied=False, inner=None, join=2):
     module = fsdp.FSDP(model, process_group=group) if inner == "fsdp" else model
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-6)
 
-    def manager():
-        return ft.ReplicaManager(module, opt, address, replica_id=me, process_group=group)
+    def manager(**kw):
+        return ft.ReplicaManager(module, opt, address, replica_id=me, process_group=group, **kw)
+    try:   # the all-reduce during backward, where a replica's gradients are final only after FSDP's reduction
+        manager(bucket_mb=1) if inner else None
+        refused = "not refused"
+    except ValueError as e:
+        refused = str(e)
     if me == 0:
         m = manager()
     else:
@@ -231,7 +236,7 @@ def replicas(ctx, kind, data, tied=False, inner=None, join=2):
     r = compare(full, ref)
     r["norms"] = max(abs(norms[i] - want[i]) / want[i] for i in stepped[ctx.rank]) < 1e-4
     weights = sum(p.numel() * p.element_size() for p in module.parameters())   # (this rank's: a shard under FSDP)
-    r.update(stepped=stepped, heals=heals, weights=weights)
+    r.update(stepped=stepped, heals=heals, weights=weights, refused=refused)
     return r
 
 

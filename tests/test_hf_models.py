@@ -119,6 +119,7 @@ def test_replicas_of_two_ranks_with_fsdp_inside_heal_shard_by_shard_and_train_li
     from the same rank of replica 0; the global norm is placement's, over the replica."""
     c = run("four_ranks", 4)[f"{kind}, ft with fsdp inside"]
     assert c["ok"], f"max diff {c['max_diff']}"
+    assert "only where a replica is one rank (this one has 2" in c["refused"]   # bucket_mb, before its hello
     assert c["norms"]
     _healed_late(kind, c, ranks=2)
 
