@@ -73,6 +73,24 @@ def _send(sock, msg: dict):
     sock.sendall((json.dumps(msg) + "\n").encode())
 
 
+def _beat(sock, msg: dict, every: float, stop: threading.Event):
+    """A rank's beats: ``msg`` every ``every`` seconds until ``stop`` (or the connection goes)."""
+    line = (json.dumps(msg) + "\n").encode()
+    with contextlib.suppress(OSError):
+        while not stop.is_set():
+            sock.sendall(line)
+            stop.wait(every)
+
+
+def _closing(stop: threading.Event, *socks):
+    """A manager's end: its beats stop and its connections close (the coordinator sees it go)."""
+    stop.set()
+    for s in socks:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
+
+
 class Coordinator:
     """The quorum service (torchft's lighthouse): one for the job, where every rank can reach
     it. Each replica's first rank says hello and asks for a quorum at each step boundary;
@@ -107,12 +125,17 @@ class Coordinator:
         self.history, self.events = [], []    # every quorum formed (and its fate); (t, replica, what)
         self.faults = []        # {"replica": id or None (a heal's source), "fault": ...}: handed out with a quorum
         self.stop_at = None     # the step at which every replica is told to stop
+        self.conns = set()      # every open connection (close() ends them)
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self):
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (small messages, at once)
-                outer._serve(self.rfile, self.connection)
+                outer.conns.add(self.connection)
+                try:
+                    outer._serve(self.rfile, self.connection)
+                finally:
+                    outer.conns.discard(self.connection)
 
         class Server(socketserver.ThreadingTCPServer):
             allow_reuse_address, daemon_threads = True, True
@@ -126,9 +149,13 @@ class Coordinator:
         self._closed.wait()
 
     def close(self):
+        """Stop serving: no new connections, and every open one ended (its thread with it)."""
         self._closed.set()
         self.server.shutdown()
         self.server.server_close()
+        for conn in list(self.conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     # ---- the connections: one thread each ----
     def _serve(self, rfile, conn):
@@ -342,7 +369,8 @@ class ReplicaManager:
     kill during a heal). ``step``: the committed step this replica starts from (its own
     checkpoint's; the quorum heals it if the others are further); ``incarnation``: which
     start of this replica it is (the coordinator reports it: a launcher tells a replaced
-    replica's new start from the old one).
+    replica's new start from the old one). ``close()``: this rank's beats stop and its
+    connections close (start_step does it when it returns False; so does dropping the manager).
 
     ``bucket_mb``: where a replica is one rank (``module`` the model alone, its gradients
     final when backward makes them), the cross-replica all-reduce runs during backward, a
@@ -377,8 +405,11 @@ class ReplicaManager:
             hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "incarnation": incarnation,
                                "ranks": self.size})
         hello = self._share(hello)
-        self._beats = socket.create_connection((host, int(port)))   # every rank: one hung or gone is seen
-        threading.Thread(target=self._beat, args=(hello["beat"], hello["hello"]), daemon=True).start()
+        beats, self._stop = socket.create_connection((host, int(port))), threading.Event()   # every rank: one hung
+        threading.Thread(target=_beat, daemon=True, args=(                                  # or gone is seen
+            beats, {"op": "beat", "replica": replica_id, "rank": self.rank, "hello": hello["hello"]}, hello["beat"],
+            self._stop)).start()
+        self.close = weakref.finalize(self, _closing, self._stop, beats, *([self._sock] if self.rank == 0 else []))
         self.store = dist.TCPStore(host, hello["store_port"], is_master=False,
                                    timeout=datetime.timedelta(seconds=max(60.0, timeout)))
         self.buckets, self.armed, self.syncing, self.inflight, self.retired = [], False, True, [], []
@@ -443,13 +474,6 @@ class ReplicaManager:
             raise CoordinatorGone(f"the coordinator at {self.coordinator} is gone (its connection closed)")
         return json.loads(line)
 
-    def _beat(self, every, hello):
-        msg = (json.dumps({"op": "beat", "replica": self.replica_id, "rank": self.rank, "hello": hello}) + "\n").encode()
-        with contextlib.suppress(OSError):
-            while True:
-                self._beats.sendall(msg)
-                time.sleep(every)
-
     def _share(self, obj):
         """Rank 0's ``obj`` on every rank of the replica (an error on rank 0 too: it is raised everywhere)."""
         box = [obj]
@@ -474,16 +498,10 @@ class ReplicaManager:
         """Join the next quorum (False: the run is over: --steps reached, or the coordinator
         says stop); heal from a live peer where this replica is behind, or serve a heal."""
         if steps is not None and self.step >= steps:
-            if self.rank == 0:
-                with contextlib.suppress(CoordinatorGone):
-                    self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
-            return False
+            return self._finished()
         q = self._leader({"op": "quorum", "replica": self.replica_id, "step": self.step})
         if q.get("stop"):
-            if self.rank == 0:
-                with contextlib.suppress(CoordinatorGone):
-                    self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
-            return False
+            return self._finished()
         self.qid, self.faults, self.ok, self.info = q["qid"], q["faults"], True, {}
         if q["group"] != self.group_id:   # the members changed, or the last step aborted: a group of their own
             self._new_group(q)
@@ -506,6 +524,18 @@ class ReplicaManager:
             self.retired.append((self.pg, pending))
         self.retired = [(pg, ws) for pg, ws in self.retired if not all(w.is_completed() for w in ws)]
         self.pg, self.inflight = None, []
+
+    def _finished(self) -> bool:
+        """The run is over for this replica: it says so, then every rank closes (after the
+        word: a rank's connection closing first would count as its replica lost)."""
+        if self.close.alive:
+            if self.rank == 0:
+                with contextlib.suppress(CoordinatorGone):
+                    self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
+            if self.size > 1:
+                self._share(None)
+            self.close()
+        return False
 
     def _new_group(self, q):
         self._retire_group()

@@ -541,6 +541,24 @@ def dropped(ctx, args):
         with cpm.context_parallel(None, buffers=[xs, ys, pos], seq_dims=[1, 1, 0], method="ring"):
             llama.loss_fn(model(xs, pos), ys).backward()
 
+    ft = common.load_script(os.path.join(common.ROOT, "14_fault_tolerant_dp.py"))
+    groups = [dist.new_group([k]) for k in range(W)]   # each rank a replica
+
+    def replicas(model):   # its all-reduce during backward (hooks on the parameters)
+        coordinator = ft.Coordinator(min_replicas=W) if r == 0 else None
+        address = everyone(coordinator and coordinator.address)[0]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return ft.ReplicaManager(model, opt, address, replica_id=r, process_group=groups[r], bucket_mb=1), coordinator
+
+    def replica_step(built):   # one step, then dropped without close()
+        manager, coordinator = built
+        manager.start_step()
+        llama.loss_fn(manager.module(mine(x)), mine(y)).backward()
+        manager.should_commit(manager.all_reduce_gradients())
+        dist.barrier()
+        if coordinator:
+            coordinator.close()
+
     class Holding(torch.nn.Module):   # the control
         def __init__(self, module):
             super().__init__()
@@ -560,6 +578,7 @@ def dropped(ctx, args):
     case("PipelineStage", stage, lambda s: s.pipe.step(x if s.pipe.first else None, y if s.pipe.last else None))
     case("context_parallel", lambda m: m, in_context)
     case("MoE", with_experts, lambda m: (data_parallel(m), ep.reduce_expert_gradients(m.module)), make=llama_moe)
+    case("ReplicaManager", replicas, replica_step)
     case("a hook holding its wrapper (the control)", Holding, lambda m: llama.loss_fn(m.module(x), y).backward())
     return out
 
