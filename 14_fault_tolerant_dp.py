@@ -375,11 +375,10 @@ class ReplicaManager:
     ``bucket_mb``: where a replica is one rank (``module`` the model alone, its gradients
     final when backward makes them), the cross-replica all-reduce runs during backward, a
     bucket of about that many MB at a time as its gradients arrive (the first
-    ``first_bucket_mb``), as DDP's does, and
-    all_reduce_gradients waits for the last; None: one all-reduce after backward. To
-    accumulate over micro-batches with it, run every backward but the last inside
-    ``manager.no_sync()`` (a gradient made twice in a step outside it is an error, not a
-    wrong sum).
+    ``first_bucket_mb``), as DDP's does, and all_reduce_gradients waits for the last; None:
+    one all-reduce after backward. To accumulate over micro-batches with it, run every
+    backward but the last inside ``manager.no_sync()`` (a gradient made twice in a step
+    outside it is an error, not a wrong sum).
     """
 
     def __init__(self, module, optimizer, coordinator: str, replica_id: int, process_group=None, timeout=3.0,
