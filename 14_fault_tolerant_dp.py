@@ -595,7 +595,11 @@ class ReplicaManager:
             except RuntimeError:
                 if work.is_completed():   # it failed
                     return False
-                if self.store.check([f"aborted/{self.qid}"]):   # (set by the coordinator's decision)
+                try:
+                    aborted = self.store.check([f"aborted/{self.qid}"])   # (set by the coordinator's decision)
+                except RuntimeError:   # its store is gone with the coordinator: the vote finds it gone
+                    return False
+                if aborted:
                     return False
 
     def _finish(self, params, flat, work) -> bool:

@@ -151,6 +151,18 @@ def test_a_replica_is_lost_when_any_of_its_ranks_hangs_or_goes_not_only_its_firs
         c.close()
 
 
+def test_a_replica_waiting_in_its_all_reduce_when_the_coordinator_dies_is_told_it_is_gone():
+    """The coordinator (a process of its own) killed while replica 0 waits for a late
+    replica 1 in the cross-replica all-reduce: the wait reads the coordinator's store, which
+    went with it; both replicas end with CoordinatorGone (their loop saves on it), not the
+    store's error (a CI run ended that way)."""
+    import common
+    import workers
+    from conftest import verify_args
+    said = common.launch(workers.ft_coordinator_dies_mid_all_reduce, verify_args(2))
+    assert all(s.startswith("gone: the coordinator at") for s in said), said
+
+
 # ---- the scenario, with each composition inside ----------------------------------------------
 def own_processes(tag: str) -> list:
     """PIDs of live processes carrying ``tag`` in their environment (zombies aside)."""

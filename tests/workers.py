@@ -464,6 +464,45 @@ def train_ft_copy(ctx, args, mod):
             "max_diff": max(c["max_diff"] for c in cases), "cases": out}
 
 
+def ft_coordinator_dies_mid_all_reduce(ctx, args):
+    """14's coordinator, a process of its own, killed while replica 0 (this job's rank 0, each
+    rank a replica) waits in the cross-replica all-reduce for replica 1, which comes late:
+    each replica must learn that the coordinator is gone (CoordinatorGone, the word its
+    loop saves on), not fail on the coordinator's store with another error."""
+    import subprocess
+    import threading
+    ft = common.load_script(os.path.join(common.ROOT, "14_fault_tolerant_dp.py"))
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]
+    proc = None
+    if ctx.rank == 0:
+        proc = subprocess.Popen([sys.executable, os.path.join(common.ROOT, "14_fault_tolerant_dp.py"), "--coordinator",
+                                 "--port", "0", "--min-replicas", "2"], stdout=subprocess.PIPE, text=True)
+    box = [proc.stdout.readline().split()[2] if proc else None]
+    dist.broadcast_object_list(box, src=0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ft.ReplicaManager(model, opt, box[0], replica_id=ctx.rank, process_group=groups[ctx.rank], timeout=5.0)
+    try:
+        manager.start_step()
+        model(torch.randn(4, 64)).square().mean().backward()
+        if proc:   # the coordinator dies while this replica waits for the other's all-reduce
+            threading.Timer(0.3, proc.kill).start()
+        else:
+            time.sleep(1.0)
+        manager.should_commit(manager.all_reduce_gradients())
+        said = "not gone"
+    except ft.CoordinatorGone as e:
+        said = "gone: " + str(e)
+    except RuntimeError as e:
+        said = f"{type(e).__name__}: {e}"
+    if proc:
+        proc.wait()
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, said)
+    return everyone
+
+
 def train_moe_copy(ctx, args, mod):
     """12's copied region: a MoE MLP (4 experts, top-2) with its experts over 2 ranks, the
     router's gradient averaged by hand and the experts' reduced by the region's function,
