@@ -51,6 +51,7 @@ import common
 # ---- begin copy: fault-tolerant replicas (needs torch and the standard library) ----
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -429,13 +430,13 @@ class ReplicaManager:
             size += p.numel() * p.element_size()
         me = weakref.ref(self)   # (the hooks do not keep the manager alive)
 
-        def ready(p, b):
+        def ready(p, b):   # (a parameter's gradient is made: nothing more where no bucket is armed)
             manager = me()
-            if manager is not None:
+            if manager is not None and manager.armed and manager.syncing:
                 manager._ready(p, b)
         for b, ps in enumerate(self.buckets):
             for p in ps:
-                p.register_post_accumulate_grad_hook(lambda p, b=b: ready(p, b))
+                p.register_post_accumulate_grad_hook(functools.partial(ready, b=b))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -447,8 +448,6 @@ class ReplicaManager:
             self.syncing = True
 
     def _ready(self, p, b):
-        if not self.armed or not self.syncing:
-            return
         if id(p) in self.seen:   # (a second gradient in the step: all_reduce_gradients says so)
             self.twice = True
             return
