@@ -586,6 +586,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
     options = _job_options(args, timeout)
     watch = diagnostics.StallWatch(dist.PrefixStore("kit/fr", store), world_size, options["stall_report"])
     quiet = _quiet_spawn_log()
+    procs = None
     try:
         procs = mp.start_processes(
             _spawn_entry, nprocs=world_size, join=False, start_method="forkserver",
@@ -614,7 +615,10 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
     finally:
         alive.done()
         quiet()
-        for f in [result_path] + [f"{result_path}.rank{r}.err" for r in range(world_size)]:
+        # torch's launcher leaves a file in the temp folder for each rank that raised (its
+        # pickled traceback, read above from ours) and never removes it
+        errors = [f for f in getattr(procs, "error_files", None) or () if f]
+        for f in [result_path] + [f"{result_path}.rank{r}.err" for r in range(world_size)] + errors:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
         del store

@@ -26,6 +26,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
+# What the kit writes to the temp folder on purpose (a failed job's traceback log, a run's
+# results that could not be saved where asked) goes, for the tests that cause it, to a folder
+# of this process's own, which goes when it ends: the suite leaves nothing in /tmp. pytest's
+# own folders (tmp_path) stay where they were, so a failed test's files can still be read.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+SESSION_TMP = tempfile.mkdtemp(prefix="kit-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
+_owner = os.getpid()   # (a process forked from this one runs its exit handlers too)
+atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(SESSION_TMP, ignore_errors=True))
+
 import time  # noqa: E402
 
 _began = time.perf_counter()

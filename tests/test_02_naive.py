@@ -82,8 +82,8 @@ def test_bad_input_exits_2_with_one_line_and_spawns_nothing(argv, words):
     assert words in refused("02_naive_ddp.py", *argv)
 
 
-def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
-    p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), timeout=120)
+def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path, scratch):
+    p = run_script(str(ROOT / "tests" / "workers.py"), str(tmp_path), timeout=120, env={"TMPDIR": str(scratch)})
     assert time.time() - float((tmp_path / "failed_at").read_text()) < seconds(20)   # from the failure to the end
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()   # the first failure first, its exception's last line
@@ -91,6 +91,9 @@ def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path):
     assert len(lines) <= 3 and "Traceback" not in p.stderr   # the tracebacks go to a file it names
     log = lines[-1].split("every failed rank's traceback: ")[1]
     assert "raise ValueError(\"boom from the test\")" in open(log).read()
+    # in the temp folder only that log (and torch's compile cache): no result file, no rank's
+    # traceback (ours or torch's launcher's, which never removes its own)
+    assert [p.name for p in scratch.iterdir() if p.name != "torchinductor_root"] == [Path(log).name]
     os.unlink(log)
     pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
     assert len(pids) == 2
