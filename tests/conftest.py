@@ -29,12 +29,19 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # What the kit writes to the temp folder on purpose (a failed job's traceback log, a run's
 # results that could not be saved where asked) goes, for the tests that cause it, to a folder
 # of this process's own, which goes when it ends: the suite leaves nothing in /tmp. pytest's
-# own folders (tmp_path) stay where they were, so a failed test's files can still be read.
+# own folders (tmp_path) stay where they were, so a failed test's files can still be read, and
+# so does torch.compile's cache (test_compiled's kernels: compiling them again costs a minute).
 import atexit  # noqa: E402
+import getpass  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+try:
+    _user = getpass.getuser()
+except (KeyError, OSError):
+    _user = f"uid_{os.getuid()}"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{_user}"))
 SESSION_TMP = tempfile.mkdtemp(prefix="kit-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 _owner = os.getpid()   # (a process forked from this one runs its exit handlers too)
