@@ -123,6 +123,8 @@ def test_script_sweeps_against_torch_ddp_and_fits_the_model(tmp_path):
             assert r["vs_torch_ddp_min"] * (1 - 1e-9) <= of_medians <= r["vs_torch_ddp_max"] * (1 + 1e-9)
     model = json.loads((tmp_path / "05_overhead_model.json").read_text())
     assert model["analysis"]["bucket_opt_mb"] > 0 and model["fit"]["o_s"] > 0
+    best = ours["lm", model["analysis"]["measured_best_mb"]]   # the closing line's ratio is the table's
+    assert f"{best['vs_torch_ddp']:.3f}x torch DDP at that cap" in p.stdout
     assert (tmp_path / "05_bucket_sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
