@@ -51,6 +51,10 @@ from pathlib import Path
 
 import common
 
+# transformers' own progress bars (loading and writing a folder's weights), one a rank, would
+# interleave with the run's progress lines; set HF_HUB_DISABLE_PROGRESS_BARS=0 to see them
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
 import torch
 import torch.distributed as dist
 

@@ -55,6 +55,7 @@ def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transfor
     final = run / "final"
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(final))
     assert "sample: 'The for statement" in p.stdout   # from_pretrained on the folder, then generate()
+    assert "Loading weights" not in p.stderr   # transformers' progress bars (one a rank) kept out of the run's lines
     summary = json.loads((tmp_path / "13_train.json").read_text())
     assert summary["rows"][0]["mesh"] == "pp 2 x tp 2" and summary["rows"][0]["steps"] == 6
     cached = [f for f in os.listdir(tiny) if f.startswith("text.txt.tokens-")]
