@@ -44,6 +44,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import common
@@ -340,7 +341,8 @@ class Coordinator:
         if not commit:   # (a member still waiting in this step's all-reduce stops: ReplicaManager._wait)
             self.store.set(f"aborted/{q['qid']}", "1")
         h = self.history[-1]
-        h.update(commit=commit, decided=round(time.time() - self.t0, 3), votes=dict(votes), info=q["info"])
+        h.update(commit=commit, decided=round(time.time() - self.t0, 3), votes=dict(votes), info=q["info"],
+                 lost=[r for r in members if r not in votes and not self.replicas[r]["live"]])
         if commit:
             for r in members:
                 self.replicas[r]["step"] = q["step"] + 1
@@ -1062,13 +1064,16 @@ def check(args, run) -> dict:
 # ---- the timeline --------------------------------------------------------------------------
 def timeline(run, n) -> dict:
     """Replicas x committed steps: 'stepped', 'healed' (joined there from a peer), or out;
-    and every aborted attempt (its step and members)."""
+    and every aborted attempt (its step, its members, those lost before they voted and
+    those whose step failed)."""
     cells, aborted = {r: {} for r in range(n)}, []
     for q in run["history"]:
         if "commit" not in q:
             continue
         if not q["commit"]:
-            aborted.append({"step": q["step"], "members": q["members"], "t": q["decided"]})
+            aborted.append({"step": q["step"], "members": q["members"], "t": q["decided"],
+                            "lost": q.get("lost", []),   # went (or hung) before they voted
+                            "against": sorted(int(r) for r, ok in q.get("votes", {}).items() if not ok)})
             continue
         for r in q["members"]:
             cells[r][q["step"]] = "healed" if str(r) in q["heal"] or r in q["heal"] else "stepped"
@@ -1085,7 +1090,9 @@ def print_timeline(tl, acted):
     for a in acted:
         print(f"  armed after step {a['step']:>3}: {a['phase']}")
     for a in tl["aborted"]:
-        print(f"  aborted at step {a['step']:>3} (members {a['members']}): not committed by anyone, redone")
+        why = "; ".join(f"{w} {', '.join(map(str, a[k]))}" for k, w in (("lost", "lost:"), ("against", "failed:"))
+                        if a[k]) or "a member silent past --join-timeout"
+        print(f"  aborted at step {a['step']:>3} (members {a['members']}; {why}): not committed by anyone, redone")
 
 
 def draw_timeline(tl, acted, path, title):
@@ -1095,7 +1102,8 @@ def draw_timeline(tl, acted, path, title):
     from matplotlib.colors import ListedColormap
     code = {"out": 0, "stepped": 1, "healed": 2}
     rows = [[code[c] for c in tl["cells"][r]] for r in sorted(tl["cells"])]
-    fig, ax = plt.subplots(figsize=(min(14, 3 + tl["steps"] / 8), 1 + 0.5 * len(rows)))
+    # (at least 9 inches wide: the title and the legend below fit, on two lines each)
+    fig, ax = plt.subplots(figsize=(min(14, max(9, 3 + tl["steps"] / 8)), 1.8 + 0.5 * len(rows)))
     ax.imshow(rows, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#eeeeee", "#4c72b0", "#55a868"]),
               vmin=0, vmax=2)
     for a in tl["aborted"]:
@@ -1104,9 +1112,9 @@ def draw_timeline(tl, acted, path, title):
     for a in acted:
         ax.axvline(a["step"] + 0.5, color="k", lw=0.6, ls="--")
     ax.set_yticks(range(len(rows)), [f"replica {r}" for r in sorted(tl["cells"])])
-    ax.set_xlabel("committed step (blue: stepped; green: healed from a peer there; grey: out; "
+    ax.set_xlabel("committed step (blue: stepped; green: healed from a peer there; grey: out;\n"
                   "red x: an attempt aborted; dashed: a failure armed)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=10)
     fig.tight_layout()
     common.save_file(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)

@@ -211,7 +211,14 @@ def test_the_scenario_passes_with_ddp_and_with_fsdp_inside_and_leaves_nothing_ru
         assert [a["phase"] for a in tl["acted"]] == [
             "kill -9 replica 1; then the source of its heal, midway", "SIGSTOP replica 2",
             "kill -9 replicas 0 and 1 at once", "stop"]
-        assert len(tl["timeline"]["aborted"]) >= 4   # the kill, the heal's, the hang, the two
+        aborted = tl["timeline"]["aborted"]
+        assert len(aborted) >= 4   # the kill, the heal's, the hang, the two
+        # each says why: the members lost before they voted, those whose step failed (on a loaded
+        # machine a slow member's step may fail too: its attempt is aborted and redone); every
+        # replica the scenario kills or stops is among the lost of one
+        assert all(set(a["lost"]) | set(a["against"]) <= set(a["members"]) for a in aborted), aborted
+        assert {r for a in aborted for r in a["lost"]} == {0, 1, 2}, aborted
+        assert re.search(r"aborted at step +\d+ \(members \[0, 1, 2\]; lost: 1[;)]", out), out
         lost = [what for _, r, what in tl["launcher"] if what.startswith(("lost", "hung"))]
         assert sum(w.startswith("lost") for w in lost) >= 4 and sum(w.startswith("hung") for w in lost) == 1, lost
         rows = tl["timeline"]["cells"]
