@@ -661,8 +661,8 @@ def plot_model(ax, rows, args, model):
     ax.set_xscale("log")
     ax.set_xlabel("bucket size (MB)")
     ax.set_ylabel("step time (ms, median; bars min-max)")
-    name = "the kit's LM" if model == "lm" else "nn.TransformerEncoderLayer model"
-    ax.set_title(f"{args.model_size} {name}, {args.world_size} x {args.backend}/{args.device}")
+    name = "the kit's LM" if model == "lm" else "nn.TransformerEncoderLayer's model"
+    ax.set_title(f"{name} ({args.model_size}), {args.world_size} x {args.backend}/{args.device}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
 
