@@ -1215,8 +1215,8 @@ def parser():
                    help="seconds a quorum waits for a live replica that has not asked (a hung one that still beats)")
     p.add_argument("--pace-ms", type=common.number(float, lo=0), default=None,
                    help="a step takes at least this long (default: 200 in the verification, where the nano LM's "
-                        "step is a few ms and a replacement's start 3 to 5 s here: so the scenario's restarts "
-                        "land within a hundred steps; 0 for --join)")
+                        "step takes a few ms: a replacement, back in about 0.15 s here, and a hung replica, "
+                        "found within --detect, then cost the scenario a few steps, not hundreds; 0 for --join)")
     p.add_argument("--bucket-mb", type=common.number(float, above=0), default=25.0,
                    help="--inner ddp's buckets; with one rank a replica and --overlap, the cross-replica "
                         "all-reduce's (the first 1 MB)")
