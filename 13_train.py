@@ -1230,6 +1230,9 @@ def check(args):
             raise common.UsageError(f"{latest} is a checkpoint of another model (its config differs from "
                                     f"{model}'s): give another --run-dir, or remove it")
         args.resume_from = f"resumed from step {meta['step']} ({latest})"
+        if meta["step"] >= args.steps:   # (the folder and the table are still made, from the checkpoint)
+            args.resume_from += (f": --steps {args.steps} already reached, nothing left to train (give more --steps, "
+                                 f"or another --run-dir to start again)")
     return sizes, tokens.numel(), seqs
 
 
@@ -1303,7 +1306,8 @@ def main(argv=None):
     text = sample(Path(result["final"]), args.prompt, args.sample_tokens)
     print(f"final weights sha256 {result['sha256']}\n{common.wrote(result['final'])} (from_pretrained loads it)\n"
           f"sample: {text!r}", flush=True)
-    row = {"mesh": mesh_label(sizes, args.ep), "steps": args.steps, "first loss": hist[0]["loss"] if hist else None,
+    reached = max((r["step"] for r in result["history"]), default=0)   # (a resumed run's may be past --steps)
+    row = {"mesh": mesh_label(sizes, args.ep), "steps": reached, "first loss": hist[0]["loss"] if hist else None,
            "last loss": hist[-1]["loss"] if hist else None, "first eval": evals[0]["eval"] if evals else None,
            "last eval": evals[-1]["eval"] if evals else None,
            "tokens/s": round(args.batch_size * args.context_length / (sum(r["seconds"] for r in hist) / len(hist)))

@@ -56,6 +56,12 @@ def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transfor
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(final))
     assert "sample: 'The for statement" in p.stdout   # from_pretrained on the folder, then generate()
     assert "Loading weights" not in p.stderr   # transformers' progress bars (one a rank) kept out of the run's lines
+    train = load("13_train")   # the same command with fewer --steps than its checkpoint's: said before it starts
+    again = train.parser().parse_args(["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--pp", "2",
+                                       "--tp", "2", *SHORT, "--steps", "3", "--run-dir", str(run)])
+    train.check(again)
+    assert again.resume_from.endswith("--steps 3 already reached, nothing left to train (give more --steps, "
+                                      "or another --run-dir to start again)"), again.resume_from
     summary = json.loads((tmp_path / "13_train.json").read_text())
     assert summary["rows"][0]["mesh"] == "pp 2 x tp 2" and summary["rows"][0]["steps"] == 6
     cached = [f for f in os.listdir(tiny) if f.startswith("text.txt.tokens-")]
