@@ -142,7 +142,19 @@ _traced_calls_real = {}
 # The device audit: a GPU's device rules on a CPU run
 # ----------------------------------------------------------------------------------------
 AUDIT_ENV = "KIT_DEVICE_AUDIT"   # =1: a CPU job runs under DeviceAudit (the tests' way to see GPU-only bugs)
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+_IN_TORCH = {}   # a frame's file -> whether it is torch's
+
+
+def _in_torch(path: str) -> bool:
+    """Whether a frame's file is torch's, wherever it was imported from: a path through a
+    link (a virtual environment reached by a symbolic link) is where the link leads, and a
+    neighbour whose name starts the same (torchvision) is not torch."""
+    hit = _IN_TORCH.get(path)
+    if hit is None:
+        hit = _IN_TORCH[path] = str(Path(path).resolve()).startswith(_TORCH_DIR)
+    return hit
+
 # where a GPU would put a tensor: HOST (made without a device, or by .cpu()), DEVICE (made on
 # the job's device, or moved there); a tensor made by neither rule (autograd's gradients, a
 # tensor unpickled from the parent) is not known and never blamed
@@ -173,7 +185,7 @@ def _caller(depth: int, skip_library: bool) -> str:
         key = (path, skip_library)
         name = _FILES.get(key, 0)
         if name == 0:
-            skip = path.startswith(_TORCH_DIR) or (skip_library and str(Path(path).resolve()) in _LIBRARY)
+            skip = _in_torch(path) or (skip_library and str(Path(path).resolve()) in _LIBRARY)
             name = _FILES[key] = None if skip else os.path.basename(path)
         if name is not None:
             return f"{name}:{f.f_lineno}"
@@ -446,7 +458,7 @@ def _stack(thread_id, limit=6) -> list:
     lines = []
     for code, line, _ in _places(thread_id):
         path = code.co_filename
-        if path.startswith(_TORCH_DIR) or path == threading.__file__:
+        if _in_torch(path) or path == threading.__file__:
             continue
         linecache.checkcache(path)
         lines.append(f"{Path(path).name}:{line} {code.co_name}: {linecache.getline(path, line or 0).strip()}")

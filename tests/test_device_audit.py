@@ -110,3 +110,21 @@ def test_the_audit_finds_the_tensors_of_a_call_as_pytree_does():
     for call in calls:
         got, want = diagnostics._tensors(call), [x for x in tree_leaves(call) if torch.is_tensor(x)]
         assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), call
+
+
+def test_torchs_frames_are_known_when_torch_was_imported_through_a_link(tmp_path):
+    """Where a collective was called, or a tensor made, is the first frame outside torch:
+    with the virtual environment reached through a symbolic link, torch's files carry the
+    link's path (a run in a folder whose .venv is a link blamed torch's eval_frame.py), and a
+    neighbour whose name starts like torch's (torchvision) is not torch."""
+    from pathlib import Path
+    site = Path(torch.__file__).resolve().parent.parent
+    (tmp_path / "site").symlink_to(site)
+    inside = str(tmp_path / "site" / "torch" / "_dynamo" / "a_wrapper.py")
+    assert diagnostics._in_torch(inside) and diagnostics._in_torch(torch.__file__)
+    assert not diagnostics._in_torch(str(site / "torchvision" / "ops.py"))
+    assert not diagnostics._in_torch(diagnostics.__file__)
+    wrapper = {}
+    exec(compile("def call(fn):\n    return fn()\n", inside, "exec"), wrapper)   # a frame of "torch's" through the link
+    where = wrapper["call"](lambda: diagnostics._caller(1, False))   # (1: from the frame that called the lambda)
+    assert where.startswith("test_device_audit.py:"), where
