@@ -143,17 +143,21 @@ _traced_calls_real = {}
 # ----------------------------------------------------------------------------------------
 AUDIT_ENV = "KIT_DEVICE_AUDIT"   # =1: a CPU job runs under DeviceAudit (the tests' way to see GPU-only bugs)
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
-_IN_TORCH = {}   # a frame's file -> whether it is torch's
+_RESOLVED = {}   # a frame's file, as imported -> where it is (links followed)
+
+
+def _resolved(path: str) -> str:
+    where = _RESOLVED.get(path)
+    if where is None:
+        where = _RESOLVED[path] = str(Path(path).resolve())
+    return where
 
 
 def _in_torch(path: str) -> bool:
     """Whether a frame's file is torch's, wherever it was imported from: a path through a
     link (a virtual environment reached by a symbolic link) is where the link leads, and a
     neighbour whose name starts the same (torchvision) is not torch."""
-    hit = _IN_TORCH.get(path)
-    if hit is None:
-        hit = _IN_TORCH[path] = str(Path(path).resolve()).startswith(_TORCH_DIR)
-    return hit
+    return _resolved(path).startswith(_TORCH_DIR)
 
 # where a GPU would put a tensor: HOST (made without a device, or by .cpu()), DEVICE (made on
 # the job's device, or moved there); a tensor made by neither rule (autograd's gradients, a
@@ -185,7 +189,7 @@ def _caller(depth: int, skip_library: bool) -> str:
         key = (path, skip_library)
         name = _FILES.get(key, 0)
         if name == 0:
-            skip = _in_torch(path) or (skip_library and str(Path(path).resolve()) in _LIBRARY)
+            skip = _in_torch(path) or (skip_library and _resolved(path) in _LIBRARY)
             name = _FILES[key] = None if skip else os.path.basename(path)
         if name is not None:
             return f"{name}:{f.f_lineno}"

@@ -93,7 +93,7 @@ def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path, scratch)
     assert "raise ValueError(\"boom from the test\")" in open(log).read()
     # in the temp folder only that log (and torch's compile cache): no result file, no rank's
     # traceback (ours or torch's launcher's, which never removes its own)
-    assert [p.name for p in scratch.iterdir() if p.name != "torchinductor_root"] == [Path(log).name]
+    assert [f.name for f in scratch.iterdir() if f.name != "torchinductor_root"] == [Path(log).name]
     os.unlink(log)
     pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
     assert len(pids) == 2
