@@ -279,13 +279,15 @@ gpu-12: $(GPU_DEPS)
 # log per job and SUMMARY.md under SMOKE_OUT). Each fails if a job did. Dry runs on a CPU
 # machine (gloo in NCCL's place; the smoke jobs then run under the device audit):
 #   make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano GPU_OUT=/tmp/gpu-dry
+# SMOKE: the scripts whose smoke jobs run (and measured jobs, unless MEASURE names others)
 SMOKE      ?= 01 02 03 04 05 06 07 08 09 10 11 12 13 14
+MEASURE    ?=
 SMOKE_OUT  ?= $(GPU_OUT)/smoke
 # (empty: sized to this machine's CPU count, tools/gpu_check.py --help)
 SMOKE_JOBS ?=
 SMOKE_BOX  ?=
 GPU_CHECK   = $(PY) tools/gpu_check.py --device $(GPU_DEV) --nccl $(GPU_NCCL) $(if $(GPU_SIZE),--size $(GPU_SIZE)) \
-              --python $(PY) --scripts $(SMOKE) $(if $(SMOKE_JOBS),--jobs $(SMOKE_JOBS)) $(if $(SMOKE_BOX),--box $(SMOKE_BOX))
+              --python $(PY) --scripts $(SMOKE) $(if $(MEASURE),--measure $(MEASURE)) $(if $(SMOKE_JOBS),--jobs $(SMOKE_JOBS)) $(if $(SMOKE_BOX),--box $(SMOKE_BOX))
 .PHONY: gpu-check
 gpu-check: $(GPU_DEPS)
 	@$(GPU_CHECK) --out $(GPU_OUT)/check

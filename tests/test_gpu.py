@@ -77,11 +77,12 @@ def test_gpu_smoke_fails_when_a_job_fails_and_says_which(tmp_path):
     assert not workers_left()   # the job's whole process group ended with it
 
 
-def test_gpu_check_dry_run_passes_on_one_script_with_every_part(tmp_path):
-    """make gpu-check's CPU dry run on 12: the kernel tests (the CUDA cases skipped with the
-    reason), the measured table (12's grouped experts in bf16), 12's smoke jobs under the
-    device audit; SUMMARY.md holds every row and the table, SUMMARY.json the same."""
-    p = make("gpu-check", "SMOKE=12", "SMOKE_JOBS=3", f"GPU_OUT={tmp_path}", timeout=400)   # (its three at once)
+def test_gpu_check_dry_run_passes_with_every_part(tmp_path):
+    """make gpu-check's CPU dry run: the kernel tests (the CUDA cases skipped with the
+    reason), the measured table (MEASURE=12: 12's grouped experts in bf16), 03's smoke jobs
+    under the device audit (12's own smoke commands run under it in test_12, through
+    run_inline); SUMMARY.md holds every row and the table, SUMMARY.json the same."""
+    p = make("gpu-check", "SMOKE=03", "MEASURE=12", f"GPU_OUT={tmp_path}", timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     check = tmp_path / "check"
     summary = json.loads((check / "SUMMARY.json").read_text())
@@ -90,13 +91,14 @@ def test_gpu_check_dry_run_passes_on_one_script_with_every_part(tmp_path):
     assert len(kernels) == 104 and {r["verdict"] for r in kernels} == {"PASS", "SKIP"}
     assert all(r["verdict"] == "SKIP" and "needs a CUDA GPU" in r["detail"] for r in kernels if "-cuda]" in r["job"])
     assert all("max_error" in r["detail"] for r in kernels if "-cpu]" in r["job"])
+    assert [job for part, job in rows if part == "measure"] == ["12 grouped vs loop, bf16"]
     assert rows[("measure", "12 grouped vs loop, bf16")]["verdict"] == "MEASURED"
     assert [m["detail"] for m in summary["measured"]] == ["kernel torch._grouped_mm"] * 4
     smoke = {job: r["verdict"] for (part, job), r in rows.items() if part == "smoke"}
-    assert smoke == {f"12_expert_parallel.{s}": "PASS" for s in ("gloo_1rank", "gloo_2ranks", "bf16")}
+    assert smoke == {f"03_flat_ddp.{s}": "PASS" for s in ("gloo_1rank", "gloo_2ranks")}
     assert "under the device audit" in summary["header"]
     text = (check / "SUMMARY.md").read_text()
-    assert "| smoke | 12_expert_parallel.bf16 | PASS |" in text and "## Measured at 1 rank" in text
+    assert "| smoke | 03_flat_ddp.gloo_2ranks | PASS |" in text and "## Measured at 1 rank" in text
 
 
 def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):

@@ -4,6 +4,7 @@ a 16-core machine with one H100 or H200, its summary written as it goes.
     make gpu-check PY=python3                                 # on the GPU machine (its own python3)
     make gpu-check GPU_DEV=cpu GPU_NCCL=gloo GPU_SIZE=nano    # the CPU dry run
     python tools/gpu_check.py --parts smoke --scripts 03      # one part, one script
+    python tools/gpu_check.py --scripts 03 --measure 12       # 03's smoke jobs, 12's measured one
 
 Three parts, in this order (the most wanted first: a cut run keeps what finished):
 1. kernels: tests/test_gpu_kernels.py, the CUDA kernels no CPU reaches (context-parallel
@@ -361,6 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="", help="model size of every job (default: each part's own; nano: dry run)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS, help="whose smoke and measured jobs")
+    p.add_argument("--measure", nargs="+", choices=SCRIPTS, default=None,
+                   help="whose measured jobs, where they are not --scripts' (05, 07 and 12 have one)")
     cpus, scale = os.cpu_count() or 1, machine_scale()
     p.add_argument("--jobs", type=int, default=max(1, min(6, cpus // 2)),
                    help=f"smoke jobs at once (default: half the CPU cores, at most 6: here {max(1, min(6, cpus // 2))})")
@@ -384,7 +387,7 @@ def main(argv=None) -> int:
     try:
         for part in PARTS:
             if part in args.parts:
-                {"kernels": lambda: part_kernels(check), "measure": lambda: part_measure(check, args.scripts),
+                {"kernels": lambda: part_kernels(check), "measure": lambda: part_measure(check, args.measure or args.scripts),
                  "smoke": lambda: part_smoke(check, args.scripts)}[part]()
     except BaseException as e:   # interrupted, or the check's own bug: no job outlives it
         check.end_all()
