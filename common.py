@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import faulthandler
 import gc
 import importlib.util
 import json
@@ -482,6 +483,7 @@ def _run_worker(worker, ctx, args, job, options: dict, store, watch=False):
 
 def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, device, timeout, result_path, parent_pid,
                  options=None):
+    _catch_faults(f"{result_path}.rank{rank}.fault")
     _watch_parent(parent_pid)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     ctx = Ctx(rank, world_size, rank, backend, _device_for(device, rank))
@@ -502,6 +504,39 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
     if rank == 0:
         with open(result_path, "wb") as f:
             pickle.dump(result, f)
+
+
+_faults = []   # the file faulthandler writes to, open for the process's life
+
+
+def _catch_faults(path=None):
+    """A rank killed by a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL: a crash in
+    C++, CUDA or NCCL code) writes every thread's Python stack at that moment to ``path``,
+    where launch() reads it, or to stderr (under torchrun), then dies of the same signal;
+    without it such a rank dies without a word. Left as it is where the user enabled
+    faulthandler already (python -X faulthandler, PYTHONFAULTHANDLER)."""
+    if faulthandler.is_enabled():
+        return
+    f = open(path, "w") if path else sys.stderr
+    _faults.append(f)
+    faulthandler.enable(file=f, all_threads=True)
+
+
+def _fault_text(path) -> tuple[str, str]:
+    """(where the crashed thread was: "file:line in function", faulthandler's whole text) of
+    the dump at ``path``, or ("", "") where the rank left none."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return "", ""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    frame = next((ln.strip() for ln in lines[start + 1:start + 2] if ln.strip().startswith("File ")), "") \
+        if start is not None else ""
+    if frame:   # File "/path/x.py", line 12 in f
+        file, _, rest = frame[len('File "'):].partition('", line ')
+        frame = f"{os.path.basename(file)}:{rest}"
+    return frame, text.strip()
 
 
 def loopback_store(world_size, timeout):
@@ -566,6 +601,7 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
         if not dist.is_initialized():   # the group lives on for the script's next launch
+            _catch_faults()   # (to stderr, which torchrun passes on)
             # torch._dynamo, which the flight recorder's wrappers (torch.compiler.disable) and the
             # first optimizer import, before the rendezvous (a spawned rank's fork server has it):
             # its seconds on a loaded machine are then a slow start, not a rank the others wait
@@ -600,8 +636,10 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
             raise LaunchError(_failure_report(result_path, world_size, stall=watch.last_word())) from None
         except mp.ProcessExitedException as e:
             how = f"signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
-            raise LaunchError(_failure_report(result_path, world_size,
-                                              (time.time(), e.error_index, f"died ({how}) without a Python error"),
+            where, dump = _fault_text(f"{result_path}.rank{e.error_index}.fault")
+            what = f"died ({how}) " + (f"at {where}" if where else "in a thread running no Python code" if dump
+                                       else "without a Python error")
+            raise LaunchError(_failure_report(result_path, world_size, (time.time(), e.error_index, what, dump),
                                               stall=watch.last_word())) from None
         except BaseException:
             for p in procs.processes:
@@ -618,7 +656,8 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
         # torch's launcher leaves a file in the temp folder for each rank that raised (its
         # pickled traceback, read above from ours) and never removes it
         errors = [f for f in getattr(procs, "error_files", None) or () if f]
-        for f in [result_path] + [f"{result_path}.rank{r}.err" for r in range(world_size)] + errors:
+        for f in [result_path] + [f"{result_path}.rank{r}.{x}" for r in range(world_size) for x in ("err", "fault")] \
+                + errors:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
         del store
@@ -684,7 +723,8 @@ def _failure_report(result_path, world_size, died=None, stall=None) -> str:
     """What went wrong, the first failure first: that rank and its exception's last line,
     then what followed (the others usually fail only because it went away), and the path
     of a log file with every failed rank's whole traceback. ``died``: (time, rank, how) of
-    a process that ended without a Python error. ``stall``: the StallWatch's diagnosis
+    a process that ended without a Python error, and the stack faulthandler wrote for it,
+    if any. ``stall``: the StallWatch's diagnosis
     when the job was stalled: then the rank the others waited for is named first (a rank
     that timed out waiting for it only failed as a consequence)."""
     events = []   # (time, rank, what, traceback)
@@ -692,8 +732,8 @@ def _failure_report(result_path, world_size, died=None, stall=None) -> str:
         with contextlib.suppress(FileNotFoundError, ValueError):
             when, tb = Path(f"{result_path}.rank{r}.err").read_text().split("\n", 1)
             events.append((float(when), r, f"failed: {_exception_text(tb)}", tb))
-    if died is not None:
-        events.append((*died, ""))
+    if died is not None:   # (time, rank, how[, faulthandler's dump])
+        events.append((*died, "") if len(died) == 3 else tuple(died))
     if not events:
         return "a rank failed, leaving no report"
     events.sort()

@@ -102,6 +102,24 @@ def test_failing_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path, scratch)
             os.kill(pid, 0)
 
 
+def test_a_rank_that_crashes_in_c_code_is_named_at_its_python_line(tmp_path):
+    """A rank killed by a fatal signal (here SIGSEGV: a crash in C++, CUDA or NCCL code) is
+    named with the Python line it crashed at, and the failure log holds every thread's
+    stack then (faulthandler, which the rank writes to a file launch() reads and removes)."""
+    import tempfile
+    import workers
+    with pytest.raises(common.LaunchError) as e:
+        common.launch(workers.crash_rank, verify_args(2, timeout=20.0))
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("rank 1 died (signal 11) at workers.py:") and \
+        lines[0].endswith(" in _write_to_address_zero"), lines
+    log = lines[-1].split("every failed rank's traceback: ")[1]
+    text = open(log).read()
+    os.unlink(log)
+    assert "Fatal Python error: Segmentation fault" in text and "in crash_rank" in text, text
+    assert not list(Path(tempfile.gettempdir()).glob("ddp_result_*")), "a rank's file was left"
+
+
 @pytest.fixture
 def scratch():
     """The launcher's TMPDIR, a short path: the forkserver's socket goes in a folder there,

@@ -1033,6 +1033,19 @@ def cp_kernel_errors(ctx, args):
                 sorted({k for e in everyone for k in e[n][2]})) for n in out}
 
 
+def crash_rank(ctx, args):
+    """Rank 1 crashes in C code (a write to address 0: SIGSEGV), in a function of its own;
+    rank 0 sleeps meanwhile (in no collective: it does not fail first) until it is ended."""
+    if ctx.rank == 1:
+        _write_to_address_zero()
+    time.sleep(60)
+
+
+def _write_to_address_zero():
+    import ctypes
+    ctypes.memmove(0, b"x", 1)
+
+
 def _spin(seconds=None):
     """A rank's computing (or, with no end, its infinite loop): Python running bytecode and
     holding the GIL, in bursts of 3 ms with pauses of 12 ms between them, so that a spinning
