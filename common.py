@@ -506,20 +506,14 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
             pickle.dump(result, f)
 
 
-_faults = []   # the file faulthandler writes to, open for the process's life
-
-
 def _catch_faults(path=None):
     """A rank killed by a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL: a crash in
     C++, CUDA or NCCL code) writes every thread's Python stack at that moment to ``path``,
     where launch() reads it, or to stderr (under torchrun), then dies of the same signal;
     without it such a rank dies without a word. Left as it is where the user enabled
     faulthandler already (python -X faulthandler, PYTHONFAULTHANDLER)."""
-    if faulthandler.is_enabled():
-        return
-    f = open(path, "w") if path else sys.stderr
-    _faults.append(f)
-    faulthandler.enable(file=f, all_threads=True)
+    if not faulthandler.is_enabled():   # (it holds the file, open, for the process's life)
+        faulthandler.enable(file=open(path, "w") if path else sys.stderr, all_threads=True)
 
 
 def _fault_text(path) -> tuple[str, str]:
@@ -529,14 +523,13 @@ def _fault_text(path) -> tuple[str, str]:
         text = Path(path).read_text()
     except OSError:
         return "", ""
-    lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
-    frame = next((ln.strip() for ln in lines[start + 1:start + 2] if ln.strip().startswith("File ")), "") \
-        if start is not None else ""
-    if frame:   # File "/path/x.py", line 12 in f
-        file, _, rest = frame[len('File "'):].partition('", line ')
-        frame = f"{os.path.basename(file)}:{rest}"
-    return frame, text.strip()
+    lines = text.splitlines()   # the crashed thread's stack, innermost first, after "Current thread ..."
+    at = next((i + 1 for i, ln in enumerate(lines) if ln.startswith("Current thread")), len(lines))
+    innermost = lines[at].strip() if at < len(lines) else ""   # File "/path/x.py", line 12 in f
+    if not innermost.startswith('File "'):
+        return "", text.strip()
+    file, _, rest = innermost[len('File "'):].partition('", line ')
+    return f"{os.path.basename(file)}:{rest}", text.strip()
 
 
 def loopback_store(world_size, timeout):
