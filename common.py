@@ -598,8 +598,10 @@ def launch(worker, args, *job, world_size=None, backend=None, device=None, timeo
             # torch._dynamo, which the flight recorder's wrappers (torch.compiler.disable) and the
             # first optimizer import, before the rendezvous (a spawned rank's fork server has it):
             # its seconds on a loaded machine are then a slow start, not a rank the others wait
-            # for in their first collective, reported as a stall
-            import torch._dynamo  # noqa: F401
+            # for in their first collective, reported as a stall (imported under a name of its
+            # own: a plain `import torch._dynamo` makes `torch` local to all of launch, and its
+            # use above, on a GPU, an UnboundLocalError)
+            import torch._dynamo as _dynamo  # noqa: F401
             store = _attempt_store(timeout)
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout), store=store,
                                     **({"rank": ctx.rank, "world_size": world_size} if store is not None else {}))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import common
-from conftest import refused, verify_args
+from conftest import ROOT, refused, verify_args
 
 CLASSES = {"02_naive_ddp": "NaiveDDP", "03_flat_ddp": "FlatDDP", "04_overlap_ddp": "DDPIndividualParameters",
            "05_bucketed_ddp": "DDPBucketed", "06_sharded_optimizer": "sharded optimizers", "07_fsdp": "FSDP",
@@ -78,6 +78,32 @@ def test_the_copy_region_needs_only_torch_the_standard_library_and_the_files_it_
 
 def test_the_undefined_name_check_can_fail():
     assert undefined_names("import torch\nclass A:\n    def f(self):\n        return common.x + torch.y\n") == {"common"}
+
+
+def used_before_imported(src: str) -> list:
+    """(function, name, line) where a function reads a name above its own import of it: an
+    import inside a function makes the name local to all of it (`import torch._dynamo`
+    binds `torch`), so the read above is an UnboundLocalError, reached perhaps only on a GPU."""
+    found = []
+    for fn in ast.walk(ast.parse(src)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = {}
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    for a in node.names:
+                        name = a.asname or a.name.split(".")[0]
+                        first[name] = min(first.get(name, node.lineno), node.lineno)
+            found += [(fn.name, n.id, n.lineno) for n in ast.walk(fn) if isinstance(n, ast.Name)
+                      and isinstance(n.ctx, ast.Load) and n.lineno < first.get(n.id, 0)]
+    return found
+
+
+def test_no_function_reads_a_name_above_its_own_import_of_it():
+    files = sorted([*ROOT.glob("*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("tests/*.py")])
+    assert len(files) > 40
+    assert {str(f.relative_to(ROOT)): found for f in files if (found := used_before_imported(f.read_text()))} == {}
+    assert used_before_imported("import torch\ndef launch():\n    torch.cuda.set_device(0)\n    import torch._dynamo\n"
+                                ) == [("launch", "torch", 3)]   # common.launch's, found on a GPU
 
 
 _cache = {}
