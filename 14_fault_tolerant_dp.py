@@ -1303,7 +1303,8 @@ def check_args(args):
     if args.backend == "nccl" and common.gpu_count() < args.replica_ranks:   # (replicas, each its own world, share them)
         raise common.UsageError(f"nccl needs one GPU per rank of a replica: {args.replica_ranks} ranks, "
                                 f"{common.gpu_count()} GPU(s); {common.NCCL_HINT}")
-    common.check_ranks(args.replicas * args.replica_ranks, args.backend, "--replicas x --replica-ranks")
+    # the processes share the cores (as gloo's ranks do); NCCL's GPU a rank is per replica, above
+    common.check_ranks(args.replicas * args.replica_ranks, "gloo", "--replicas x --replica-ranks")
     if not args.no_bench:
         common.check_ranks(max(args.bench_replicas), "gloo", "--bench-replicas")
         if min(args.bench_replicas) < 2:

@@ -13,6 +13,10 @@ import sys
 import threading
 import time
 import uuid
+
+import pytest
+
+import common
 from conftest import ROOT, listening_sockets, load, refused, seconds
 
 ft = load("14_fault_tolerant_dp")
@@ -308,3 +312,18 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
         in refused("14_fault_tolerant_dp.py", "--overlap", "on")
     assert "--bench-replicas: each run needs 2 replicas or more" in refused("14_fault_tolerant_dp.py", "--no-verify",
                                                                             "--bench-replicas", "1", "2")
+
+
+def test_nccl_replicas_share_one_gpu_where_each_is_one_rank(monkeypatch):
+    """Each replica is its own NCCL world (across them it is gloo), so on one GPU three
+    replicas of one rank each run (make gpu-check's job): refused before as '3 NCCL ranks
+    but 1 GPU(s)'; two ranks a replica still need two GPUs."""
+    monkeypatch.setattr(common, "gpu_count", lambda: 1)
+
+    def check(*argv):
+        args = ft.parser().parse_args(["--backend", "nccl", "--no-bench", *argv])
+        ft.check_args(args)
+        return args
+    assert check("--replicas", "3", "--replica-ranks", "1", "--overlap", "on").device == "cuda"
+    with pytest.raises(common.UsageError, match=r"nccl needs one GPU per rank of a replica: 2 ranks, 1 GPU\(s\)"):
+        check("--replicas", "3", "--replica-ranks", "2")
