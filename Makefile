@@ -293,11 +293,13 @@ SMOKE_OUT  ?= $(GPU_OUT)/smoke
 # (empty: sized to this machine's CPU count, tools/gpu_check.py --help)
 SMOKE_JOBS ?=
 SMOKE_BOX  ?=
+# seconds after which no job of make gpu-check starts or runs on (empty: 450 on 8 cores or more)
+CHECK_BUDGET ?=
 GPU_CHECK   = $(PY) tools/gpu_check.py --device $(GPU_DEV) --nccl $(GPU_NCCL) $(if $(GPU_SIZE),--size $(GPU_SIZE)) \
               --python $(PY) --scripts $(SMOKE) $(if $(MEASURE),--measure $(MEASURE)) $(if $(SMOKE_JOBS),--jobs $(SMOKE_JOBS)) $(if $(SMOKE_BOX),--box $(SMOKE_BOX))
 .PHONY: gpu-check
 gpu-check: $(GPU_DEPS)
-	@$(GPU_CHECK) --out $(GPU_OUT)/check
+	@$(GPU_CHECK) $(if $(CHECK_BUDGET),--budget $(CHECK_BUDGET)) --out $(GPU_OUT)/check
 
 gpu-smoke: $(GPU_DEPS)
 	@rm -rf $(SMOKE_OUT)

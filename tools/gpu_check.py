@@ -54,10 +54,13 @@ def script(n: str) -> str:
 # ----------------------------------------------------------------------------------------
 # The jobs
 # ----------------------------------------------------------------------------------------
-def smoke_jobs(scripts, dev, nccl, size) -> list:
+def smoke_jobs(scripts, dev, nccl, size, box=200.0) -> list:
     """(name, command line) of every smoke job: each script at a small size, verification
     and two timed steps; NCCL at 1 rank and gloo at 2 (08, 09 and pipelines need 2 ranks,
-    so gloo only). A GPU's slow ones (gloo over CUDA at 2 ranks) first."""
+    so gloo only). A GPU's slow ones (gloo over CUDA at 2 ranks) first. 14's run ends
+    itself inside the job's ``box`` seconds, printing its replicas' logs (the box's kill
+    would remove them with the run's folder)."""
+    deadline = ["--deadline", f"{box * 0.8:.0f}"]
     lm = ["--device", dev, "--model-size", size or "small", "--warmup", "1", "--steps", "2"]
     four = ["--model-size", "mini"] if size in ("nano", "micro") else []   # 2 stages x 2 chunks need 4 blocks
     one, two = ["--backend", nccl, "--world-size", "1", *lm], ["--backend", "gloo", "--world-size", "2", *lm]
@@ -88,8 +91,9 @@ def smoke_jobs(scripts, dev, nccl, size) -> list:
         # replicas of one NCCL rank each share the GPU (each its own world), their all-reduce during backward
         # (as --overlap auto on a GPU); gloo inside replicas of 2 ranks
         "14": [(f"{nccl}_1rank", ["--backend", nccl, "--device", dev, "--model-size", size or "small",
-                                  "--replica-ranks", "1", "--overlap", "on", "--no-bench"]),
-               ("gloo_2ranks", ["--backend", "gloo", "--device", dev, "--model-size", size or "small", "--no-bench"])],
+                                  "--replica-ranks", "1", "--overlap", "on", "--no-bench", *deadline]),
+               ("gloo_2ranks", ["--backend", "gloo", "--device", dev, "--model-size", size or "small", "--no-bench",
+                                *deadline])],
     }
     jobs = [(f"{script(n)[:-3]}.{setting}", [script(n), *argv]) for n in scripts
             for setting, argv in per.get(n, [(f"{nccl}_1rank", one), ("gloo_2ranks", two)])]
@@ -334,7 +338,7 @@ def part_smoke(check: Check, scripts):
     pool = ThreadPoolExecutor(max_workers=check.args.jobs)
     try:
         for done in [pool.submit(one, job) for job in smoke_jobs(scripts, check.args.device, check.args.nccl,
-                                                                 check.args.size)]:
+                                                                 check.args.size, check.args.box)]:
             done.result()
     finally:   # interrupted: the queued jobs never start, the running ones are ended (end_all)
         pool.shutdown(wait=False, cancel_futures=True)
