@@ -226,7 +226,6 @@ class _Bucket:
             self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.grads, self.flags = self.buffer[:numel], self.buffer[numel:]
-        self.flags.fill_(1)
         self.work = None
         self.missing = False
         self._reset()
@@ -250,6 +249,8 @@ class _Bucket:
     @torch.no_grad()
     def launch(self, world_size, partial=False):
         self.missing = False
+        self.flags.fill_(1)                 # (the last all-reduce summed them) here, on backward's path,
+        # where a GPU's queue hides it: after backward a GPU waits for whatever the host does
         if partial:
             for j, p in enumerate(self.params):
                 if p.grad is None:          # no gradient here: send zeros and a zero flag
@@ -269,7 +270,6 @@ class _Bucket:
             for j, (p, n) in enumerate(zip(self.params, self.flags.tolist())):
                 if p.grad is None and n > 0:
                     p.grad = self.views[j]
-        self.flags.fill_(1)                 # ready for the next step, off backward's path
         self._reset()
 # ---- end copy: DDPBucketed ----
 
