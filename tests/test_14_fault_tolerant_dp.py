@@ -327,3 +327,25 @@ def test_nccl_replicas_share_one_gpu_where_each_is_one_rank(monkeypatch):
     assert check("--replicas", "3", "--replica-ranks", "1", "--overlap", "on").device == "cuda"
     with pytest.raises(common.UsageError, match=r"nccl needs one GPU per rank of a replica: 2 ranks, 1 GPU\(s\)"):
         check("--replicas", "3", "--replica-ranks", "2")
+
+
+def test_a_run_past_its_deadline_ends_with_each_replicas_log(monkeypatch):
+    """make gpu-check's 14 jobs pass --deadline below their box: a run that cannot finish
+    (its replicas here started as log files only, never stepping) ends itself, naming the
+    phase it waited in and printing each replica's log, before its folder is removed."""
+    class NoProcesses(ft.Launcher):
+        def start(self, r):
+            self.incarnation[r] = self.incarnation.get(r, 0) + 1
+            self.procs[r] = []
+            (self.work / f"replica-{r}.{self.incarnation[r]}.log").write_text(f"replica {r}: waiting in its all-reduce\n")
+
+        def watch(self, status):
+            return []
+    monkeypatch.setattr(ft, "Launcher", NoProcesses)
+    args = ft.parser().parse_args(["--no-bench"])
+    never = [(lambda status, since: False, lambda last: {}, "kill -9 replica 1")]
+    with pytest.raises(common.LaunchError) as e:
+        ft.run_scenario(args, 2, 1, never, deadline=0.3)
+    assert "the run did not finish in 0 s (phase 0: kill -9 replica 1)" in str(e.value)
+    for r in (0, 1):
+        assert f"--- replica-{r}.1.log\nreplica {r}: waiting in its all-reduce" in str(e.value)
