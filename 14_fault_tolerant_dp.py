@@ -364,9 +364,16 @@ class ReplicaManager:
 
     ``module``'s parameters and buffers are what this rank holds (a shard under FSDP): rank k
     of every replica must hold the same tensors (the same composition inside each replica).
-    ``process_group``: the replica's own ranks (default: the world). ``timeout``: seconds a
-    cross-replica operation may wait for a peer (a hung peer fails it after that). The
-    cross-replica groups are gloo's: gradients on a GPU are reduced from device memory, a
+    ``process_group``: the replica's own ranks (default: the world). ``timeout``: seconds
+    gloo lets a cross-replica operation wait before it fails it. For the all-reduce it is a
+    safety net: a peer that is lost or hangs is left out by the coordinator within its
+    ``detect`` (its beats stop), and the members waiting on it stop then. It must exceed how
+    late a live peer can come (its backward on a slow or shared machine) and the largest
+    transfer, which grow with the model. As ``detect``'s window (2 s), it failed nearly every
+    step of a 323 M-parameter model on 2 CPU cores. A heal's source that hangs holds its
+    joiner up to ``timeout`` (one killed fails it at once), and so does a peer that hangs and
+    is never ended a dropped group's operation, and the exit of the process that holds it.
+    The cross-replica groups are gloo's: gradients on a GPU are reduced from device memory, a
     heal's tensors travel through host memory (gloo's send takes CPU tensors only).
     ``heal_hook(i, n)``: called by a heal's source after its i-th tensor of n (the tests'
     kill during a heal). ``step``: the committed step this replica starts from (its own
@@ -384,7 +391,7 @@ class ReplicaManager:
     outside it is an error, not a wrong sum).
     """
 
-    def __init__(self, module, optimizer, coordinator: str, replica_id: int, process_group=None, timeout=3.0,
+    def __init__(self, module, optimizer, coordinator: str, replica_id: int, process_group=None, timeout=300.0,
                  step=0, incarnation=0, bucket_mb=None, first_bucket_mb=1.0):
         self.module, self.optimizer, self.group = module, optimizer, process_group
         self.rank, self.replica_id, self.timeout, self.step = dist.get_rank(process_group), replica_id, timeout, step
@@ -594,8 +601,12 @@ class ReplicaManager:
                 work.wait(datetime.timedelta(milliseconds=50))
                 return True
             except RuntimeError:
-                if work.is_completed():   # it failed
-                    return False
+                if work.is_completed():   # it failed, or it ended after the wait above gave up: ask it again
+                    try:
+                        work.wait()
+                        return True
+                    except RuntimeError:
+                        return False
                 try:
                     aborted = self.store.check([f"aborted/{self.qid}"])   # (set by the coordinator's decision)
                 except RuntimeError:   # its store is gone with the coordinator: the vote finds it gone
@@ -785,7 +796,7 @@ def replica_worker(ctx, args):
     folder = Path(args.run_dir) / f"replica-{args.replica_id}" if args.run_dir else None
     latest = sharded_checkpoint.latest_checkpoint(str(folder)) if folder and folder.exists() else None
     start = sharded_checkpoint.load_sharded(model, opt, latest)["step"] if latest else 0
-    manager = ReplicaManager(model, opt, args.join, args.replica_id, timeout=args.detect, step=start,
+    manager = ReplicaManager(model, opt, args.join, args.replica_id, timeout=args.timeout, step=start,
                              incarnation=args.incarnation,
                              bucket_mb=args.bucket_mb if ctx.world_size == 1 and overlaps(args) else None)
     manager.heal_hook = lambda i, n: act_out(["kill"] if "healkill" in manager.faults and i == n // 2 else [], ctx)
@@ -981,9 +992,14 @@ def run_scenario(args, replicas: int, ranks: int, phases, deadline: float) -> di
                     job.ask({"op": "arm", **arm(last)})
                     acted.append({"t": round(status["t"], 3), "step": last["step"], "phase": label})
                     since, phase = last["step"], phase + 1
-            if time.time() - job.t0 > deadline:
+            if time.time() - job.t0 > deadline:   # where it stood: steps committed, aborted, the open quorum
+                status = job.ask({"op": "status", "history": True})
+                lines = timeline_lines(timeline(status, replicas), acted)
+                lines += [f"  open at {status['t']:.1f} s: step {q['step']} (members {q['members']}, formed at "
+                          f"{q['formed']:.1f} s)" for q in status["history"][-1:] if "commit" not in q]
                 raise common.LaunchError(f"the run did not finish in {deadline:.0f} s (phase {phase}: "
-                                         f"{phases[min(phase, len(phases) - 1)][2]}):\n{job.tail()}")
+                                         f"{phases[min(phase, len(phases) - 1)][2]}):\n" + "\n".join(lines)
+                                         + f"\n{job.tail()}")
             time.sleep(0.05)
         status = job.ask({"op": "status", "history": True})
         records = {r: torch.load(work / f"replica-{r}.pt", weights_only=False) for r in range(replicas)}
@@ -1082,17 +1098,20 @@ def timeline(run, n) -> dict:
             "aborted": aborted}
 
 
-def print_timeline(tl, acted):
+def timeline_lines(tl, acted) -> list:
     mark = {"stepped": "#", "healed": "H", "out": "."}
-    print(f"\nMembership by committed step (# stepped, H healed from a peer there, . out); {tl['steps']} steps:")
-    for r, row in tl["cells"].items():
-        print(f"  replica {r}  {''.join(mark[c] for c in row)}")
-    for a in acted:
-        print(f"  armed after step {a['step']:>3}: {a['phase']}")
+    lines = [f"Membership by committed step (# stepped, H healed from a peer there, . out); {tl['steps']} steps:"]
+    lines += [f"  replica {r}  {''.join(mark[c] for c in row)}" for r, row in tl["cells"].items()]
+    lines += [f"  armed after step {a['step']:>3}: {a['phase']}" for a in acted]
     for a in tl["aborted"]:
         why = "; ".join(f"{w} {', '.join(map(str, a[k]))}" for k, w in (("lost", "lost:"), ("against", "failed:"))
                         if a[k]) or "a member silent past --join-timeout"
-        print(f"  aborted at step {a['step']:>3} (members {a['members']}; {why}): not committed by anyone, redone")
+        lines.append(f"  aborted at step {a['step']:>3} (members {a['members']}; {why}): not committed by anyone, redone")
+    return lines
+
+
+def print_timeline(tl, acted):
+    print("\n" + "\n".join(timeline_lines(tl, acted)))
 
 
 def draw_timeline(tl, acted, path, title):
@@ -1210,7 +1229,7 @@ def parser():
     p.add_argument("--steps", type=common.COUNT, default=1000,
                    help="the steps a replica trains at most (the verification's scenario stops it sooner)")
     p.add_argument("--detect", type=common.SECONDS, default=2.0,
-                   help="seconds without a beat that leave a replica out (and a cross-replica operation's timeout)")
+                   help="seconds without a beat that leave a replica out (every member waiting on it then stops)")
     p.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
                    help="seconds a quorum waits for a live replica that has not asked (a hung one that still beats)")
     p.add_argument("--pace-ms", type=common.number(float, lo=0), default=None,
@@ -1229,7 +1248,9 @@ def parser():
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, cpu for gloo")
     p.add_argument("--seed", type=common.COUNT0, default=0, help="the weights, and each replica's data shard")
     p.add_argument("--out", default=common.DEFAULT_OUT, help="folder for results (make all writes results/)")
-    p.add_argument("--timeout", type=common.SECONDS, default=300.0, help="seconds a collective inside a replica may wait")
+    p.add_argument("--timeout", type=common.SECONDS, default=300.0,
+                   help="seconds a collective inside a replica, or across replicas, may wait (across them, a safety "
+                        "net: a lost or hung replica is left out within --detect)")
     common.add_stall_flags(p)
     p.add_argument("--no-verify", action="store_true", help="skip the verification")
     p.add_argument("--no-bench", action="store_true", help="skip the benchmark")

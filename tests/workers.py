@@ -482,8 +482,16 @@ def ft_coordinator_dies_mid_all_reduce(ctx, args):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager = ft.ReplicaManager(model, opt, box[0], replica_id=ctx.rank, process_group=groups[ctx.rank], timeout=5.0)
-    try:
+    manager = ft.ReplicaManager(model, opt, box[0], replica_id=ctx.rank, process_group=groups[ctx.rank])
+    late = None
+    try:   # first a step that replica 1 comes to 3.5 s late (a slow backward): later than the group's
+        manager.start_step()   # timeout was (detect's window; 3 s by default), and it commits
+        model(torch.randn(4, 64)).square().mean().backward()
+        if ctx.rank == 1:
+            time.sleep(3.5)
+        late = manager.should_commit(manager.all_reduce_gradients())
+        opt.step()
+        opt.zero_grad()
         manager.start_step()
         model(torch.randn(4, 64)).square().mean().backward()
         if proc:   # the coordinator dies while this replica waits for the other's all-reduce
@@ -499,7 +507,7 @@ def ft_coordinator_dies_mid_all_reduce(ctx, args):
     if proc:
         proc.wait()
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, said)
+    dist.all_gather_object(everyone, (late, said))
     return everyone
 
 
