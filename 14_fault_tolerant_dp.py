@@ -371,8 +371,9 @@ class ReplicaManager:
     late a live peer can come (its backward on a slow or shared machine) and the largest
     transfer, which grow with the model. As ``detect``'s window (2 s), it failed nearly every
     step of a 323 M-parameter model on 2 CPU cores. A heal's source that hangs holds its
-    joiner up to ``timeout`` (one killed fails it at once), and so does a peer that hangs and
-    is never ended a dropped group's operation, and the exit of the process that holds it.
+    joiner up to ``timeout`` (one killed fails the heal at once). A peer that hangs and is
+    never ended holds a dropped group's operation as long, and with it the exit of the
+    process that holds that group.
     The cross-replica groups are gloo's: gradients on a GPU are reduced from device memory, a
     heal's tensors travel through host memory (gloo's send takes CPU tensors only).
     ``heal_hook(i, n)``: called by a heal's source after its i-th tensor of n (the tests'
