@@ -157,7 +157,7 @@ def test_a_replica_is_lost_when_any_of_its_ranks_hangs_or_goes_not_only_its_firs
 
 def test_a_replica_waiting_in_its_all_reduce_when_the_coordinator_dies_is_told_it_is_gone():
     """A step that replica 1 comes to 3.5 s late commits: a live peer's lateness is no failure
-    (the group's timeout had been --detect's window, and every step of a large model on a
+    (the group's timeout had been --detect's window, and nearly every step of a large model on a
     slow machine failed). Then the coordinator (a process of its own) is killed while replica 0
     waits for a late replica 1 in the cross-replica all-reduce: the wait reads the
     coordinator's store, which went with it; both replicas end with CoordinatorGone (their
