@@ -25,7 +25,6 @@ keeps what it measured; --time-box stops starting new sizes after that many seco
 
 import argparse
 import copy
-import math
 import statistics
 import time
 
@@ -33,6 +32,8 @@ import common
 
 # ---- begin copy: DDPBucketed (needs torch, the standard library and placement.py) ----
 import contextlib
+import math
+import warnings
 import weakref
 
 import torch
@@ -40,6 +41,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from placement import hold_storage, make_real, place
+
+# torch has said "will be deprecated" of all_reduce_coalesced since 2.1 without naming a public
+# successor; it is the one traced call that reduces a bucket's gradients where they lie
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_reduce_coalesced` will be deprecated",
+                        category=FutureWarning)
 
 
 class DDPBucketed(nn.Module):
@@ -63,6 +69,11 @@ class DDPBucketed(nn.Module):
     in that order once. Each parameter's ``.grad`` is a view into its bucket's flat buffer:
     no second copy of the gradients, no copy back after the all-reduce. ``zero_grad()``
     works with ``set_to_none`` True or False (a fresh gradient is moved into its view).
+    A gradient of ``in_place_mb`` MiB or more is not moved: it is all-reduced where autograd
+    left it, in the same call as the rest of its bucket (``all_reduce_coalesced``), which on a
+    GPU saves a pass over every large gradient (default: 1 MiB on an NCCL group; on gloo,
+    whose coalesced call copies anyway and takes CPU tensors only, never). On NCCL the
+    average is NCCL's own (``ReduceOp.AVG``); elsewhere the gradients are divided before the sum.
 
     Bucket k is launched only after buckets 0..k-1, so all ranks issue the same collectives
     in the same order. Buckets that never filled (a parameter got no gradient) are reduced
@@ -84,14 +95,17 @@ class DDPBucketed(nn.Module):
     wraps_module = True   # its parameters' names are its module's (placement.materialize)
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
-                 first_bucket_mb: float = 1.0, ignore_parameters=()):
+                 first_bucket_mb: float = 1.0, ignore_parameters=(), in_place_mb: float | None = None):
         super().__init__()
         if not bucket_size_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_size_mb and first_bucket_mb must be positive, got {bucket_size_mb}, "
                              f"{first_bucket_mb}")
+        if in_place_mb is not None and not in_place_mb >= 0:
+            raise ValueError(f"in_place_mb must be 0 or more (or None: the backend's default), got {in_place_mb}")
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self._in_place_mb = in_place_mb
         self._src = dist.get_global_rank(process_group or dist.group.WORLD, 0)   # the group's first rank
         ignored = {id(p) for p in ignore_parameters}
         with torch.no_grad():   # a model built on meta gets its values later, the same on every rank (materialize)
@@ -124,7 +138,8 @@ class DDPBucketed(nn.Module):
                 groups.append(g[0])
             g[0].append(i)
             g[1] += nbytes
-        self.buckets = [_Bucket([self._params[i] for i in idx], self.process_group) for idx in groups]
+        self.buckets = [_Bucket([self._params[i] for i in idx], self.process_group, self.world_size,
+                                self._in_place_mb) for idx in groups]
         self._slot = [None] * len(self._params)   # parameter index -> (bucket, place in it)
         for bucket, idx in zip(self.buckets, groups):
             for j, i in enumerate(idx):
@@ -178,7 +193,7 @@ class DDPBucketed(nn.Module):
             bucket.remaining -= 1
             if bucket.remaining == 0:
                 while self._next < len(self.buckets) and self.buckets[self._next].remaining == 0:
-                    self.buckets[self._next].launch(self.world_size)
+                    self.buckets[self._next].launch()
                     self._next += 1
         return hook
 
@@ -187,7 +202,7 @@ class DDPBucketed(nn.Module):
         if hasattr(self.module, "finish_gradient_synchronization"):   # e.g. FSDP inside: its gradients first
             self.module.finish_gradient_synchronization()
         for bucket in self.buckets[self._next:]:   # never filled: launch, in order
-            bucket.launch(self.world_size, partial=True)
+            bucket.launch(partial=True)
         for bucket in self.buckets:
             bucket.finish()
         self._next = 0
@@ -207,25 +222,37 @@ class DDPBucketed(nn.Module):
         old = [p.grad for p in self._params]
         self._build(agreed.tolist())
         for i, (p, g) in enumerate(zip(self._params, old)):
-            if g is not None:
-                bucket, j = self._slot[i]
+            bucket, j = self._slot[i]
+            if g is not None and bucket.views[j] is not None:   # (one reduced in place keeps its own)
                 bucket.views[j].copy_(g)
                 p.grad = bucket.views[j]
 
 
 class _Bucket:
-    """One flat buffer: the gradients of ``params``, then one has-gradient flag each."""
+    """One flat buffer: the gradients of ``params`` below ``in_place_mb`` (DDPBucketed's), then
+    one has-gradient flag each; larger gradients stay where autograd put them, reduced in the
+    same call."""
 
-    def __init__(self, params, process_group):
-        self.params, self.process_group = params, process_group
-        numel = sum(p.numel() for p in params)
-        self.nbytes = numel * params[0].element_size()
+    def __init__(self, params, process_group, world_size, in_place_mb=None):
+        self.params, self.process_group, self.world_size = params, process_group, world_size
+        device, size = params[0].device, params[0].element_size()
+        nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(process_group))
+        if in_place_mb is not None and not nccl and device.type not in ("cpu", "meta"):
+            raise ValueError("in_place_mb: only NCCL reduces GPU gradients in place (gloo's coalesced all-reduce "
+                             "takes CPU tensors only); leave it None here")
+        limit = math.inf if in_place_mb is None and not nccl else (1.0 if in_place_mb is None else in_place_mb) * 2**20
+        self.op = dist.ReduceOp.AVG if nccl and world_size > 1 else None   # None: divide, then sum
+        self.nbytes = sum(p.numel() for p in params) * size
+        copied = [p.numel() * size < limit for p in params]
+        numel = sum(p.numel() for p, c in zip(params, copied) if c)
         self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.views, offset = [], 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.views, offset = [], 0      # a view into the buffer each, None for one reduced in place
+        for p, c in zip(params, copied):
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p) if c else None)
+            offset += p.numel() if c else 0
+        self.in_place = [j for j, c in enumerate(copied) if not c]
         self.grads, self.flags = self.buffer[:numel], self.buffer[numel:]
+        self.zeros = {}                 # j -> what a parameter reduced in place sent for a missing gradient
         self.work = None
         self.missing = False
         self._reset()
@@ -236,9 +263,13 @@ class _Bucket:
 
     def attach(self, j, p, grad):
         """Make p.grad (``grad``) the bucket's view: a fresh gradient is moved in (one copy;
-        nothing where autograd accumulated into the view itself)."""
+        nothing where autograd accumulated into the view itself). One reduced in place stays
+        where it is (made contiguous, as a collective needs)."""
         view = self.views[j]
-        if grad is not view:
+        if view is None:
+            if not grad.is_contiguous():
+                p.grad = grad.contiguous()
+        elif grad is not view:
             if torch.is_grad_enabled():     # backward(create_graph=True): the copy is no part of a graph
                 with torch.no_grad():
                     view.copy_(grad)
@@ -247,21 +278,32 @@ class _Bucket:
             p.grad = view
 
     @torch.no_grad()
-    def launch(self, world_size, partial=False):
+    def launch(self, partial=False):
         self.missing = False
         self.flags.fill_(1)                 # (the last all-reduce summed them) here, on backward's path,
         # where a GPU's queue hides it: after backward a GPU waits for whatever the host does
         if partial:
             for j, p in enumerate(self.params):
                 if p.grad is None:          # no gradient here: send zeros and a zero flag
-                    self.views[j].zero_()
+                    if self.views[j] is None:
+                        self.zeros[j] = torch.zeros_like(p)
+                    else:
+                        self.views[j].zero_()
                     self.flags[j] = 0
                     self.missing = True
                 elif not self.ready[j]:     # accumulated earlier (no_sync) or kept by zero_grad
                     self.attach(j, p, p.grad)
-        if world_size > 1:                  # average by dividing before the sum: once, the whole bucket
-            self.grads.div_(world_size)
-        self.work = dist.all_reduce(self.buffer, group=self.process_group, async_op=True)
+        tensors = [self.buffer] + [self.params[j].grad if self.params[j].grad is not None else self.zeros[j]
+                                   for j in self.in_place]
+        if self.op is None and self.world_size > 1:   # average by dividing before the sum
+            self.grads.div_(self.world_size)
+            for t in tensors[1:]:
+                t.div_(self.world_size)
+        op = dist.ReduceOp.SUM if self.op is None else self.op
+        if len(tensors) == 1:
+            self.work = dist.all_reduce(self.buffer, op=op, group=self.process_group, async_op=True)
+        else:
+            self.work = dist.all_reduce_coalesced(tensors, op=op, group=self.process_group, async_op=True)
 
     def finish(self):
         self.work.wait()
@@ -269,7 +311,8 @@ class _Bucket:
         if self.missing:                    # give the average to those that had none here
             for j, (p, n) in enumerate(zip(self.params, self.flags.tolist())):
                 if p.grad is None and n > 0:
-                    p.grad = self.views[j]
+                    p.grad = self.views[j] if self.views[j] is not None else self.zeros[j]
+            self.zeros = {}
         self._reset()
 # ---- end copy: DDPBucketed ----
 
@@ -300,17 +343,34 @@ def train_step(model, optimizer, batch, clock, micro_batches=1, set_to_none=True
 # Bucket caps that split the plain toy model (12,328 bytes of gradients) into 1, 2 and 3
 # buckets, and one below every parameter's size (each parameter alone in a bucket).
 TOY_CAPS = {"1 bucket": 1000.0, "2 buckets": 7000 / 2**20, "3 buckets": 6200 / 2**20, "cap < every parameter": 1e-6}
+# (cap, in_place_mb): gradients of 4 KiB and more reduced where they lie, the rest copied
+# (buckets holding both), and every gradient reduced where it lies (a bucket of flags only)
+TOY_IN_PLACE = {"2 buckets, 4 KiB and more in place": (7000 / 2**20, 4096 / 2**20),
+                "1 bucket, every gradient in place": (1000.0, 0.0)}
+
+
+def in_place_skip(backend: str, device_type: str) -> str:
+    """Why DDPBucketed cannot reduce a gradient where it lies here ("" where it can): only
+    NCCL does so with GPU tensors."""
+    if device_type == "cuda" and "nccl" not in str(backend):
+        return "gloo's coalesced all-reduce takes CPU tensors only (on a GPU only NCCL reduces gradients in place)"
+    return ""
 
 
 def verify(ctx, args, cases=None, group=None, caps=None):
     """Each case of common.VERIFY_CASES (or those named) at each bucket cap (default:
-    TOY_CAPS): DDPBucketed on this rank's part of every global batch, against one process
-    trained on the whole batches. ``group``: the data-parallel group (default: every rank)."""
-    results = {}
-    for label, cap in (caps or TOY_CAPS).items():
+    TOY_CAPS and TOY_IN_PLACE; a cap or a (cap, in_place_mb) pair): DDPBucketed on this
+    rank's part of every global batch, against one process trained on the whole batches.
+    ``group``: the data-parallel group (default: every rank)."""
+    results, skip = {}, in_place_skip(dist.get_backend(group), ctx.device.type)
+    for label, cap in (caps or {**TOY_CAPS, **TOY_IN_PLACE}).items():
+        cap, in_place = cap if isinstance(cap, tuple) else (cap, None)
+        if in_place is not None and skip:
+            results[f"every case [{label}]"] = {"ok": True, "skip": skip}
+            continue
         for name in cases or common.VERIFY_CASES:
             run = common.VerifyRun(ctx, args, common.VERIFY_CASES[name], group)
-            model = DDPBucketed(run.model, cap, process_group=group)
+            model = DDPBucketed(run.model, cap, process_group=group, in_place_mb=in_place)
             optimizer = run.optimizer(model.parameters())
             for step in range(run.steps):
                 train_step(model, optimizer, run.batch(step), common.StepClock(ctx.device), **run.step_options(step))
@@ -472,7 +532,8 @@ def benchmark(ctx, args, model, cap, fit=False):
     all-reduce cost."""
     n_buckets = []
     rows = common.time_methods(ctx, args, {
-        f"DDPBucketed {cap:g} MB": lm_method(ctx, args, lambda m: DDPBucketed(m, cap), n_buckets, model),
+        f"DDPBucketed {cap:g} MB": lm_method(ctx, args, lambda m: DDPBucketed(m, cap, in_place_mb=args.in_place_mb),
+                                             n_buckets, model),
         f"torch DDP {cap:g} MB": lm_method(ctx, args, lambda m: torch_ddp(m, cap, ctx.device), model=model),
         "plain (no wrapper)": lm_method(ctx, args, no_wrapper, model=model)})
     for r in rows:   # vs_plain: each wrapper's cost over plain training
@@ -487,7 +548,8 @@ def benchmark(ctx, args, model, cap, fit=False):
 
 def recorder_cost(ctx, args, cap):
     """--recorder-cost: DDPBucketed on the LM with the flight recorder off, on, and checking."""
-    return common.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap)))
+    return common.recorder_modes(ctx, args, lm_method(ctx, args, lambda m: DDPBucketed(m, cap,
+                                                                                    in_place_mb=args.in_place_mb)))
 
 
 # --per-param: what each hook-driven class costs a parameter a step, where the CPU's work
@@ -672,6 +734,13 @@ HEADERS = ["model", "method", "bucket_mb", "n_buckets", "step_ms", "step_min_ms"
 NAME, TITLE = "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same bucket size"
 
 
+def settings(args) -> dict:
+    """The results' settings: the LM's, and the gradient size DDPBucketed reduces in place
+    from (MiB; None: every gradient copied into its bucket)."""
+    in_place = args.in_place_mb if args.in_place_mb is not None else 1.0 if args.backend == "nccl" else None
+    return {**common.lm_settings(args), "in_place_mb": in_place}
+
+
 def parser():
     """05's flags: bucket sizes, models, baselines, --dtype, the time box, --recorder-cost."""
     p = common.script_parser(__doc__, default_steps=20)  # close ratios need more steps
@@ -682,6 +751,10 @@ def parser():
                    help="the kit's LM (lm) and a model of nn.TransformerEncoderLayer's of the same size (encoder)")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also time 04's per-parameter and 03's flat DDP (--no-baselines: the sweep only)")
+    p.add_argument("--in-place-mb", type=common.number(float, 0), default=None,
+                   help="DDPBucketed's in_place_mb: gradients of this many MiB or more are all-reduced where "
+                        "autograd left them, not copied into their bucket (default: 1 on NCCL, none on gloo; "
+                        "1e6: copy every one; on gloo CPU tensors only)")
     common.add_dtype_flag(p)
     p.add_argument("--time-box", type=common.SECONDS, default=None,
                    help="seconds of benchmarking after which no further bucket size starts "
@@ -717,7 +790,7 @@ def run_sweep(args, caps) -> tuple:
             got = common.launch(benchmark, args, *job, fit is None and job[0] == "lm")
             rows, fit = rows + got["rows"], fit or got["fit"]
         if report and i < len(jobs) - 1:
-            common.save_results(args.out, NAME, rows, common.lm_settings(args), headers=HEADERS, title=TITLE,
+            common.save_results(args.out, NAME, rows, settings(args), headers=HEADERS, title=TITLE,
                                 note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
     return rows, fit, note
 
@@ -737,7 +810,7 @@ def report_overhead_model(args, rows, fit):
     common.save_results(args.out, "05_overhead_model", [
         {"bucket_mb": b, "predicted_overhead_ms": v, "n_buckets": ours[b]["n_buckets"],
          "step_ms": ours[b]["step_ms"], "comm_ms": ours[b]["comm_ms"]}
-        for b, v in a["predicted_overhead_ms"].items()], common.lm_settings(args),
+        for b, v in a["predicted_overhead_ms"].items()], settings(args),
         title="Bucketed DDP: overhead model against measurement", extra={"fit": fit, "analysis": a})
     plot(rows, args)
     print(common.wrote(args.out, "05_bucket_sweep.png and 05_overhead_model.json, .md"))
@@ -752,7 +825,7 @@ def run_per_param(args):
         for n in sizes:
             rows += common.launch(per_param, args, n, world_size=ranks)
             if common.is_reporter():
-                table = common.save_results(args.out, "05_per_param", rows, common.lm_settings(args),
+                table = common.save_results(args.out, "05_per_param", rows, settings(args),
                                             headers=PER_PARAM_HEADERS, note=PER_PARAM_NOTE,
                                             title="What each hook-driven class costs a parameter a step")
     if common.is_reporter():
@@ -767,8 +840,11 @@ def main(argv=None):
         raise common.UsageError(f"--per-param {bad[0]}: the probe has 1 + 40 k parameters (10 blocks of "
                                 f"Linear + LayerNorm pairs and an embedding): use 41, 81, ..., 801, 1601")
     caps = list(dict.fromkeys(args.bucket_mb))   # each size once
+    if args.in_place_mb is not None and in_place_skip(args.backend, args.device):
+        raise common.UsageError(f"--in-place-mb: {in_place_skip(args.backend, args.device)}")
     if not args.no_verify:   # the toy caps, and the first size asked for
-        results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": caps[0], **TOY_CAPS})
+        results = common.launch(verify, args, None, None, {f"{caps[0]:g} MB": (caps[0], args.in_place_mb), **TOY_CAPS,
+                                                            **TOY_IN_PLACE})
         common.check_verification(results, f"{NAME} at {args.world_size} rank(s)")
         if args.dtype == "bf16":
             common.check_verification(common.launch(verify_bf16, args), f"{NAME}, bf16, at {args.world_size} rank(s)")
@@ -779,9 +855,10 @@ def main(argv=None):
     if args.recorder_cost:
         rows = common.launch(recorder_cost, args, caps[0])
         return common.report_table(args, "05_recorder_cost", f"The flight recorder's cost on DDPBucketed "
-                                   f"({caps[0]:g} MB buckets)", rows, common.RECORDER_HEADERS, common.RECORDER_NOTE)
+                                   f"({caps[0]:g} MB buckets)", rows, common.RECORDER_HEADERS, common.RECORDER_NOTE,
+                                   settings(args))
     rows, fit, note = run_sweep(args, caps)
-    common.report_table(args, NAME, TITLE, rows, HEADERS, note)
+    common.report_table(args, NAME, TITLE, rows, HEADERS, note, settings(args))
     if args.dtype == "bf16":
         common.report_table(args, MP_NAME, MP_TITLE, common.launch(mixed_precision, args), MP_HEADERS)
     if not common.is_reporter():

@@ -872,8 +872,9 @@ class count_collectives(torch.utils._python_dispatch.TorchDispatchMode):
 
 # Bytes a rank sends in one call of a ring collective over n ranks, per byte of its counted
 # size (all-gather: the output; reduce-scatter: the input); a receive sends nothing.
-SENT_SHARE = {"allreduce_": lambda n: 2 * (n - 1) / n, "_allgather_base_": lambda n: (n - 1) / n,
-              "allgather_": lambda n: (n - 1) / n, "allgather_into_tensor_coalesced_": lambda n: (n - 1) / n,
+SENT_SHARE = {"allreduce_": lambda n: 2 * (n - 1) / n, "allreduce_coalesced_": lambda n: 2 * (n - 1) / n,
+              "_allgather_base_": lambda n: (n - 1) / n, "allgather_": lambda n: (n - 1) / n,
+              "allgather_into_tensor_coalesced_": lambda n: (n - 1) / n,
               "_reduce_scatter_base_": lambda n: (n - 1) / n, "reduce_scatter_": lambda n: (n - 1) / n,
               "alltoall_base_": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv_": lambda n: 0.0,
               "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
@@ -1111,12 +1112,12 @@ def agreed_past(ctx: Ctx, past: bool, group=None) -> bool:
 BENCH_HEADERS = ["method", "step_ms", "step_min_ms", "step_max_ms", "comm_ms", "comm_share", "collectives"]
 
 
-def report_table(args, name: str, title: str, rows: list, headers=BENCH_HEADERS, note: str = ""):
+def report_table(args, name: str, title: str, rows: list, headers=BENCH_HEADERS, note: str = "", settings=None):
     """Save a benchmark's rows as <out>/<name>.json and .md and print the table (in the
-    reporting process only)."""
+    reporting process only); ``settings``: what the files record of the run (lm_settings')."""
     if not is_reporter():
         return
-    table = save_results(args.out, name, rows, lm_settings(args), headers=headers, title=title, note=note)
+    table = save_results(args.out, name, rows, settings or lm_settings(args), headers=headers, title=title, note=note)
     print(f"\n{title}\n({args.model_size} LM, {args.world_size} x {args.backend}/{args.device}, global batch "
           f"{args.batch_size}x{args.context_length}; times in ms, median [min, max] of {args.steps} steps)\n"
           f"{table}\n{wrote(args.out, f'{name}.json and .md')}", flush=True)

@@ -38,14 +38,15 @@ _CALL_OPS = {"CALL", "PRECALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_K
 # (never by the methods), so that every observer sees each call, whoever makes it (a script,
 # a copied class, torch's own classes that call them by these names). Calls from threads
 # other than the main one pass straight through.
-COLLECTIVE_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
+COLLECTIVE_CALLS = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                    "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather",
+                    "scatter", "barrier")
 P2P_CALLS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 OBJECT_CALLS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 TRACED_CALLS = COLLECTIVE_CALLS + P2P_CALLS + OBJECT_CALLS
 # calls whose every rank gives tensors of the same shape (the others: a root's list, uneven splits)
-SAME_SHAPES = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
-               "reduce_scatter"}
+SAME_SHAPES = {"all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "all_gather", "reduce_scatter"}
 
 
 def call_tensors(op, args, kwargs) -> list:

@@ -1,5 +1,6 @@
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from conftest import load, run_inline, run_script, verification
 from test_04_overlap import event_logs, launches_during_backward
 
 bucketed = load("05_bucketed_ddp")
-CASES = [f"{case} [{cap}]" for cap in bucketed.TOY_CAPS for case in common.VERIFY_CASES]
+CASES = [f"{case} [{cap}]" for cap in {**bucketed.TOY_CAPS, **bucketed.TOY_IN_PLACE} for case in common.VERIFY_CASES]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -46,28 +47,76 @@ def test_buckets_split_by_dtype_skip_frozen_and_hold_tied_once(one_rank):
         assert all(p.dtype == b.buffer.dtype for p in b.params)
 
 
+@pytest.mark.parametrize("in_place", [None, 4096 / 2**20])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_gradients_are_views_into_bucket_storage(one_rank, set_to_none):
+def test_gradients_are_views_into_bucket_storage(one_rank, set_to_none, in_place):
+    """Each gradient is a view into its bucket's buffer; with ``in_place_mb``, one of that
+    size or more stays the tensor autograd made (reduced where it lies, in the same call)."""
     torch.manual_seed(0)
     model = common.ToyModel()
-    ddp = bucketed.DDPBucketed(model, bucketed.TOY_CAPS["2 buckets"])
+    ddp = bucketed.DDPBucketed(model, bucketed.TOY_CAPS["2 buckets"], in_place_mb=in_place)
+    big = {id(p) for p in model.parameters() if in_place is not None and p.numel() * 4 >= 4096}
+    assert len(big) == (0 if in_place is None else 2)   # fc2's and fc3's weights
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         opt.zero_grad(set_to_none=set_to_none)
         torch.nn.functional.cross_entropy(ddp(torch.randn(4, 20)), torch.randint(0, 10, (4,))).backward()
+        made = {id(p): p.grad.data_ptr() for p in model.parameters()}
         ddp.finish_gradient_synchronization()
         for b in ddp.buckets:
+            assert b.buffer.numel() == sum(p.numel() for p in b.params if id(p) not in big) + len(b.params)
             for p, view in zip(b.params, b.views):
-                assert p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
-                assert p.grad.data_ptr() == view.data_ptr()
+                if id(p) in big:
+                    assert view is None and p.grad.data_ptr() == made[id(p)]
+                    assert p.grad.untyped_storage().data_ptr() != b.buffer.untyped_storage().data_ptr()
+                else:
+                    assert p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+                    assert p.grad.data_ptr() == view.data_ptr()
         opt.step()
 
 
 def test_bad_bucket_size(one_rank):
     with pytest.raises(ValueError, match="positive"):
         bucketed.DDPBucketed(common.ToyModel(), 0)
+    with pytest.raises(ValueError, match="in_place_mb"):
+        bucketed.DDPBucketed(common.ToyModel(), 1, in_place_mb=-1)
     p = run_inline("05_bucketed_ddp.py", "--bucket-mb", "10", "-1")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--bucket-mb" in p.stderr
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_in_place_over_fsdp_inside_trains_as_copies_do(one_rank, set_to_none):
+    """Hybrid sharding (07's FSDP inside, which hands its gradients over at its finish),
+    micro-batches under no_sync, a parameter never used: every gradient reduced where it
+    lies trains the same weights, bit for bit, as every gradient copied into its bucket."""
+    fsdp = load("07_fsdp")
+
+    def run(in_place):
+        torch.manual_seed(0)
+        ddp = bucketed.DDPBucketed(fsdp.FSDP(common.ToyModel(unused=True)), 1000, in_place_mb=in_place)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            batch = torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
+            bucketed.train_step(ddp, opt, batch, common.StepClock(torch.device("cpu")), micro_batches=2,
+                                set_to_none=set_to_none)
+        assert [len(b.in_place) for b in ddp.buckets] == [0 if in_place is None else len(b.params)
+                                                          for b in ddp.buckets]
+        return [p.detach().clone() for p in ddp.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(run(None), run(0.0)))
+
+
+def test_in_place_is_skipped_where_gloo_holds_gpu_gradients(one_rank):
+    """gloo's coalesced all-reduce refuses CUDA tensors: on a GPU the in-place configurations
+    verify only under NCCL, and print a SKIP line each under gloo (nothing runs there)."""
+    assert bucketed.in_place_skip("gloo", "cuda") and not bucketed.in_place_skip("nccl", "cuda")
+    assert not bucketed.in_place_skip("gloo", "cpu")
+    ctx = types.SimpleNamespace(device=torch.device("cuda"), rank=0, world_size=1)
+    r = bucketed.verify(ctx, None, caps=bucketed.TOY_IN_PLACE)
+    assert list(r) == [f"every case [{label}]" for label in bucketed.TOY_IN_PLACE]
+    assert all(v["ok"] and "CPU tensors only" in v["skip"] for v in r.values())
+    p = run_inline("05_bucketed_ddp.py", "--in-place-mb", "-1")
+    assert p.returncode == 2 and "--in-place-mb" in p.stderr
 
 
 def test_backward_twice_without_finish_is_refused(one_rank):

@@ -11,8 +11,9 @@ Three parts, in this order (the most wanted first: a cut run keeps what finished
    attention through context_parallel in bf16 and float32 against SDPA; grouped experts in
    bf16 against the loop), each case with its error; skipped with the reason where no GPU is.
 2. measure: a short table at 1 NCCL rank, one job each, alone on the machine: 05's
-   DDPBucketed beside torch DDP (25 MB buckets), 07's FSDP beside FSDP2 (step and peak
-   memory), 12's experts grouped beside one call each, in bf16.
+   DDPBucketed beside torch DDP (25 MB buckets; as it runs, then with every gradient copied
+   into its bucket), 07's FSDP beside FSDP2 (step and peak memory), 12's experts grouped
+   beside one call each, in bf16.
 3. smoke: every numbered script's smoke jobs (verification and two timed steps at a small
    size; NCCL at 1 rank, gloo over CUDA tensors at 2), --jobs at once, each time-boxed.
 
@@ -102,17 +103,21 @@ def smoke_jobs(scripts, dev, nccl, size, box=200.0) -> list:
 
 
 def measure_jobs(scripts, dev, nccl, size) -> list:
-    """(name, command line, reader) of the measured table's jobs at 1 NCCL rank."""
+    """(name, command line, reader, folder) of the measured table's jobs at 1 NCCL rank."""
     one = ["--backend", nccl, "--world-size", "1", "--device", dev, "--no-verify"]
-    jobs = [("05", "05 DDPBucketed vs torch DDP", [*one, "--model-size", size or "xl", "--bucket-mb", "25",
-                                                   "--models", "lm", "--no-baselines", "--warmup", "5", "--steps", "30"],
-             read_05),
+    ddp = [*one, "--model-size", size or "xl", "--bucket-mb", "25", "--models", "lm", "--no-baselines", "--warmup", "5",
+           "--steps", "30"]
+    # 05 as it runs (NCCL: gradients of 1 MiB and more reduced where they lie), then every one
+    # copied into its bucket (as before in_place_mb, and as torch DDP does): the copy's cost
+    jobs = [("05", "05 DDPBucketed vs torch DDP", ddp, read_05, ""),
+            ("05", "05, every gradient copied into its bucket", [*ddp, "--in-place-mb", "1e6"], read_05, ".copied"),
             ("07", "07 FSDP vs FSDP2", [*one, "--model-size", size or "xl", "--methods", "fsdp", "--warmup", "3",
-                                        "--steps", "5"], read_07),
+                                        "--steps", "5"], read_07, ""),
             ("12", "12 grouped vs loop, bf16", ["--backend", nccl, "--ep", "1", "--device", dev, "--no-verify",
                                                 "--model-size", size or "small", "--dtype", "bf16", "--tables",
-                                                "grouped", "--warmup", "2", "--steps", "5"], read_12)]
-    return [(name, [script(n), *argv], read) for n, name, argv, read in jobs if n in scripts]
+                                                "grouped", "--warmup", "2", "--steps", "5"], read_12, "")]
+    return [(name, [script(n), *argv], read, script(n)[:-3] + tag) for n, name, argv, read, tag in jobs
+            if n in scripts]
 
 
 def _rows(folder: Path, name: str) -> list:
@@ -122,7 +127,9 @@ def _rows(folder: Path, name: str) -> list:
 def read_05(folder: Path) -> list:
     rows = {r["method"]: r for r in _rows(folder, "05_bucketed_ddp")}
     ours, theirs = rows["DDPBucketed 25 MB"], rows["torch DDP 25 MB"]
-    return [{"measurement": "05 step, 25 MB buckets", "ours": f"{ours['step_ms']:.1f} ms",
+    in_place = json.loads((folder / "05_bucketed_ddp.json").read_text())["settings"].get("in_place_mb")
+    how = "every gradient copied" if in_place is None or in_place >= 1e6 else f"{in_place:g} MiB and more in place"
+    return [{"measurement": f"05 step, 25 MB buckets, {how}", "ours": f"{ours['step_ms']:.1f} ms",
              "torch": f"{theirs['step_ms']:.1f} ms (torch DDP)",
              "ratio": f"{ours['vs_torch_ddp']:.3f} [{ours['vs_torch_ddp_min']:.3f}-{ours['vs_torch_ddp_max']:.3f}]",
              "detail": f"plain training {rows['plain (no wrapper)']['step_ms']:.1f} ms, ours over it "
@@ -298,13 +305,13 @@ def part_measure(check: Check, scripts):
     folder = check.out / "measure"
     with contextlib.suppress(OSError):   # (where it cannot be made, each job refuses its --out: a FAIL row)
         folder.mkdir(parents=True, exist_ok=True)
-    for name, cmd, read in measure_jobs(scripts, check.args.device, check.args.nccl, check.args.size):
+    for name, cmd, read, stem in measure_jobs(scripts, check.args.device, check.args.nccl, check.args.size):
         box = min(check.args.measure_box, check.left())
         if check.left() < 10:
             check.add("measure", name, "NOT STARTED", 0, "budget spent")
             continue
-        out = folder / cmd[0][:-3]
-        code, seconds = check.run([check.args.python, *cmd, "--out", str(out)], folder / f"{cmd[0][:-3]}.log", box)
+        out = folder / stem
+        code, seconds = check.run([check.args.python, *cmd, "--out", str(out)], folder / f"{stem}.log", box)
         v, why = verdict(code, box)
         if code == 0:
             try:
