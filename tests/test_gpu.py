@@ -119,3 +119,23 @@ def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
     assert p.returncode == 130, p.stderr
     assert run_inline("09_pipeline_parallel.py", "--model-size", "nano", "--stages", "2", "--schedule", "interleaved",
                       "--out", str(tmp_path), launch=first_job).returncode == 2   # without it: refused
+
+
+def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):
+    """The measured table's 05 jobs: as DDPBucketed runs on NCCL (large gradients reduced where
+    they lie), then every gradient copied (the copy's cost, side by side); each job its own
+    folder and log, each row naming which it was from the results' settings."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    jobs = check.measure_jobs(["05", "07", "12"], "cuda", "nccl", None)
+    assert len({stem for *_, stem in jobs}) == len(jobs) == 4
+    ddp = [cmd for _, cmd, _, stem in jobs if stem.startswith("05")]
+    assert "--in-place-mb" not in ddp[0] and ddp[1][ddp[1].index("--in-place-mb") + 1] == "1e6"
+    rows = [{"method": m, "step_ms": 1.0, "vs_torch_ddp": 1.0, "vs_torch_ddp_min": 1.0, "vs_torch_ddp_max": 1.0,
+             "vs_plain": 1.0} for m in ("DDPBucketed 25 MB", "torch DDP 25 MB", "plain (no wrapper)")]
+    for in_place, how in ((1.0, "1 MiB and more in place"), (1e6, "every gradient copied"),
+                          (None, "every gradient copied")):
+        (tmp_path / "05_bucketed_ddp.json").write_text(json.dumps({"rows": rows, "settings": {"in_place_mb": in_place}}))
+        assert check.read_05(tmp_path)[0]["measurement"].endswith(how)
