@@ -48,6 +48,17 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_reduce_coal
                         category=FutureWarning)
 
 
+NCCL_IN_PLACE_MB = 1.0   # DDPBucketed's in_place_mb on an NCCL group where none is given (chosen, not measured)
+
+
+def in_place_skip(backend: str, device_type: str) -> str:
+    """Why gradients on ``device_type`` cannot be all-reduced where they lie over ``backend``
+    ("" where they can): CPU tensors (gloo's coalesced all-reduce) and NCCL's GPU tensors can."""
+    if device_type not in ("cpu", "meta") and not (device_type == "cuda" and "nccl" in str(backend)):
+        return "gloo's coalesced all-reduce takes CPU tensors only (on a GPU only NCCL reduces gradients in place)"
+    return ""
+
+
 class DDPBucketed(nn.Module):
     """Overlapped data parallelism with gradient buckets (like torch DDP with
     ``gradient_as_bucket_view=True``).
@@ -236,12 +247,16 @@ class _Bucket:
     def __init__(self, params, process_group, world_size, in_place_mb=None):
         self.params, self.process_group, self.world_size = params, process_group, world_size
         device, size = params[0].device, params[0].element_size()
-        nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(process_group))
-        if in_place_mb is not None and not nccl and device.type not in ("cpu", "meta"):
-            raise ValueError("in_place_mb: only NCCL reduces GPU gradients in place (gloo's coalesced all-reduce "
-                             "takes CPU tensors only); leave it None here")
-        limit = math.inf if in_place_mb is None and not nccl else (1.0 if in_place_mb is None else in_place_mb) * 2**20
-        self.op = dist.ReduceOp.AVG if nccl and world_size > 1 else None   # None: divide, then sum
+        backend = dist.get_backend(process_group)
+        if in_place_mb is not None and in_place_skip(backend, device.type):
+            raise ValueError(f"in_place_mb: {in_place_skip(backend, device.type)}; leave it None here")
+        nccl = device.type == "cuda" and "nccl" in str(backend)
+        if in_place_mb is None:
+            in_place_mb = NCCL_IN_PLACE_MB if nccl else math.inf
+        limit = in_place_mb * 2**20
+        # on NCCL the average is its own, inside the reduction; elsewhere divide before the sum
+        self.op = dist.ReduceOp.AVG if nccl and world_size > 1 else dist.ReduceOp.SUM
+        self.divide = world_size > 1 and not nccl
         self.nbytes = sum(p.numel() for p in params) * size
         copied = [p.numel() * size < limit for p in params]
         numel = sum(p.numel() for p, c in zip(params, copied) if c)
@@ -295,15 +310,14 @@ class _Bucket:
                     self.attach(j, p, p.grad)
         tensors = [self.buffer] + [self.params[j].grad if self.params[j].grad is not None else self.zeros[j]
                                    for j in self.in_place]
-        if self.op is None and self.world_size > 1:   # average by dividing before the sum
+        if self.divide:
             self.grads.div_(self.world_size)
             for t in tensors[1:]:
                 t.div_(self.world_size)
-        op = dist.ReduceOp.SUM if self.op is None else self.op
         if len(tensors) == 1:
-            self.work = dist.all_reduce(self.buffer, op=op, group=self.process_group, async_op=True)
+            self.work = dist.all_reduce(self.buffer, op=self.op, group=self.process_group, async_op=True)
         else:
-            self.work = dist.all_reduce_coalesced(tensors, op=op, group=self.process_group, async_op=True)
+            self.work = dist.all_reduce_coalesced(tensors, op=self.op, group=self.process_group, async_op=True)
 
     def finish(self):
         self.work.wait()
@@ -347,14 +361,6 @@ TOY_CAPS = {"1 bucket": 1000.0, "2 buckets": 7000 / 2**20, "3 buckets": 6200 / 2
 # (buckets holding both), and every gradient reduced where it lies (a bucket of flags only)
 TOY_IN_PLACE = {"2 buckets, 4 KiB and more in place": (7000 / 2**20, 4096 / 2**20),
                 "1 bucket, every gradient in place": (1000.0, 0.0)}
-
-
-def in_place_skip(backend: str, device_type: str) -> str:
-    """Why DDPBucketed cannot reduce a gradient where it lies here ("" where it can): only
-    NCCL does so with GPU tensors."""
-    if device_type == "cuda" and "nccl" not in str(backend):
-        return "gloo's coalesced all-reduce takes CPU tensors only (on a GPU only NCCL reduces gradients in place)"
-    return ""
 
 
 def verify(ctx, args, cases=None, group=None, caps=None):
@@ -737,7 +743,9 @@ NAME, TITLE = "05_bucketed_ddp", "Bucketed DDP against torch DDP at the same buc
 def settings(args) -> dict:
     """The results' settings: the LM's, and the gradient size DDPBucketed reduces in place
     from (MiB; None: every gradient copied into its bucket)."""
-    in_place = args.in_place_mb if args.in_place_mb is not None else 1.0 if args.backend == "nccl" else None
+    in_place = args.in_place_mb
+    if in_place is None and args.backend == "nccl":
+        in_place = NCCL_IN_PLACE_MB
     return {**common.lm_settings(args), "in_place_mb": in_place}
 
 
