@@ -106,6 +106,29 @@ def test_in_place_over_fsdp_inside_trains_as_copies_do(one_rank, set_to_none):
     assert all(torch.equal(a, b) for a, b in zip(run(None), run(0.0)))
 
 
+def test_in_place_trains_the_tests_llama_as_copies_do(one_rank):
+    """The tests' Llama-style model, its own source unchanged, AdamW clipped by the global
+    norm: every gradient reduced where it lies trains the same weights as copies, bit for bit."""
+    import llama
+
+    def run(in_place):
+        torch.manual_seed(0)
+        model = llama.Transformer(llama.ModelArgs())
+        ddp = bucketed.DDPBucketed(model, 0.01, in_place_mb=in_place)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)
+            opt.zero_grad()
+            llama.loss_fn(ddp(x), y).backward()
+            ddp.finish_gradient_synchronization()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            opt.step()
+        assert sum(len(b.in_place) for b in ddp.buckets) == (0 if in_place is None else len(list(model.parameters())))
+        return [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(run(None), run(0.0)))
+
+
 def test_in_place_is_skipped_where_gloo_holds_gpu_gradients(one_rank):
     """gloo's coalesced all-reduce refuses CUDA tensors: on a GPU the in-place configurations
     verify only under NCCL, and print a SKIP line each under gloo (nothing runs there)."""
