@@ -33,7 +33,6 @@ import common
 # ---- begin copy: DDPBucketed (needs torch, the standard library and placement.py) ----
 import contextlib
 import math
-import warnings
 import weakref
 
 import torch
@@ -41,12 +40,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from placement import hold_storage, make_real, place
-
-# torch has said "will be deprecated" of all_reduce_coalesced since 2.1 without naming a public
-# successor; it is the one traced call that reduces a bucket's gradients where they lie
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_reduce_coalesced` will be deprecated",
-                        category=FutureWarning)
-
 
 NCCL_IN_PLACE_MB = 1.0   # DDPBucketed's in_place_mb on an NCCL group where none is given (chosen, not measured)
 
@@ -57,6 +50,18 @@ def in_place_skip(backend: str, device_type: str) -> str:
     if device_type not in ("cpu", "meta") and not (device_type == "cuda" and "nccl" in str(backend)):
         return "gloo's coalesced all-reduce takes CPU tensors only (on a GPU only NCCL reduces gradients in place)"
     return ""
+
+
+def start_all_reduce_coalesced(tensors, op, group=None):
+    """Start one all-reduce of ``tensors`` (NCCL runs them as one group); returns its Work.
+    The group's own call, which torch.distributed.all_reduce_coalesced makes too: that one
+    hands back a Future, and a Future's wait() leaves NCCL's hold on the tensors to NCCL's
+    watchdog thread. Gradients that zero_grad() frees then stay allocated until the watchdog
+    looks, and the next backward allocates afresh (on a GPU: cudaMalloc, docs/05). Work.wait()
+    lets go of them at once."""
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp, opts.asyncOp = op, True
+    return (group or dist.group.WORLD).allreduce_coalesced(tensors, opts)
 
 
 class DDPBucketed(nn.Module):
@@ -317,7 +322,7 @@ class _Bucket:
         if len(tensors) == 1:
             self.work = dist.all_reduce(self.buffer, op=self.op, group=self.process_group, async_op=True)
         else:
-            self.work = dist.all_reduce_coalesced(tensors, op=self.op, group=self.process_group, async_op=True)
+            self.work = start_all_reduce_coalesced(tensors, self.op, self.process_group)
 
     def finish(self):
         self.work.wait()

@@ -47,6 +47,9 @@ TRACED_CALLS = COLLECTIVE_CALLS + P2P_CALLS + OBJECT_CALLS
 # calls whose every rank gives tensors of the same shape (the others: a root's list, uneven splits)
 SAME_SHAPES = {"all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
                "reduce_scatter_tensor", "all_gather", "reduce_scatter"}
+# calls traced as the ProcessGroup method that torch's function makes (so once, whoever calls
+# which): a class that must hold the Work calls the method itself (05's DDPBucketed)
+METHOD_CALLS = {"all_reduce_coalesced": "allreduce_coalesced"}
 
 
 def call_tensors(op, args, kwargs) -> list:
@@ -88,9 +91,11 @@ def _unwrapped_ops(ops):
 _OBSERVERS = []   # what watches the calls in this process (the device audit, the flight recorder)
 
 
-def _traced(name, fn):
+def _traced(name, fn, method=False):
+    """``fn`` (torch.distributed's function ``name``, or with ``method`` a ProcessGroup's own
+    method, (group, tensors, options)) with every observer told of each call."""
     import inspect
-    params = list(inspect.signature(fn).parameters)
+    params = [] if method else list(inspect.signature(fn).parameters)
     where = {k: params.index(k) for k in ("group", "async_op") if k in params}
 
     def traced(*args, **kwargs):
@@ -98,9 +103,13 @@ def _traced(name, fn):
             args = (_unwrapped_ops(args[0]), *args[1:])   # runs on autograd's device thread)
         if not _OBSERVERS or threading.current_thread() is not threading.main_thread():
             return fn(*args, **kwargs)
-        group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
-        async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
-            kwargs.get("async_op", args[where["async_op"]] if len(args) > where.get("async_op", 1 << 30) else False)
+        if method:   # its options say whether it is asynchronous (their default: it is)
+            group, opts = args[0], kwargs.get("opts", args[2] if len(args) > 2 else None)
+            async_op = getattr(opts, "asyncOp", True)
+        else:
+            group = kwargs.get("group", args[where["group"]] if len(args) > where.get("group", 1 << 30) else None)
+            async_op = name in ("isend", "irecv", "batch_isend_irecv") or \
+                kwargs.get("async_op", args[where["async_op"]] if len(args) > where.get("async_op", 1 << 30) else False)
         tokens = [o.enter(name, args, kwargs, group, async_op) for o in list(_OBSERVERS)]
         result = fn(*args, **kwargs)
         for o, token in zip(list(_OBSERVERS), tokens):
@@ -120,11 +129,15 @@ def traced_calls(observer):
     not run) and ``observer.exit(its token, the call's result)`` after it returns. The first
     observer puts the wrappers in place, the last one out takes them away."""
     if not _OBSERVERS:
-        _traced_calls_real.update({name: getattr(dist, name) for name in TRACED_CALLS if hasattr(dist, name)})
+        _traced_calls_real.update({name: getattr(dist, name) for name in TRACED_CALLS
+                                   if hasattr(dist, name) and name not in METHOD_CALLS})
         for name, fn in _traced_calls_real.items():
             setattr(dist, name, _traced(name, fn))
         _traced_calls_real["P2POp"] = dist.P2POp
         dist.P2POp = _P2POp
+        for name, method in METHOD_CALLS.items():   # (the class's own entry: what binds it to a group)
+            _traced_methods_real[method] = vars(dist.ProcessGroup).get(method)
+            setattr(dist.ProcessGroup, method, _traced(name, getattr(dist.ProcessGroup, method), method=True))
     _OBSERVERS.append(observer)
     try:
         yield observer
@@ -133,10 +146,16 @@ def traced_calls(observer):
         if not _OBSERVERS:
             for name, fn in _traced_calls_real.items():
                 setattr(dist, name, fn)
+            for method, entry in _traced_methods_real.items():
+                if entry is None:
+                    delattr(dist.ProcessGroup, method)
+                else:
+                    setattr(dist.ProcessGroup, method, entry)
             _traced_calls_real.clear()
+            _traced_methods_real.clear()
 
 
-_traced_calls_real = {}
+_traced_calls_real, _traced_methods_real = {}, {}
 
 
 # ----------------------------------------------------------------------------------------

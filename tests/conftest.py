@@ -60,13 +60,6 @@ IMPORT_S = time.perf_counter() - _began
 SLOWER = max(1.0, IMPORT_S / 1.5)
 
 
-def pytest_configure(config):
-    # 05's copy region silences torch's "will be deprecated" notice of all_reduce_coalesced when
-    # it is imported; pytest imports it while collecting and restores its filters afterwards
-    config.addinivalue_line("filterwarnings",
-                            "ignore:`torch.distributed.all_reduce_coalesced` will be deprecated:FutureWarning")
-
-
 def seconds(s: float) -> float:
     """``s`` seconds on the machine the bounds were set on, on this one (SLOWER)."""
     return s * SLOWER

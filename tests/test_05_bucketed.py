@@ -75,6 +75,49 @@ def test_gradients_are_views_into_bucket_storage(one_rank, set_to_none, in_place
         opt.step()
 
 
+def test_in_place_buckets_wait_on_a_work_each_traced_once(one_rank):
+    """A bucket that reduces gradients where they lie starts them with its group's own
+    coalesced call and keeps that call's Work (torch's function hands back a Future instead,
+    whose wait leaves NCCL's hold on the gradients to NCCL's watchdog: a GPU's next backward
+    then allocates them anew). The flight recorder's hook sees each such call once, with its
+    group, as asynchronous; and a call of torch's function once, as it was made."""
+    import warnings
+
+    import diagnostics
+    import torch.distributed as dist
+    seen = []
+
+    class Watch:
+        def enter(self, op, args, kwargs, group=None, async_op=False):
+            seen.append((op, group, async_op))
+
+        def exit(self, token, result):
+            pass
+    group = dist.new_group([0])   # not the world
+    torch.manual_seed(0)
+    model = common.ToyModel()
+    ddp = bucketed.DDPBucketed(model, bucketed.TOY_CAPS["2 buckets"], process_group=group, in_place_mb=4096 / 2**20)
+
+    def backward():
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(torch.randn(4, 20)), torch.randint(0, 10, (4,))).backward()
+    backward()
+    ddp.finish_gradient_synchronization()   # (the first step rebuilds the buckets)
+    with diagnostics.traced_calls(Watch()):
+        backward()
+        works = [b.work for b in ddp.buckets]
+        ddp.finish_gradient_synchronization()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)   # torch's "will be deprecated"
+            dist.all_reduce_coalesced([torch.ones(2)], async_op=False)
+    coalesced = [b for b in ddp.buckets if b.in_place]
+    assert coalesced and all(isinstance(w, dist.Work) for w in works)
+    assert seen == [("all_reduce_coalesced" if b.in_place else "all_reduce", group, True) for b in ddp.buckets] + \
+        [("all_reduce_coalesced", dist.group.WORLD, False)]
+    assert not getattr(dist.ProcessGroup.allreduce_coalesced, "_kit_traced", False)   # taken away after,
+    assert group.allreduce_coalesced([torch.ones(2)]).wait()                           # torch's own again
+
+
 def test_bad_bucket_size(one_rank):
     with pytest.raises(ValueError, match="positive"):
         bucketed.DDPBucketed(common.ToyModel(), 0)
