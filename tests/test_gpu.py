@@ -121,6 +121,39 @@ def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
                       "--out", str(tmp_path), launch=first_job).returncode == 2   # without it: refused
 
 
+def test_14s_smoke_jobs_start_first_and_end_inside_the_box_the_budget_leaves(tmp_path):
+    """14's runs must end themselves (printing their replicas' logs) before their box kills
+    them: they start first, and their --deadline follows the box each one really gets where
+    the budget left is shorter than the box (the H200 at 159e69d: 80 s left, deadline 160)."""
+    import importlib.util
+    import types
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    jobs = check.smoke_jobs(["05", "07", "14"], "cpu", "gloo", "nano")
+    assert [name for name, _ in jobs[:2]] == ["14_fault_tolerant_dp.gloo_1rank", "14_fault_tolerant_dp.gloo_2ranks"]
+    seen = []
+
+    class Run:   # what part_smoke needs of a check: 50 s of budget left, each job's command and box noted
+        args = types.SimpleNamespace(parts=["smoke"], device="cuda", nccl="nccl", size="nano", box=200.0, jobs=1,
+                                     python="python")
+        out = tmp_path
+
+        def left(self):
+            return 50.0
+
+        def run(self, cmd, log, box, env=None):
+            seen.append((cmd, box))
+            return 0, 0.0
+
+        def add(self, *row):
+            pass
+    check.part_smoke(Run(), ["14"])
+    assert len(seen) == 2
+    for cmd, box in seen:
+        assert box == 50.0 and cmd[cmd.index("--deadline") + 1] == "40"
+
+
 def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):
     """The measured table's 05 jobs: as DDPBucketed runs on NCCL (large gradients reduced where
     they lie), then every gradient copied (the copy's cost, side by side); each job its own
