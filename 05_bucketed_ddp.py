@@ -86,10 +86,11 @@ class DDPBucketed(nn.Module):
     no second copy of the gradients, no copy back after the all-reduce. ``zero_grad()``
     works with ``set_to_none`` True or False (a fresh gradient is moved into its view).
     A gradient of ``in_place_mb`` MiB or more is not moved: it is all-reduced where autograd
-    left it, in the same call as the rest of its bucket (``all_reduce_coalesced``), which on a
-    GPU saves a pass over every large gradient (default: 1 MiB on an NCCL group; on gloo,
-    whose coalesced call copies anyway and takes CPU tensors only, never). On NCCL the
-    average is NCCL's own (``ReduceOp.AVG``); elsewhere the gradients are divided before the sum.
+    left it, in the same call as the rest of its bucket (``start_all_reduce_coalesced``, whose
+    Work the bucket waits on), which on a GPU saves a pass over every large gradient
+    (default: 1 MiB on an NCCL group; on gloo, whose coalesced call copies anyway and takes
+    CPU tensors only, never). On NCCL the average is NCCL's own (``ReduceOp.AVG``); elsewhere
+    the gradients are divided before the sum.
 
     Bucket k is launched only after buckets 0..k-1, so all ranks issue the same collectives
     in the same order. Buckets that never filled (a parameter got no gradient) are reduced
