@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import placement
 import llama
-from own_model import MAX_NORM, TP_PLAN, batches, compare, cpm, ddp, embed, ep, fsdp, head, pp, tp
+from own_model import MAX_NORM, TP_PLAN, batches, compare, cpm, ddp, embed, ep, fsdp, head, pp, tp, with_floor
 
 STEPS = 2
 
@@ -72,7 +72,7 @@ def classes(ctx, args):
     trained = compiled_layers(copy.deepcopy(base))
     if r > 0:   # rank 0 compiles first and the others find its kernels in inductor's cache on disk
         dist.barrier()
-    want = _reference(trained, data, W)
+    want = with_floor(trained, data, _reference, W, twin=copy.deepcopy(base).double())
     if r == 0:
         dist.barrier()
     pos = torch.arange(data[0][0].shape[1])
@@ -135,7 +135,8 @@ def classes(ctx, args):
     moe_trained = compiled_layers(copy.deepcopy(moe))
     aux = lambda m: sum(x.aux for x in m.modules() if isinstance(x, ep.MoE))   # noqa: E731
     moe_loss = lambda m, x, y: llama.loss_fn(m(x), y) + 0.01 * aux(m)   # noqa: E731
-    refs["MoE"], wants["MoE"] = moe_trained, _reference(moe_trained, data, W, moe_loss)
+    refs["MoE"], wants["MoE"] = moe_trained, with_floor(moe_trained, data, _reference, W, moe_loss,
+                                                        twin=copy.deepcopy(moe).double())
 
     def moe_build():
         model = compiled_layers(copy.deepcopy(moe))

@@ -21,7 +21,7 @@ import transformers
 import common
 import hf_checkpoint as hfc
 import placement
-from own_model import MAX_NORM, batches, compare, cpm, ddp, everyone, ep, fsdp, nd, pp, tp
+from own_model import MAX_NORM, batches, compare, cpm, with_floor, ddp, everyone, ep, fsdp, nd, pp, tp
 
 overlap = common.load_script(os.path.join(common.ROOT, "04_overlap_ddp.py"))
 MODELS = ("llama", "qwen3-moe")
@@ -57,8 +57,9 @@ MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")   # experts o
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
 # AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
 # differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
-# by sqrt(v) magnifies the last bits of a near-zero gradient), above the comparison's 1e-5;
-# at 1e-3 that floor is 5e-7, while a wrong gradient still moves a weight by ~1e-3.
+# by sqrt(v) magnifies the last bits of a near-zero gradient); at 1e-3 that floor is 5e-7 to
+# 1e-5 by family (OLMo-2's norms over whole projections the highest), while a wrong gradient
+# still moves a weight by ~1e-3. Each comparison's bound is its own floor's (own_model.compare).
 LR = 1e-3
 
 
@@ -86,7 +87,10 @@ def tiny(kind, layers=2, router_loss=True, experts=4, tied=False):
 
 
 def lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    """Cross-entropy in float32 (bf16 logits cast up), or float64 where the model is (the
+    rounding floor's twin)."""
+    wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.cross_entropy(logits.flatten(0, 1).to(wide), y.flatten())
 
 
 def output_loss(out, y):
@@ -125,10 +129,9 @@ def against_one_process(kind, data, put, parts=1, layers=2, router_loss=True, ti
     rank 0, whose result the job returns (``whole()`` is every rank's, the norm the mesh's;
     the other ranks return {} without training the reference: on 8 ranks, 7 copies of it
     were a sixth of the job's CPU)."""
-    ref = tiny(kind, layers, router_loss, tied=tied)
-    model = copy.deepcopy(ref)
+    model = tiny(kind, layers, router_loss, tied=tied)
     first = dist.get_rank() == 0
-    want = train_reference(ref, data, parts) if first else None
+    ref, want = reference(kind, data, parts, layers, router_loss, tied) if first else (None, None)
     module, step, clip, whole = put(model)
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-6)
     norms = []
@@ -143,6 +146,19 @@ def against_one_process(kind, data, put, parts=1, layers=2, router_loss=True, ti
     r = compare(full, ref)
     r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
     return r
+
+
+_references = {}
+
+
+def reference(kind, data, parts=1, layers=2, router_loss=True, tied=False):
+    """One process trained on ``data`` (train_reference), with its rounding floor (own_model's
+    with_floor), once per model and batches in a job: (the trained model, its norms)."""
+    key = (kind, parts, layers, router_loss, tied, tuple(hash(t.numpy().tobytes()) for b in data for t in b))
+    if key not in _references:
+        ref = tiny(kind, layers, router_loss, tied=tied)
+        _references[key] = (ref, with_floor(ref, data, train_reference, parts))
+    return _references[key]
 
 
 def _mine(t, rank, n):
@@ -183,9 +199,8 @@ def replicas(ctx, kind, data, tied=False, inner=None, join=2):
     ft = common.load_script(os.path.join(common.ROOT, "14_fault_tolerant_dp.py"))
     size = ctx.world_size // 2
     me, k = divmod(ctx.rank, size)   # this rank's replica, its rank in it
-    ref = tiny(kind, tied=tied)
-    model = copy.deepcopy(ref)
-    want = train_reference(ref, data, parts=4)
+    model = tiny(kind, tied=tied)
+    ref, want = reference(kind, data, 4, tied=tied)
     if ctx.world_size not in _replica_groups:   # (made once, by every rank)
         made = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(2)]
         _replica_groups[ctx.world_size] = made

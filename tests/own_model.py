@@ -47,7 +47,12 @@ def everyone(obj):
 
 
 def train_reference(ref, data):
-    """One process: the whole batch, torch's clip, AdamW."""
+    """One process: the whole batch, torch's clip, AdamW. Its float64 twin trained beside it
+    gives ``ref`` its rounding floor (with_floor), which compare's bound follows."""
+    return with_floor(ref, data, _train_reference)
+
+
+def _train_reference(ref, data):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     norms = []
     for x, y in data:
@@ -59,14 +64,48 @@ def train_reference(ref, data):
 
 
 def compare(full: dict, ref) -> dict:
+    """``full`` (a method's weights, by name) against the one-process model ``ref``. Where
+    ``ref`` carries its rounding floor (trained by with_floor): every difference at most
+    FLOOR_TIMES times that floor, a bound that follows how far float32's rounding alone moves
+    these weights in these steps on this machine. Elsewhere (a checkpoint loaded, nothing
+    trained): torch's float32 closeness, element by element (rtol 1e-4, atol 1e-5)."""
     theirs, ok, diff = ref.state_dict(), True, 0.0
+    floor = getattr(ref, "rounding_floor", None)
     for name, t in theirs.items():
         diff = max(diff, (full[name].double() - t.double()).abs().max().item())
-        try:
-            torch.testing.assert_close(full[name], t, rtol=1e-4, atol=1e-5)
-        except AssertionError:
-            ok = False
-    return {"ok": ok and set(full) == set(theirs), "max_diff": diff}
+        if floor is None:
+            try:
+                torch.testing.assert_close(full[name], t, rtol=1e-4, atol=1e-5)
+            except AssertionError:
+                ok = False
+    if floor is not None:
+        ok = diff <= FLOOR_TIMES * floor
+    r = {"ok": ok and set(full) == set(theirs), "max_diff": diff}
+    return r if floor is None else {**r, "floor": floor}
+
+
+# The bound's multiple of the floor. Measured (docs/testing): every method of the suite lands
+# within 0.0-3.4 floors of one process, on this machine's AVX-512 kernels and forced onto its
+# AVX2 and scalar ones; the broken variants the suite keeps land 1,100-13,500 floors away.
+FLOOR_TIMES = 8
+
+
+def with_floor(ref, data, train, *args, twin=None):
+    """Train ``ref`` by ``train(model, data, *args)`` (returning what it returns), and its
+    float64 twin (``twin``, else a copy of ``ref`` made first, in float64: a compiled
+    model's twin is its eager one, its kernels not compiled again) on the same steps; ``ref.rounding_floor``
+    is then the largest difference between the two: how far float32's rounding alone moves
+    these weights here. (transformers' norms and softmaxes compute in float32 in a float64
+    model too, as do the Llama's rotary angles: the twin is a run rounded otherwise, not
+    exact arithmetic, and the floor the distance between two honest runs.)"""
+    twin = copy.deepcopy(ref).double() if twin is None else twin
+    if hasattr(twin, "config"):   # a transformers model: its grouped expert GEMMs take no float64
+        twin.config._experts_implementation = "eager"
+    out = train(ref, data, *args)
+    train(twin, data, *args)
+    mine, theirs = ref.state_dict(), twin.state_dict()
+    ref.rounding_floor = max((mine[n].double() - theirs[n].double()).abs().max().item() for n in mine)
+    return out
 
 
 def tensor_parallel(ctx, args):

@@ -186,6 +186,24 @@ def test_packed_projections_split_as_one_matrix_do_not_train_like_one_process():
     assert not r["ok"] and not r["norms"]
 
 
+CONTROLS = ("qwen3-moe, tp without the head norms", "deepseek-v3, tp with MLA, the rotary key not shared",
+            "phi3, packed split as one matrix")
+
+
+def test_each_bound_follows_its_cases_rounding_floor_and_every_control_lies_far_beyond_it():
+    """docs/testing: each comparison's bound is FLOOR_TIMES its floor, how far float32's
+    rounding alone moves those weights (the same steps in float64 beside them), measured on
+    the machine that runs it; a floor is measured for every case, and each broken variant the
+    suite keeps misses its bound a hundredfold or more."""
+    from own_model import FLOOR_TIMES
+    r = run("axes", 2)
+    floors = {k: v["floor"] for k, v in r.items() if isinstance(v, dict) and "max_diff" in v}
+    assert len(floors) == len(AXES) - 2 + len(FAMILY_AXES) + 2 + len(CONTROLS)   # (the ep ones at 4 ranks)
+    assert all(0 < f < 1e-4 for f in floors.values()), floors
+    for case in CONTROLS:
+        assert r[case]["max_diff"] > 100 * FLOOR_TIMES * r[case]["floor"], (case, r[case])
+
+
 def test_the_models_own_plan_is_the_hand_written_one_and_fsdp_units_are_its_decoder_layers():
     r = run("axes", 2)
     llama, qwen = r["own plans"]["llama"], r["own plans"]["qwen3-moe"]
