@@ -429,6 +429,171 @@ class _SharedOutput(torch.autograd.Function):
         grad[..., ctx.start:ctx.stop] = part
         return grad, None, None, None
 
+class _SplitProbe(torch.overrides.TorchFunctionMode):
+    """parallelize's look at a region's first eager forward (the module holding a row
+    layer, from its start to its end): a tensor a column layer returned is split over the
+    group, and so is whatever an op makes from one, until a row layer makes it whole again.
+    A parameter the plan left whole that an op combines with split features, itself or
+    through what is computed from it alone (softplus(alpha)), gets only this rank's part of
+    its gradient there (a learned activation's scalars between the column and the row
+    layer, a scale every head uses): that op gets it through f (its gradient summed over the
+    group), and from then on its module's forward sees it through f (_summed_in_forward).
+    ``whole``: id -> name of the parameters no plan entry placed, as the modules hold them
+    now (07's FSDP lends its whole tensors); ``owners``: name -> (module, attribute);
+    ``met``: the names found."""
+
+    def __init__(self, whole: dict, owners: dict, group):
+        super().__init__()
+        self.whole, self.owners, self.group = whole, owners, group
+        self.split, self.origin, self.met, self.used_whole = {}, {}, set(), set()
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+    def sources(self, t) -> set:
+        """The whole parameters ``t`` is, or was computed from alone."""
+        return {self.whole[id(t)]} if id(t) in self.whole else set(self.origin.get(id(t), (None, ()))[1])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        split = any(id(t) in self.split for t in flat)
+        mine = set().union(*(self.sources(t) for t in flat))
+        if split and mine:   # each rank's part of their gradient here: summed over the group
+            self.met |= mine
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda t: _CopyToParallel.apply(t, self.group) if isinstance(t, torch.Tensor) and self.sources(t)
+                else t, (args, kwargs))
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:
+            if split and mine:
+                name = sorted(mine)[0]
+                shape = tuple(getattr(*self.owners[name]).shape)
+                raise ValueError(f"{name} {shape}: a parameter the plan leaves whole meets features split over the "
+                                 f"group's {dist.get_world_size(self.group)} ranks and does not fit their part "
+                                 f"({str(e).splitlines()[0]}): split it with its layers (name it in the plan) or keep "
+                                 f"the layers around it whole") from e
+            raise
+        if split:
+            self.mark(out)
+        elif mine:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.origin[id(t)] = (t, mine)
+        return out
+
+    def whole_use(self, x):
+        """``x`` goes on whole (into a column layer, or out of the region): the parameters it
+        was computed from get their whole gradient there, the same on every rank."""
+        for t in torch.utils._pytree.tree_leaves(x):
+            if isinstance(t, torch.Tensor):
+                self.used_whole |= self.sources(t)
+
+    def check(self):
+        """A parameter both met split features and went on whole (MLA's key/value
+        down-projection, its rotary key used by this rank's heads and the rest through a
+        column layer): its gradient is neither this rank's part nor whole; refused."""
+        both = sorted(self.met & self.used_whole)
+        if both:
+            raise ValueError(f"{both[0]} {tuple(getattr(*self.owners[both[0]]).shape)}: a parameter the plan leaves "
+                             f"whole of which part meets features split over the group's "
+                             f"{dist.get_world_size(self.group)} ranks and part goes on whole: name it in the plan "
+                             f"(\"shared\" with the output features every rank's heads use, or split it with its "
+                             f"layers)")
+
+    def mark(self, out, split=True):
+        """A column layer's output (``split``) or a row layer's (whole): what they computed
+        from whole parameters before them no longer counts (their input's gradient is
+        all-reduced, or their output is the same on every rank)."""
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.origin.pop(id(t), None)
+                if split:
+                    self.split[id(t)] = t   # (held until the region ends: an id is not reused meanwhile)
+                else:
+                    self.split.pop(id(t), None)
+
+
+def _summed_in_forward(owner: nn.Module, attr: str, group):
+    """From now on ``owner``'s forward sees its parameter ``attr`` through f: its gradient
+    summed over the group in backward, where each rank's use of it gives its own part. (The
+    tensor shadows the parameter in the module's __dict__ for the call, as 07's FSDP lends
+    its whole tensors; what was there before is put back.)"""
+    held = []
+
+    def before(m, args):
+        held.append(m.__dict__.get(attr))
+        m.__dict__[attr] = _CopyToParallel.apply(getattr(m, attr), group)
+
+    def after(m, args, out):
+        before_call = held.pop()
+        if before_call is None:
+            m.__dict__.pop(attr, None)
+        else:
+            m.__dict__[attr] = before_call
+    owner.register_forward_pre_hook(before)
+    owner.register_forward_hook(after, always_call=True)
+
+
+def _probe_regions(module: nn.Module, owners: dict, group) -> set:
+    """Hooks for _SplitProbe: on each module that holds a RowParallelLinear as a child (a
+    region), for its first eager forward; on each ColumnParallelLinear and RowParallelLinear,
+    to mark its output split or whole (and a column's input as going on whole); all removed
+    once every region has run. ``owners``: name -> (module, attribute) of the parameters no
+    plan entry placed. Returns the set of the names summed, filled as the regions run (a
+    forward torch.compile traces is not probed: the hooks wait for an eager one)."""
+    met, state, columns = set(), {"probe": None}, []
+    regions = {module.get_submodule(n.rpartition(".")[0]) for n, m in module.named_modules()
+               if isinstance(m, RowParallelLinear)}
+    handles = {}
+
+    def enter(m, args, kwargs):
+        if state["probe"] is None and not torch.compiler.is_compiling():
+            whole = {id(getattr(o, a)): name for name, (o, a) in owners.items()}   # (as lent now, under FSDP)
+            state["probe"], state["region"] = _SplitProbe(whole, owners, group).__enter__(), m
+
+    def leave(m, args, kwargs, out):
+        probe = state["probe"]
+        if probe is None or state["region"] is not m:
+            return
+        probe.__exit__(None, None, None)
+        state["probe"] = None
+        for h in handles.pop(m):
+            h.remove()
+        if not handles:
+            for h in columns:
+                h.remove()
+        probe.whole_use(out)
+        probe.check()
+        for name in sorted(probe.met - met):
+            _summed_in_forward(*owners[name], group)
+        met.update(probe.met)
+
+    def mark(m, args, out):   # a column's output is split; a row's is whole again
+        if state["probe"] is not None:
+            state["probe"].mark(out, isinstance(m, ColumnParallelLinear))
+
+    def into_column(m, args):
+        if state["probe"] is not None:
+            state["probe"].whole_use(args)
+    for region in regions:
+        handles[region] = (region.register_forward_pre_hook(enter, with_kwargs=True),
+                           region.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    columns += [m.register_forward_hook(mark) for m in module.modules()
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    columns += [m.register_forward_pre_hook(into_column) for m in module.modules() if isinstance(m, ColumnParallelLinear)]
+    return met
+
+
+def summed_whole(module: nn.Module) -> list:
+    """The parameters parallelize left whole that its look at the first forward found meeting
+    split features, whose gradients it therefore sums over the group (sorted names; empty
+    before the model's first eager forward)."""
+    return sorted(getattr(module, "_summed_whole", ()))
+
+
 def _rms_eps(norm: nn.Module) -> float:
     """The epsilon of an RMS norm of the form weight * x * rsqrt(mean(x^2) + eps) (Llama's,
     OLMo-2's), checked on a random input; ValueError for any other form."""
@@ -673,9 +838,25 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         else:
             new = RowParallelLinear.from_linear(target, process_group)
         setattr(module.get_submodule(parent_name), child, new)
+    placed = {id(p) for name, kind, _, _ in todo if kind not in ("divide",)
+              for p in module.get_submodule(name).parameters()}
+    owners = {}   # the parameters no plan entry placed: name -> (module, attribute)
+    for mname, m in module.named_modules():
+        for attr, p in m.named_parameters(recurse=False):
+            if id(p) not in placed:
+                owners.setdefault(f"{mname}.{attr}" if mname else attr, (m, attr))
+    module._summed_whole = _probe_regions(module, owners, process_group)
     replicated_over(module, process_group)
     return module
 
+
+# MLA's attention as transformers' own plans split it (DeepSeek-V2's, the same module names in
+# every MLA family): used where a config describes MLA (kv_lora_rank, qk_rope_head_dim) and its
+# plan names no attention (DeepSeek-V3's, Kimi's); what a configuration does not build (q_proj
+# beside a q_lora_rank's q_a_proj and q_b_proj) is left out as for any plan
+HF_MLA_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+               "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
+               "layers.*.self_attn.o_proj": "rowwise"}
 
 # transformers' plan styles (config.base_model_tp_plan) in parallelize's words; the two HF
 # gathers (a column split whose output is gathered, then a row split of the whole input) are
@@ -736,6 +917,8 @@ def model_plan(model: nn.Module) -> tuple:
     parameters = [n for n, _ in model.named_parameters()]
     plan, whole, gathered = {}, {}, {}
     rope = getattr(config, "qk_rope_head_dim", None)   # (MLA's rotary key: the tail of kv_a_proj_with_mqa)
+    if rope and getattr(config, "kv_lora_rank", None) and not any(".self_attn." in f".{k}" for k in hf):
+        hf = {**HF_MLA_PLAN, **hf}   # MLA (a config with its ranks) whose plan names no attention: MLA's own plan
     for key, style in hf.items():
         key = base + key
         if style not in HF_STYLES and style not in HF_KEPT_WHOLE:

@@ -211,10 +211,12 @@ class OnMesh:
             tp.parallelize(model, plan or tp.model_plan(model)[0], mesh.group("tp"))
         if args.recompute:   # the model's own activation checkpointing, non-reentrant: each layer redone in backward
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.compile:     # each decoder layer through torch.compile (the model's _no_split_modules)
-            for m in model.modules():
-                if type(m).__name__ in (model._no_split_modules or ()):
-                    m.compile()
+        # each decoder layer through torch.compile (the model's _no_split_modules); under tp after
+        # the first step, whose eager forward parallelize looks at (08's summed_whole)
+        layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+        self.uncompiled = layers if args.compile and T > 1 else []
+        for m in layers if args.compile and T == 1 else ():
+            m.compile()
         self.autocast = lambda: common.autocast(device, args.dtype)   # noqa: E731
         self.experts = None
         if args.ep > 1:
@@ -292,6 +294,9 @@ class OnMesh:
             ep.reduce_expert_gradients(self.model, data_ranks=self.replicas)
         if self.tied_group is not None:
             pp.sum_tied_gradients(self.stage.tied, self.tied_group)
+        for m in self.uncompiled:
+            m.compile()
+        self.uncompiled = []
         return loss
 
     @torch.no_grad()

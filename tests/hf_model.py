@@ -47,6 +47,8 @@ FAMILIES = {
     "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(intermediate_size=128, pad_token_id=0)),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(intermediate_size=128)),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(intermediate_size=128, tie_word_embeddings=False)),
+    "apertus": ("ApertusForCausalLM", "ApertusConfig", dict(   # xIELU: two learned scalars between up and down
+        intermediate_size=128, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(intermediate_size=64, num_local_experts=4,
                                                             num_experts_per_tok=2)),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(   # MLA attention; layer 0 dense
@@ -262,12 +264,16 @@ def replicas(ctx, kind, data, tied=False, inner=None, join=2):
     return r
 
 
-def tensor_parallel(ctx, kind, data, plan=None, own=None):
+def tensor_parallel(ctx, kind, data, plan=None, own=None, keep=None):
     """tp = world: the whole-model plan on the model's own names (``plan``: another; ``own``:
-    a dict that gets the model's own plan, 08's model_plan, which is then the one applied)."""
+    a dict that gets the model's own plan, 08's model_plan, which is then the one applied,
+    and the model; ``keep``: a dict that gets the model)."""
     def put(model):
         if own is not None:
             own["plan"], own["whole"] = tp.model_plan(model)
+        for d in (own, keep):
+            if d is not None:
+                d["model"] = model
         tp.parallelize(model, own["plan"] if own is not None else plan or PLANS[kind])
         return model, lambda x, y: loss_of(model, x, y).backward(), lambda n: tp.clip_grad_norm_(model, n), \
             lambda: tp.full_state_dict(model, all_ranks=True)
@@ -316,6 +322,8 @@ STAGE_FAMILIES = {
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(pad_token_id=0)),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}),
     "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(pad_token_id=0)),
+    "apertus": ("ApertusForCausalLM", "ApertusConfig", dict(   # xIELU: two learned scalars between up and down
+        intermediate_size=128, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             sliding_window=8)),
     "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
@@ -502,7 +510,7 @@ def axes(ctx, args):
     """Every axis at 2 ranks, both models: dp (DDPBucketed), fsdp, tp, pp with each
     schedule, cp with each method, 14's replicas (ft) with a late joiner that heals;
     Qwen3-MoE's own experts split, with dp and with fsdp."""
-    data, out, seen = batches(), {"outputs": {}, "own plans": {}, "units": {}}, {}
+    data, out, seen = batches(), {"outputs": {}, "own plans": {}, "units": {}, "summed whole": {}}, {}
     for kind in MODELS:
         for wrap in ("dp", "dp 04", "fsdp"):
             out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap, seen.setdefault(wrap, []))
@@ -520,6 +528,7 @@ def axes(ctx, args):
             own = {}
             out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
             out["own plans"][kind] = (own["plan"], own["whole"])
+            out["summed whole"][kind] = tp.summed_whole(own["model"])
             out[f"{kind}, pp 1f1b"] = pipeline(ctx, kind, data, "1f1b")
         for wrap in ("dp", "fsdp"):
             out[f"{kind}, {wrap}"] = data_parallel(ctx, kind, data, wrap)
@@ -529,16 +538,18 @@ def axes(ctx, args):
     for kind in MOE_FAMILIES:
         out[f"{kind}, ep with dp"] = expert_parallel(ctx, kind, batches(), "dp")
     out["gemma3, tied, pp 1f1b"] = pipeline(ctx, "gemma3", data, "1f1b", tied=True)   # its own default
-    mla, _ = tp.model_plan(tiny("deepseek-v3"))   # its plan leaves MLA whole (said in `whole`); by heads:
-    mla.update({"model.layers.*.self_attn.q_b_proj": "column", "model.layers.*.self_attn.kv_b_proj": "column",
-                "model.layers.*.self_attn.o_proj": "row",   # the rotary key every head uses: 16 + 4 features
-                "model.layers.*.self_attn.kv_a_proj_with_mqa": ("shared", (16, 20))})
-    out["deepseek-v3, tp with MLA, the rotary key not shared"] = tensor_parallel(   # control
-        ctx, "deepseek-v3", data, {k: v for k, v in mla.items() if not k.endswith("kv_a_proj_with_mqa")})
-    out["deepseek-v3, tp with MLA by heads"] = tensor_parallel(ctx, "deepseek-v3", data, mla)
+    mla, _ = tp.model_plan(tiny("deepseek-v3"))   # MLA by heads, from its config and MLA's own plan
+    out["own plans"]["deepseek-v3, attention"] = {k: v for k, v in mla.items() if ".self_attn." in k}
+    try:   # without "shared", the rotary key's projection meets split heads and goes on whole: refused
+        tensor_parallel(ctx, "deepseek-v3", data, {k: v for k, v in mla.items() if not k.endswith("kv_a_proj_with_mqa")})
+        out["deepseek-v3, tp with MLA, the rotary key not shared"] = "not refused"
+    except ValueError as e:
+        out["deepseek-v3, tp with MLA, the rotary key not shared"] = str(e)
     for rest in ("dp", "fsdp"):
         out[f"qwen3-moe, ep with {rest}"] = expert_parallel(ctx, "qwen3-moe", batches(), rest)
-    out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION)   # control
+    own = {}   # its per-head norms left out: found between the split layers and summed
+    out["qwen3-moe, tp without the head norms"] = tensor_parallel(ctx, "qwen3-moe", data, ATTENTION, keep=own)
+    out["qwen3-moe, tp without the head norms"]["summed"] = tp.summed_whole(own["model"])
     packed, _ = tp.model_plan(tiny("phi3"))   # control: Phi-3's packed projections split as if one matrix each
     out["phi3, packed split as one matrix"] = tensor_parallel(
         ctx, "phi3", data, {k: "column" if isinstance(v, tuple) else v for k, v in packed.items()})

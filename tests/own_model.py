@@ -138,7 +138,78 @@ def tensor_parallel(ctx, args):
         r = compare(tp.full_state_dict(model, all_ranks=True), ref_trained)
         r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
         out[f"dp {dp} x tp {t}"] = r
+    if ctx.world_size == 2:
+        out.update(between_split_layers())
     return out
+
+
+class LearnedActivation(torch.nn.Module):
+    """A module the kit has never seen: an activation with two learned scalars (as
+    Apertus's xIELU), applied feature by feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p, self.alpha_n = torch.nn.Parameter(torch.tensor(0.8)), torch.nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        return torch.where(x > 0, self.alpha_p * x * x + x, self.alpha_n * torch.expm1(x.clamp(max=0)))
+
+
+class ScaledBlock(torch.nn.Module):
+    """Attention-like heads with a learned scale per head dimension that every head uses
+    (between the column q and the row o), then an MLP through LearnedActivation; with
+    ``gain``, a learned gain per hidden feature of the MLP, which its split divides."""
+
+    def __init__(self, d=32, hidden=64, heads=4, gain=False):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.scale = torch.nn.Parameter(1 + 0.1 * torch.randn(d // heads))
+        self.norm = torch.nn.RMSNorm(d)
+        self.up, self.act, self.down = torch.nn.Linear(d, hidden), LearnedActivation(), torch.nn.Linear(hidden, d)
+        self.gain = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden)) if gain else None
+
+    def forward(self, x):
+        q = self.q(x)
+        x = x + self.o((q.unflatten(-1, (-1, self.scale.numel())) * self.scale).flatten(-2).tanh())
+        h = self.act(self.up(self.norm(x)))
+        return x + self.down(h * self.gain if self.gain is not None else h)
+
+
+SCALED_PLAN = {"q": "column", "o": "row", "up": "column", "down": "row"}
+
+
+def between_split_layers():
+    """parallelize on ScaledBlock at tp 2 against one process (4 clipped AdamW steps): the
+    parameters it leaves whole between the split layers found at the first forward and
+    summed (summed_whole), the norm outside them not; with a gain per split feature, the
+    first forward refused naming it."""
+    torch.manual_seed(0)
+    ref = ScaledBlock()
+    model = tp.parallelize(copy.deepcopy(ref), SCALED_PLAN)
+    data = [(torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(i)),) for i in range(STEPS)]
+    want = with_floor(ref, data, _train_scaled)
+    norms = _train_scaled(model, data, lambda m: tp.clip_grad_norm_(m, MAX_NORM))
+    r = compare(tp.full_state_dict(model, all_ranks=True), ref)
+    r.update(norms=max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4, summed=tp.summed_whole(model))
+    torch.manual_seed(0)
+    gained = tp.parallelize(ScaledBlock(gain=True), SCALED_PLAN)
+    try:
+        gained(data[0][0])
+        refused = "not refused"
+    except ValueError as e:
+        refused = str(e)
+    return {"between split layers": r, "a gain per split feature": refused}
+
+
+def _train_scaled(model, data, clip=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    norms = []
+    for (x,) in data:
+        opt.zero_grad(set_to_none=True)
+        model(x.to(next(model.parameters()).dtype)).square().mean().backward()
+        norms.append((clip or (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)))(model).item())
+        opt.step()
+    return norms
 
 
 def plan_refusals(ctx, args):

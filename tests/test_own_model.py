@@ -26,6 +26,22 @@ def test_llama_under_a_whole_model_tp_plan_trains_like_one_process(world_size, l
     assert r["norms"]   # 08's clip_grad_norm_ saw the one process's global norm each step
 
 
+def test_parameters_left_whole_between_split_layers_are_summed_and_train_like_one_process():
+    """A block the kit has never seen (ScaledBlock): a learned activation's two scalars and
+    a scale per head dimension sit between the column and the row layers, whole on every
+    rank, each rank's gradient of them its own features' part; parallelize's look at the
+    first forward sums them over the group (and not the norm before the split layers)."""
+    r = run("tensor_parallel", 2)["between split layers"]
+    assert r["summed"] == ["act.alpha_n", "act.alpha_p", "scale"]
+    assert r["ok"] and r["norms"], r
+
+
+def test_a_whole_parameter_that_does_not_fit_the_split_features_is_refused_naming_it():
+    msg = run("tensor_parallel", 2)["a gain per split feature"]
+    assert msg.startswith("gain (64,): a parameter the plan leaves whole meets features split over the group's 2 "
+                          "ranks and does not fit their part"), msg
+
+
 @pytest.mark.parametrize("case, words", [
     ("no match", "plan key 'layers.*.attention.wqkv' matches no module"),
     ("heads", "layers.0.attention.n_kv_heads = 1 does not divide over the group's 2 ranks"),
