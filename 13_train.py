@@ -97,10 +97,11 @@ def pydoc_text() -> str:
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
-def write_tiny_model(folder: Path, text: str, context: int, seed: int = 0):
+def write_tiny_model(folder: Path, text: str, context: int, seed: int = 0, tied: bool = False):
     """A model folder as save_pretrained writes it: a byte-level BPE tokenizer trained on
-    ``text`` (tokenizer.json with its config), a LlamaConfig (TINY) and its initial weights
-    (safetensors), seeded."""
+    ``text`` (tokenizer.json with its config), a LlamaConfig (TINY; ``tied``: its head tied to
+    its embedding, which the files then hold once) and its initial weights (safetensors),
+    seeded."""
     import tokenizers
     import transformers
     bpe = tokenizers.ByteLevelBPETokenizer()
@@ -111,7 +112,7 @@ def write_tiny_model(folder: Path, text: str, context: int, seed: int = 0):
     tok.save_pretrained(folder)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=len(tok), max_position_embeddings=context, eos_token_id=0,
-                                      bos_token_id=0, **TINY)
+                                      bos_token_id=0, **{**TINY, "tie_word_embeddings": tied})
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
@@ -351,6 +352,7 @@ def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
     layout = hfc.model_layout(model)
     run = OnMesh(model, sizes, args, ctx.device, plan or read_plan(args.plan))
     hfc.load_hf_checkpoint(run.stage, folder, ctx.device, pieces=layout)
+    run.layout = layout   # (the folder written back: the source's layout)
     return run
 
 
@@ -495,7 +497,7 @@ def train(ctx, args, sizes):
     sharded_checkpoint.wait_for_saves()
     digest = common.weights_sha256(placement.full_state_dict(run.stage, all_ranks=True))
     final = run_dir / "final"
-    hfc.save_hf_checkpoint(run.stage, str(final), config=config)
+    hfc.save_hf_checkpoint(run.stage, str(final), config=config, layout=run.layout)
     if ctx.rank == 0:
         for name in tokenizer_files(args.model):   # the tokenizer's files beside the weights
             shutil.copy(Path(args.model) / name, final / name)

@@ -171,9 +171,11 @@ def model_layout(model):
     """load_hf_checkpoint's ``pieces`` for a transformers model, read from the model's own
     checkpoint conversion mapping (what from_pretrained applies to the files save_pretrained
     writes and the Hub holds): its renamings, reversed (GPT-NeoX's lm_head is embed_out in
-    its files, Mixtral's mlp its block_sparse_moe), and its experts kept one tensor per
+    its files, Mixtral's mlp its block_sparse_moe), its experts kept one tensor per
     expert, merged into the model's fused [E, ...] tensors (stacked along dim 0, several
-    sources concatenated along one dimension: gate and up, Mixtral's w1 and w3). A
+    sources concatenated along one dimension: gate and up, Mixtral's w1 and w3), and a head
+    tied to the embedding (``tie_word_embeddings``) read from the embedding's tensor, which
+    is all save_pretrained writes of the two (the last pipeline stage's copy too). A
     conversion of another kind that touches one of the model's tensors is a ValueError
     naming it. Needs transformers; call it on the model (not a stage or wrapper), before
     the axes are applied or after: the names are the model's."""
@@ -200,7 +202,12 @@ def model_layout(model):
             name = r.rename_source_key(name)[0]
         return name
 
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}) \
+        if getattr(model.config, "tie_word_embeddings", False) else {}
+
     def pieces(name, shape):
+        if name in tied:   # a head tied to the embedding: save_pretrained leaves it out of the files
+            return [(on_disk(tied[name]), (0,) * len(shape))]
         for target, sources, dim in merges:
             if name.endswith(target) and (name == target or name[-len(target) - 1] == "."):
                 prefix = name[:-len(target)]
@@ -210,6 +217,7 @@ def model_layout(model):
                         for e in range(shape[0]) for k, source in enumerate(sources)]
         renamed = on_disk(name)
         return [(renamed, (0,) * len(shape))] if renamed != name else None
+    pieces.tied = tied   # {head: embedding}: save_hf_checkpoint(layout=) writes the embedding only
     return pieces
 
 def _runs_of(at) -> list:
@@ -357,7 +365,7 @@ def _whole_on_writer(t, digits):
     return t
 
 
-def save_hf_checkpoint(module, folder, config=None) -> str:
+def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
     """Write ``module`` (on any composition, every rank calling: a collective) as a Hugging
     Face checkpoint folder: tensors by the model's own names, whole, in safetensors files
     (one per writing rank, model-0000k-of-0000n.safetensors) listed in
@@ -368,7 +376,8 @@ def save_hf_checkpoint(module, folder, config=None) -> str:
     and one whole tensor, never the model. The files go to a temporary folder
     beside ``folder``, published by renaming once every rank has written (an older
     ``folder`` is replaced; a save that fails on any rank is an OSError on every rank and
-    leaves it as it was). Returns ``folder``."""
+    leaves it as it was). ``layout``: model_layout(model), the source's own layout: a head
+    tied to the embedding is left out, as save_pretrained leaves it. Returns ``folder``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     nonce = [uuid.uuid4().hex[:12] if rank == 0 else None]
@@ -376,8 +385,10 @@ def save_hf_checkpoint(module, folder, config=None) -> str:
         dist.broadcast_object_list(nonce, src=0)
     folder = os.path.abspath(folder)
     partial = f"{folder}.partial-{nonce[0]}"
+    tied = getattr(layout, "tied", {})
+    saved = [([n for n in names if n not in tied], t) for names, t in _saved_tensors(module)]
     plan = [(names, t, _writer_digits(placements(t), counter) if world > 1 else None)
-            for counter, (names, t) in enumerate(_saved_tensors(module))]
+            for counter, (names, t) in enumerate(s for s in saved if s[0])]
     entries = [(n, t.dtype, _whole_shape(t, placements(t))) for names, t, digits in plan if _writes(digits)
                for n in names]
     sizes = {n: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for n, dtype, shape in entries}

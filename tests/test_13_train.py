@@ -26,7 +26,18 @@ def tiny(tmp_path_factory):
     text = train.pydoc_text()[:150_000]
     (root / "text.txt").write_text(text)
     train.write_tiny_model(root / "model", text, 64)
+    train.write_tiny_model(root / "tied", text, 64, tied=True)
     return root
+
+
+def tensors_in(folder: Path) -> dict:
+    """{name: shape} of every tensor in a checkpoint folder's safetensors files."""
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return out
 
 
 def sha(p) -> str:
@@ -36,12 +47,15 @@ def sha(p) -> str:
 
 
 def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transformers_loads(tiny, tmp_path):
-    """pp 2 x tp 2: the model's own pipeline stages and tp plan; checked against one process
-    first, then trained with an eval loss on the held-out sequences (the pipeline's forward-
-    only evaluate), checkpoints, a progress file and plot, and a folder that
-    from_pretrained loads and generate() continues."""
+    """pp 2 x tp 2 on a model whose head is tied to its embedding, from the folder
+    save_pretrained wrote (which holds the embedding only; the last stage's head is read from
+    it): the model's own pipeline stages and tp plan; checked against one process first,
+    then trained with an eval loss on the held-out sequences (the pipeline's forward-only
+    evaluate), checkpoints, a progress file and plot, and a folder that from_pretrained
+    loads and generate() continues, with the source's tensors, names and shapes, and no
+    head of its own."""
     run = tmp_path / "run"   # (a process of its own: the first rank's progress lines come out on its stdout)
-    p = run_script("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--pp", "2",
+    p = run_script("13_train.py", "--model", str(tiny / "tied"), "--data", str(tiny / "text.txt"), "--pp", "2",
                    "--tp", "2", *SHORT, "--run-dir", str(run), "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "PASS  first 2 steps against one process" in p.stdout and "verify 13_train on pp 2 x tp 2: PASS" in p.stdout
@@ -54,10 +68,11 @@ def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transfor
     assert sorted(os.listdir(run / "checkpoints")) == ["step-000000003", "step-000000006"]
     final = run / "final"
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(final))
+    assert tensors_in(final) == tensors_in(tiny / "tied") and "lm_head.weight" not in tensors_in(final)
     assert "sample: 'The for statement" in p.stdout   # from_pretrained on the folder, then generate()
     assert "Loading weights" not in p.stderr   # transformers' progress bars (one a rank) kept out of the run's lines
     train = load("13_train")   # the same command with fewer --steps than its checkpoint's: said before it starts
-    again = train.parser().parse_args(["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--pp", "2",
+    again = train.parser().parse_args(["--model", str(tiny / "tied"), "--data", str(tiny / "text.txt"), "--pp", "2",
                                        "--tp", "2", *SHORT, "--steps", "3", "--run-dir", str(run)])
     train.check(again)
     assert again.resume_from.endswith("--steps 3 already reached, nothing left to train (give more --steps, "
