@@ -217,7 +217,20 @@ def model_layout(model):
                         for e in range(shape[0]) for k, source in enumerate(sources)]
         renamed = on_disk(name)
         return [(renamed, (0,) * len(shape))] if renamed != name else None
+    def on_disk_parts(name, shape):
+        """The tensor as the source's files hold it: [(name on disk, index into the whole
+        tensor)], one per expert and source where it is merged; None where it is kept as is."""
+        got = pieces(name, shape)
+        if got is None or name in tied:
+            return None
+        if len(got) == 1:
+            return [(got[0][0], (slice(None),) * len(shape))]
+        dims = next(dim for target, _, dim in merges if name.endswith(target))
+        step = shape[dims] // (len(got) // shape[0]) if dims is not None else None
+        return [(disk, (at[0], *(slice(o, o + step) if d == dims else slice(None) for d, o in enumerate(at) if d)))
+                for disk, at in got]
     pieces.tied = tied   # {head: embedding}: save_hf_checkpoint(layout=) writes the embedding only
+    pieces.on_disk = on_disk_parts
     return pieces
 
 def _runs_of(at) -> list:
@@ -257,6 +270,7 @@ def _read_into(target, record, shape, pieces, file_of) -> tuple:
             flat.index_fill_(d, (idx < 0).nonzero().flatten(), 0)
     read, held = 0, math.prod(int((idx >= 0).sum()) for idx in want)
     for name, offsets in pieces:
+        offsets = tuple(offsets) + (0,) * (len(want) - len(offsets))   # (a 0-dim tensor: one place)
         file = file_of(name)
         own = file.shape(name)
         size = [1] * (len(want) - len(own)) + own
@@ -343,7 +357,10 @@ def _writer_digits(record, counter):
 
 
 def _writes(digits) -> bool:
-    """Whether this rank writes the tensor ``digits`` (_writer_digits') point at."""
+    """Whether this rank writes the tensor ``digits`` (_writer_digits') point at (True or
+    False: a tensor no axis placed, written by the lowest rank that holds it)."""
+    if isinstance(digits, bool):
+        return digits
     if digits is None:
         return not dist.is_initialized() or dist.get_rank() == 0
     return all(dist.get_rank(p.group) == d for p, d in digits)
@@ -355,6 +372,8 @@ def _whole_on_writer(t, digits):
     (collective over those groups only)."""
     if digits is None:
         return t.detach() if _writes(None) else None
+    if isinstance(digits, bool):
+        return t.detach() if digits else None
     if any(p.kind == "replicate" and dist.get_rank(p.group) != d for p, d in digits):
         return None
     t = t.detach()
@@ -377,7 +396,9 @@ def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
     beside ``folder``, published by renaming once every rank has written (an older
     ``folder`` is replaced; a save that fails on any rank is an OSError on every rank and
     leaves it as it was). ``layout``: model_layout(model), the source's own layout: a head
-    tied to the embedding is left out, as save_pretrained leaves it. Returns ``folder``."""
+    tied to the embedding left out, as save_pretrained leaves it; experts one tensor each and
+    names as the source's files have them (Mixtral's block_sparse_moe.experts.{e}.w1), as
+    from_pretrained reads them back. Returns ``folder``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     nonce = [uuid.uuid4().hex[:12] if rank == 0 else None]
@@ -389,8 +410,21 @@ def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
     saved = [([n for n in names if n not in tied], t) for names, t in _saved_tensors(module)]
     plan = [(names, t, _writer_digits(placements(t), counter) if world > 1 else None)
             for counter, (names, t) in enumerate(s for s in saved if s[0])]
-    entries = [(n, t.dtype, _whole_shape(t, placements(t))) for names, t, digits in plan if _writes(digits)
-               for n in names]
+    if world > 1:   # a tensor no axis placed (a buffer): the lowest rank holding it writes it (a later
+        listed = [None] * world   # pipeline stage's buffers are not on rank 0)
+        dist.all_gather_object(listed, [names[0] for names, _, digits in plan if digits is None])
+        holder = {}
+        for r, names in enumerate(listed):
+            for n in names:
+                holder.setdefault(n, r)
+        plan = [(names, t, holder[names[0]] == rank if digits is None else digits) for names, t, digits in plan]
+    on_disk = getattr(layout, "on_disk", lambda name, shape: None)
+    parts = {}   # id(tensor) -> [(name in the file, index into the whole tensor)]
+    for names, t, _ in plan:
+        shape = tuple(_whole_shape(t, placements(t)))
+        parts[id(t)] = [p for n in names for p in (on_disk(n, shape) or [(n, (slice(None),) * len(shape))])]
+    entries = [(n, t.dtype, torch.empty(_whole_shape(t, placements(t)), device="meta")[at].shape)
+               for names, t, digits in plan if _writes(digits) for n, at in parts[id(t)]]
     sizes = {n: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for n, dtype, shape in entries}
     counts = [sizes]   # every rank's {name: bytes}: who writes, and the index
     if world > 1:
@@ -411,8 +445,8 @@ def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
         if whole is not None and out is not None and error is None:
             whole = whole.to("cpu").contiguous()
             try:
-                for _ in names:
-                    out.write(_bytes(whole))
+                for _, at in parts[id(t)]:
+                    out.write(_bytes(whole[at].contiguous()))
             except OSError as e:
                 error = f"rank {rank}: {e}"
         del whole

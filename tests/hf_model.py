@@ -665,9 +665,12 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
         step(x, y)
         placement.clip_grad_norm_(named, MAX_NORM)
         opt.step()
-    hfc.save_hf_checkpoint(named, os.path.join(out, label), config=ref.config)
+    hfc.save_hf_checkpoint(named, os.path.join(out, label), config=ref.config, layout=layout)
     full = placement.full_state_dict(named)   # (the test's own check: whole on the first rank)
     if ctx.rank == 0:
+        a, b = _tensor_shapes(src), _tensor_shapes(os.path.join(out, label))
+        r["layout"] = a == b   # the source's names and shapes
+        r["layout diff"] = sorted(set(a) ^ set(b))[:6] + [(k, a[k], b[k]) for k in a if k in b and a[k] != b[k]][:6]
         back = type(ref).from_pretrained(os.path.join(out, label))
         plain = tiny(kind, ref.config.num_hidden_layers, router_loss=False)
         plain.load_state_dict(full)
@@ -679,6 +682,17 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
     if label == "fsdp 8":   # a save that fails on one rank: refused everywhere, the folder as it was
         r["failed save"] = _failed_save(ctx, named, os.path.join(out, label), ref.config)
     return r
+
+
+def _tensor_shapes(folder) -> dict:
+    """{name: shape} of every tensor a checkpoint folder's files hold."""
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as st:
+                out.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return out
 
 
 def _failed_save(ctx, named, folder, config):

@@ -41,6 +41,14 @@ def test_trained_and_saved_it_loads_in_transformers_with_the_same_logits(results
     assert first["largest share"] <= 0.6   # written by ranks in turn: no rank held the whole model
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_folder_written_back_has_the_sources_tensor_names_and_shapes(results, case):
+    """save_hf_checkpoint(layout=model_layout(model)): the tensors, by name and shape, that
+    save_pretrained wrote for the same model (Mixtral's and Qwen3-MoE's experts one tensor
+    each under their files' names, GPT-NeoX's embed_out), not the model's fused tensors."""
+    assert results[case][0]["layout"], results[case][0]["layout diff"]
+
+
 def test_a_save_that_fails_on_one_rank_is_refused_on_every_rank_and_the_folder_stays_as_it_was(results):
     for r in results["llama, fsdp 8"]:
         assert "rank 3: [Errno 28] No space left on device" in r["failed save"]["said"]
