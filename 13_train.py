@@ -49,7 +49,66 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
+
+# ---- what is refused before torch loads (stdlib only: a refusal takes a second, not ten) ----
+def text_problem(data: Path) -> str | None:
+    """Why ``data`` is not a UTF-8 text to train on, or None: read at its start and at 15
+    places spread over it (a gigabyte costs 16 MiB of reads): a NUL byte (a binary file: a
+    safetensors file, an archive) or bytes that are not UTF-8, with where and what."""
+    size, chunk = data.stat().st_size, 1 << 20
+    if size == 0:
+        return "the file is empty"
+    with open(data, "rb") as f:
+        for at in sorted({0, *(size * k // 16 for k in range(1, 16))}):
+            f.seek(at)
+            raw = f.read(chunk)
+            if b"\0" in raw:
+                return (f"a binary file, not text (a NUL byte at offset {at + raw.index(0):,}; it starts "
+                        f"{raw[:8]!r}): give a text file")
+            if at:   # (a place inside a character: from the next one on)
+                raw = raw[next((i for i, b in enumerate(raw[:4]) if b & 0xC0 != 0x80), 0):]
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.start < len(raw) - 3:   # (not a character the chunk's end cut)
+                    return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {at + e.start:,}): give a "
+                            f"UTF-8 text file (iconv -t UTF-8 converts one)")
+    return None
+
+
+def missing_libraries() -> str | None:
+    """What 13 needs beyond torch to read a model folder and its tokenizer, if missing."""
+    import importlib.util
+    gone = [m for m in ("transformers", "tokenizers", "safetensors") if importlib.util.find_spec(m) is None]
+    if gone:
+        return (f"{' and '.join(gone)} not installed: 13 reads a transformers model folder and its tokenizer "
+                f"(pip install -r requirements-test.txt, or make train, which installs them)")
+    return None
+
+
+def early_check(argv):
+    """The checks that need no torch, as ``python 13_train.py ARGV`` starts: the libraries,
+    and a --data that is missing, binary or not UTF-8. One line, exit 2."""
+    p = argparse.ArgumentParser(prog="13_train.py", add_help=False, allow_abbrev=False)
+    p.add_argument("--data")
+    p.add_argument("--model")
+    known, _ = p.parse_known_args(argv)
+    if "-h" in argv or "--help" in argv or "--setup-memory" in argv or "--hf-checkpoint" in argv:
+        return
+    problem = missing_libraries() if known.model or known.data else None
+    if known.data and not problem:
+        data = Path(known.data)
+        why = "no such file" if not data.is_file() else text_problem(data)
+        problem = why and f"--data {data}: {why}"
+    if problem:
+        print(f"13_train.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    early_check(sys.argv[1:])
+
+import common  # noqa: E402
 
 # transformers' own progress bars (loading and writing a folder's weights), one a rank, would
 # interleave with the run's progress lines; set HF_HUB_DISABLE_PROGRESS_BARS=0 to see them
@@ -118,19 +177,24 @@ def write_tiny_model(folder: Path, text: str, context: int, seed: int = 0, tied:
 
 # ---- the text: tokenized once, packed, held out, each step's batch ---------------------
 def token_file(data: Path, model: Path) -> Path:
-    """Where the tokens of ``data`` by ``model``'s tokenizer are kept: beside the text,
-    named by the tokenizer's hash and the text's size and time (a change makes a new one)."""
+    """Where the tokens of ``data`` by ``model``'s tokenizer are kept: beside the text (never
+    inside the model's folder: then in a 13_tokens folder beside it), named by the
+    tokenizer's hash and the text's size and time (a change makes a new one)."""
     h = hashlib.sha256()
     for name in tokenizer_files(model):
         h.update(name.encode() + (model / name).read_bytes())
     st = data.stat()
     h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return data.with_name(f"{data.name}.tokens-{h.hexdigest()[:12]}.pt")
+    name = f"{data.name}.tokens-{h.hexdigest()[:12]}.pt"
+    model = model.resolve()
+    inside = model == data.resolve().parent or model in data.resolve().parents
+    return model.parent / "13_tokens" / name if inside else data.with_name(name)
 
 
 def tokenize(data: Path, model: Path) -> tuple:
-    """The text's token ids (int32), from the cache beside it or tokenized now (and cached,
-    where the folder is writable; else in memory only). Returns (tokens, where, cached)."""
+    """The text's token ids (int32), from the cache (token_file) or tokenized now. Returns
+    (tokens, where they are kept, whether they were found there); check() keeps them there
+    once the text is found long enough."""
     path = token_file(data, model)
     if path.exists():
         return torch.load(path), path, True
@@ -139,7 +203,7 @@ def tokenize(data: Path, model: Path) -> tuple:
     text = data.read_text(encoding="utf-8", errors="replace")
     ids = tok(text, add_special_tokens=False)["input_ids"]
     tokens = torch.tensor(ids, dtype=torch.int32)
-    return tokens, path, _saved(path, tokens)
+    return tokens, path, False
 
 
 def _saved(path: Path, tensor) -> bool:
@@ -1199,6 +1263,8 @@ def check(args):
                 written_aside(home, lambda tmp: write_tiny_model(tmp, text, args.context_length, args.seed))
         args.data = args.data or str(data)
     model = Path(args.model)
+    if missing_libraries():
+        raise common.UsageError(missing_libraries())
     if not (model / "config.json").exists():
         raise common.UsageError(f"--model {model}: no config.json there (a folder save_pretrained wrote)")
     if not (model / "model.safetensors").exists() and not (model / "model.safetensors.index.json").exists():
@@ -1210,22 +1276,25 @@ def check(args):
     data = Path(args.data)
     if not data.is_file():
         raise common.UsageError(f"--data {data}: no such file")
+    if text_problem(data):
+        raise common.UsageError(f"--data {data}: {text_problem(data)}")
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     args.n_params = sum(p.numel() for p in build_on_meta(model).parameters())   # (meta: no memory)
     tokens, path, cached = tokenize(data, model)
+    seqs = max(0, (tokens.numel() - 1) // args.context_length)
+    args.held = max(args.batch_size, (seqs // 20) // args.batch_size * args.batch_size)   # ~5 %, whole batches
+    if seqs - args.held < args.batch_size:   # (refused before its token file is written)
+        raise common.UsageError(f"--data {data}: {tokens.numel():,} tokens make {seqs} sequences of "
+                                f"{args.context_length}; a batch of {args.batch_size} and its held-out batch need "
+                                f"{2 * args.batch_size}: give a longer text, or a smaller --batch-size or "
+                                f"--context-length")
     args.tokens = str(path)
-    if not cached:   # (the text's folder does not take it: the run's own copy)
-        run_dir.mkdir(parents=True, exist_ok=True)
+    if not cached and not (path.parent.mkdir(exist_ok=True) or _saved(path, tokens)):
+        run_dir.mkdir(parents=True, exist_ok=True)   # (the text's folder does not take it: the run's own copy)
         args.tokens = str(run_dir / path.name)
         if not _saved(Path(args.tokens), tokens):
             raise common.UsageError(f"--run-dir {run_dir}: cannot write the token file there")
-    seqs = (tokens.numel() - 1) // args.context_length
-    args.held = max(args.batch_size, (seqs // 20) // args.batch_size * args.batch_size)   # ~5 %, whole batches
-    if seqs - args.held < args.batch_size:
-        raise common.UsageError(f"--data {data}: {tokens.numel():,} tokens make {seqs} sequences of "
-                                f"{args.context_length}; a batch of {args.batch_size} and its held-out batch need "
-                                f"{2 * args.batch_size}")
     args.fingerprint = hashlib.sha256(json.dumps({k: v for k, v in config.items() if k != "transformers_version"},
                                                  sort_keys=True).encode()).hexdigest()[:16]
     ckpts = run_dir / "checkpoints"

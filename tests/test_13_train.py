@@ -160,6 +160,25 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
     short.write_text("def f(x):\n    return x\n" * 20)
     assert "a batch of 16 and its held-out batch need 32" in refused("13_train.py", "--model", model, "--data",
                                                                      str(short))
+    binary, latin, blank = tmp_path / "weights.bin", tmp_path / "latin.txt", tmp_path / "blank.txt"
+    binary.write_bytes(b"\x00\x01" * 100)
+    latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 50)
+    blank.write_text("")
+    assert "a binary file, not text (a NUL byte at offset 0" in refused("13_train.py", "--model", model, "--data",
+                                                                        str(binary))
+    assert "not UTF-8 text (byte 0xe9 at offset 3)" in refused("13_train.py", "--model", model, "--data", str(latin))
+    assert "the file is empty" in refused("13_train.py", "--model", model, "--data", str(blank))
+    assert not list(tmp_path.glob("*.tokens-*"))   # no refused text leaves its token file behind
+    p = run_script("-X", "importtime", "13_train.py", "--model", model, "--data", str(binary))   # as typed: before
+    assert p.returncode == 2 and p.stderr.splitlines()[-1].startswith("13_train.py: error: --data ")  # torch loads
+    assert not [line for line in p.stderr.splitlines() if line.rstrip().endswith("| torch")], p.stderr[-2000:]
+    train = load("13_train")   # a text inside the model's folder: its tokens kept beside the folder, not in it
+    inside = tmp_path / "folder"
+    inside.mkdir()
+    for f in os.listdir(tiny / "model"):
+        shutil.copy(tiny / "model" / f, inside / f)
+    (inside / "notes.txt").write_text("a text kept with the model")
+    assert train.token_file(inside / "notes.txt", inside).parent == tmp_path / "13_tokens"
     assert "--tp 3 does not divide the model's 4 attention heads" in refused("13_train.py", "--model", model, "--data",
                                                                              text, "--tp", "3")
     assert "--pp 8 x --chunks 1 stages for the model's 4 layers" in refused("13_train.py", "--model", model, "--data",
