@@ -525,7 +525,7 @@ def train(ctx, args, sizes):
         return sum(losses) / len(losses)
     if start == 0:   # where the eval loss starts from
         history.append({"step": 0, "eval": evaluate()})
-    began, done = time.perf_counter(), 0
+    began, done, stepping = time.perf_counter(), 0, 0.0   # stepping: the training steps' seconds
     last_eval = next((r["eval"] for r in reversed(history) if "eval" in r), None)
     for i in range(start, args.steps):
         if i == kill_at and ctx.rank == kill_rank:
@@ -541,13 +541,14 @@ def train(ctx, args, sizes):
         opt.step()
         common.sync(ctx.device)
         dt, done = time.perf_counter() - t0, done + 1
+        stepping += dt
         row = {"step": i + 1, "loss": loss, "lr": lr, "grad_norm": norm, "seconds": dt}
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             last_eval = row["eval"] = evaluate()
         history.append(row)
         if ctx.rank == 0 and ((i + 1) % args.log_every == 0 or i + 1 == args.steps or "eval" in row):
             elapsed = time.perf_counter() - began
-            tok_s = tokens_per_step * done / elapsed
+            tok_s = tokens_per_step * done / stepping   # tokens/s: as the summary's (docs/13)
             mfu = f" | mfu {6 * args.n_params * tok_s / peak / ctx.world_size:.1%}" if peak else ""
             mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _status_mb("VmHWM")
             eta = elapsed / done * (args.steps - i - 1)

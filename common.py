@@ -485,7 +485,11 @@ def _spawn_entry(rank, script, fn_name, args, job, world_size, port, backend, de
                  options=None):
     _catch_faults(f"{result_path}.rank{rank}.fault")
     _watch_parent(parent_pid)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # the machine's cores shared by its ranks, unless OMP_NUM_THREADS says how many a rank takes
+    # (docs/13: on a machine other work keeps busy, one thread a rank)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else
+                          max(1, (os.cpu_count() or 1) // world_size))
     ctx = Ctx(rank, world_size, rank, backend, _device_for(device, rank))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
