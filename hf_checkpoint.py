@@ -139,7 +139,8 @@ def _agree(missing: list, wrong: list, folder, unmade=()):
                          f"which no checkpoint holds, and they were built on meta (no values): build the model "
                          f"under placement.meta_parameters(), which keeps them as its code computes them")
     if missing:
-        raise KeyError(f"load_hf_checkpoint: {folder} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise KeyError(f"load_hf_checkpoint: {folder} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                       f"{' (a head tied to the embedding, which save_pretrained leaves out: pass pieces=model_layout(model))' if any(n.endswith('lm_head.weight') for n in missing) else ''}")
     if wrong:
         raise ValueError(f"load_hf_checkpoint: shapes differ from the model's: {wrong[:5]}"
                          f"{' ...' if len(wrong) > 5 else ''}")
