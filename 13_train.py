@@ -50,30 +50,8 @@ import time
 from pathlib import Path
 
 
-# ---- what is refused before torch loads (stdlib only: a refusal takes a second, not ten) ----
-def text_problem(data: Path) -> str | None:
-    """Why ``data`` is not a UTF-8 text to train on, or None: read at its start and at 15
-    places spread over it (a gigabyte costs 16 MiB of reads): a NUL byte (a binary file: a
-    safetensors file, an archive) or bytes that are not UTF-8, with where and what."""
-    size, chunk = data.stat().st_size, 1 << 20
-    if size == 0:
-        return "the file is empty"
-    with open(data, "rb") as f:
-        for at in sorted({0, *(size * k // 16 for k in range(1, 16))}):
-            f.seek(at)
-            raw = f.read(chunk)
-            if b"\0" in raw:
-                return (f"a binary file, not text (a NUL byte at offset {at + raw.index(0):,}; it starts "
-                        f"{raw[:8]!r}): give a text file")
-            if at:   # (a place inside a character: from the next one on)
-                raw = raw[next((i for i, b in enumerate(raw[:4]) if b & 0xC0 != 0x80), 0):]
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                if e.start < len(raw) - 3:   # (not a character the chunk's end cut)
-                    return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {at + e.start:,}): give a "
-                            f"UTF-8 text file (iconv -t UTF-8 converts one)")
-    return None
+# ---- what is refused before torch loads (no torch: a refusal takes a second, not ten) ----
+import corpus  # noqa: E402   (numpy and the standard library: the data, at any size; docs/13)
 
 
 def missing_libraries() -> str | None:
@@ -88,18 +66,21 @@ def missing_libraries() -> str | None:
 
 def early_check(argv):
     """The checks that need no torch, as ``python 13_train.py ARGV`` starts: the libraries,
-    and a --data that is missing, binary or not UTF-8. One line, exit 2."""
+    and --data (corpus.check_sources: a missing path, a binary or non-UTF-8 text, a record
+    without the text field, a weight that does not parse). One line, exit 2."""
     p = argparse.ArgumentParser(prog="13_train.py", add_help=False, allow_abbrev=False)
-    p.add_argument("--data")
+    p.add_argument("--data", action="append")
     p.add_argument("--model")
+    p.add_argument("--text-field", default="text")
     known, _ = p.parse_known_args(argv)
     if "-h" in argv or "--help" in argv or "--setup-memory" in argv or "--hf-checkpoint" in argv:
         return
     problem = missing_libraries() if known.model or known.data else None
     if known.data and not problem:
-        data = Path(known.data)
-        why = "no such file" if not data.is_file() else text_problem(data)
-        problem = why and f"--data {data}: {why}"
+        try:
+            corpus.check_sources(corpus.parse_sources(known.data, known.text_field))
+        except corpus.CorpusError as e:
+            problem = str(e)
     if problem:
         print(f"13_train.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -175,72 +156,13 @@ def write_tiny_model(folder: Path, text: str, context: int, seed: int = 0, tied:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
-# ---- the text: tokenized once, packed, held out, each step's batch ---------------------
-def token_file(data: Path, model: Path) -> Path:
-    """Where the tokens of ``data`` by ``model``'s tokenizer are kept: beside the text (never
-    inside the model's folder: then in a 13_tokens folder beside it), named by the
-    tokenizer's hash and the text's size and time (a change makes a new one)."""
-    h = hashlib.sha256()
-    for name in tokenizer_files(model):
-        h.update(name.encode() + (model / name).read_bytes())
-    st = data.stat()
-    h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    name = f"{data.name}.tokens-{h.hexdigest()[:12]}.pt"
-    model = model.resolve()
-    inside = model == data.resolve().parent or model in data.resolve().parents
-    return model.parent / "13_tokens" / name if inside else data.with_name(name)
-
-
-def tokenize(data: Path, model: Path) -> tuple:
-    """The text's token ids (int32), from the cache (token_file) or tokenized now. Returns
-    (tokens, where they are kept, whether they were found there); check() keeps them there
-    once the text is found long enough."""
-    path = token_file(data, model)
-    if path.exists():
-        return torch.load(path), path, True
-    import transformers
-    tok = transformers.AutoTokenizer.from_pretrained(model)
-    text = data.read_text(encoding="utf-8", errors="replace")
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    tokens = torch.tensor(ids, dtype=torch.int32)
-    return tokens, path, False
-
-
-def _saved(path: Path, tensor) -> bool:
-    """torch.save to ``path`` atomically (result_files.atomic_write); False where the
-    folder does not take it (read-only, full)."""
-    try:
-        result_files.atomic_write(path, lambda f: torch.save(tensor, f))
-        return True
-    except OSError:
-        return False
-
-
-class Packed:
-    """The tokens cut into sequences of ``context`` + 1 (inputs and their next tokens), the
-    last ``held`` held out for evaluation; step i's global batch of ``batch`` sequences:
-    the epochs' permutations (seeded by ``seed`` and the epoch) laid end to end, so it
-    depends on i alone."""
-
-    def __init__(self, tokens, context: int, batch: int, seed: int, held: int):
-        n = (tokens.numel() - 1) // context
-        self.seqs = tokens[:n * context + 1].unfold(0, context + 1, context).long()   # (overlapping by one token)
-        self.context, self.batch, self.seed = context, batch, seed
-        self.train_n, self.held = n - held, held
-
-    def batch_of(self, step: int):
-        first = step * self.batch
-        ids = []
-        while len(ids) < self.batch:
-            epoch, at = divmod(first + len(ids), self.train_n)
-            perm = torch.randperm(self.train_n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
-            ids += perm[at:at + self.batch - len(ids)].tolist()
-        s = self.seqs[ids]
-        return s[:, :-1], s[:, 1:]
-
-    def held_out(self, i: int):
-        s = self.seqs[self.train_n + i * self.batch:self.train_n + (i + 1) * self.batch]
-        return s[:, :-1], s[:, 1:]
+def data_cache(first: Path, model: Path, run_dir: Path) -> Path:
+    """Where the prepared corpus goes by default: a 13_data folder beside the first source
+    (a file's folder, a folder's parent), unless that is inside the model's folder or cannot
+    be written: then beside --run-dir."""
+    home = first.parent
+    inside = model.resolve() == home.resolve() or model.resolve() in home.resolve().parents
+    return run_dir.parent / "13_data" if inside or not os.access(home, os.W_OK) else home / "13_data"
 
 
 def lr_at(step: int, args) -> float:
@@ -307,6 +229,12 @@ class OnMesh:
         self.replicas = D * F_
         self.replica = mesh.coord("dp") * F_ + mesh.coord("fsdp")
 
+    def rows(self, batch: int) -> range:
+        """This rank's rows of a global batch of ``batch`` (its data replica's): the reader
+        reads these and no others."""
+        n = batch // self.replicas
+        return range(self.replica * n, (self.replica + 1) * n)
+
     def share(self, t):
         """This rank's share of a global batch (its data replica's)."""
         return common.shard(t, self.replica, self.replicas).clone()
@@ -337,11 +265,11 @@ class OnMesh:
                 (loss * scale).backward()
             return loss.detach()
 
-    def train_step(self, x, y, accumulate: int) -> torch.Tensor:
+    def train_step(self, x, y, accumulate: int, shared: bool = False) -> torch.Tensor:
         """Backward of this rank's share (in ``accumulate`` parts, synchronized once, or the
         pipeline's micro-batches), gradients synchronized; the share's loss (None off the
-        pipeline's last stage)."""
-        x, y = self.share(x), self.share(y)
+        pipeline's last stage). ``shared``: x and y are this rank's rows already."""
+        x, y = (x, y) if shared else (self.share(x), self.share(y))
         if self.pipe is not None:
             within, extra = self.context(x, y)
             with within, self.autocast():
@@ -365,8 +293,8 @@ class OnMesh:
         return loss
 
     @torch.no_grad()
-    def eval_loss(self, x, y):
-        x, y = self.share(x), self.share(y)
+    def eval_loss(self, x, y, shared: bool = False):
+        x, y = (x, y) if shared else (self.share(x), self.share(y))
         if self.pipe is not None:
             within, extra = self.context(x, y)
             with within, self.autocast():
@@ -465,7 +393,7 @@ def verify(ctx, args, sizes):
     why = check_room(ctx, args)
     if why:
         return {"skipped": why}
-    data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
+    data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     import transformers
     ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
@@ -501,7 +429,7 @@ def train(ctx, args, sizes):
     folder's weights) to --steps; a line every --log-every steps, the eval loss every
     --eval-every, a checkpoint every --checkpoint-every; at the end the Hugging Face folder.
     Returns the summary on the first rank."""
-    data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
+    data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     config = run.model.config
     opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -520,8 +448,9 @@ def train(ctx, args, sizes):
     tokens_per_step = args.batch_size * args.context_length
     peak = nd.peak_flops(ctx.device)
     def evaluate():
-        losses = [run.mean_over_mesh(run.eval_loss(*(t.to(ctx.device) for t in data.held_out(k))))
-                  for k in range(args.held // args.batch_size)]
+        rows = run.rows(args.batch_size)   # (this rank's rows only: the reader reads no others)
+        losses = [run.mean_over_mesh(run.eval_loss(*(t.to(ctx.device) for t in data.held_out(k, rows)), shared=True))
+                  for k in range(args.eval_batches)]
         return sum(losses) / len(losses)
     if start == 0:   # where the eval loss starts from
         history.append({"step": 0, "eval": evaluate()})
@@ -534,9 +463,9 @@ def train(ctx, args, sizes):
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        x, y = (t.to(ctx.device) for t in data.batch_of(i))
+        x, y = (t.to(ctx.device) for t in data.batch_of(i, run.rows(args.batch_size)))
         t0 = time.perf_counter()
-        loss = run.mean_over_mesh(run.train_step(x, y, args.accumulate))
+        loss = run.mean_over_mesh(run.train_step(x, y, args.accumulate, shared=True))
         norm = placement.clip_grad_norm_(run.stage, args.clip).item()
         opt.step()
         common.sync(ctx.device)
@@ -672,7 +601,7 @@ def bench_steps(ctx, args, sizes, folder):
     a rank]}}."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    data = Packed(torch.load(args.tokens), args.context_length, args.batch_size, args.seed, args.held)
+    data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     plan = bench_plan(args, sizes, folder)
     built, peaks = {}, {}
     for m in ("ours", "torch"):   # each built and stepped three times under 07's StepPeak: the third's peak
@@ -1116,7 +1045,17 @@ def parser():
     p = common.KitParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", default=None, help="a Hugging Face model folder (config, safetensors weights, tokenizer); "
                                                  "default: a tiny Llama-style model written in --run-dir's parent")
-    p.add_argument("--data", default=None, help="a text file (default: Python's own help text, written beside the model)")
+    p.add_argument("--data", action="append", default=None, metavar="PATH[:WEIGHT]",
+                   help="the corpus, again for each source mixed in by weight: a text file or a folder of them, JSON "
+                        "lines or Parquet (their --text-field), a folder datasets' save_to_disk wrote (default: "
+                        "Python's own help text, written beside the model)")
+    p.add_argument("--text-field", default="text", help="the field (column) holding the text in JSON lines, Parquet, "
+                                                        "a datasets folder")
+    p.add_argument("--data-cache", default=None, help="where the prepared token shards go (default: a 13_data folder "
+                                                      "beside the first --data, or beside --run-dir where that is the "
+                                                      "model's folder or cannot be written)")
+    p.add_argument("--eval-batches", type=common.COUNT, default=8,
+                   help="held-out batches each evaluation averages (the same ones every time)")
     for axis in AXES:
         p.add_argument(f"--{axis}", type=common.COUNT, default=None if axis == "fsdp" else 1,
                        help="the mesh's fsdp size (default: the ranks the other axes leave: --world-size, or 2 GPUs "
@@ -1262,7 +1201,7 @@ def check(args):
                 result_files.atomic_write(data, lambda f: f.write(text.encode()))
             if not (home / "config.json").exists():   # (torchrun's ranks may race: one folder stays)
                 written_aside(home, lambda tmp: write_tiny_model(tmp, text, args.context_length, args.seed))
-        args.data = args.data or str(data)
+        args.data = args.data or [str(data)]
     model = Path(args.model)
     if missing_libraries():
         raise common.UsageError(missing_libraries())
@@ -1273,29 +1212,27 @@ def check(args):
     if not any(n.startswith("tokenizer") for n in os.listdir(model)):
         raise common.UsageError(f"--model {model}: no tokenizer there (tokenizer.json and its config)")
     if args.data is None:
-        raise common.UsageError("--data: the text file to train on (with --model)")
-    data = Path(args.data)
-    if not data.is_file():
-        raise common.UsageError(f"--data {data}: no such file")
-    if text_problem(data):
-        raise common.UsageError(f"--data {data}: {text_problem(data)}")
+        raise common.UsageError("--data: the text to train on (with --model)")
+    try:
+        sources = corpus.parse_sources(args.data, args.text_field)
+        corpus.check_sources(sources)
+    except corpus.CorpusError as e:
+        raise common.UsageError(str(e)) from None
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     args.n_params = sum(p.numel() for p in build_on_meta(model).parameters())   # (meta: no memory)
-    tokens, path, cached = tokenize(data, model)
-    seqs = max(0, (tokens.numel() - 1) // args.context_length)
-    args.held = max(args.batch_size, (seqs // 20) // args.batch_size * args.batch_size)   # ~5 %, whole batches
-    if seqs - args.held < args.batch_size:   # (refused before its token file is written)
-        raise common.UsageError(f"--data {data}: {tokens.numel():,} tokens make {seqs} sequences of "
-                                f"{args.context_length}; a batch of {args.batch_size} and its held-out batch need "
-                                f"{2 * args.batch_size}: give a longer text, or a smaller --batch-size or "
-                                f"--context-length")
-    args.tokens = str(path)
-    if not cached and not (path.parent.mkdir(exist_ok=True) or _saved(path, tokens)):
-        run_dir.mkdir(parents=True, exist_ok=True)   # (the text's folder does not take it: the run's own copy)
-        args.tokens = str(run_dir / path.name)
-        if not _saved(Path(args.tokens), tokens):
-            raise common.UsageError(f"--run-dir {run_dir}: cannot write the token file there")
+    cache = Path(args.data_cache) if args.data_cache else data_cache(Path(sources[0]["path"]), model, run_dir)
+    say = (lambda line: print(line, flush=True)) if common.is_reporter() else (lambda line: None)
+    try:   # (every core, once; under torchrun every rank asks, one prepares, the others wait for it)
+        args.corpus = corpus.prepare(sources, str(model), str(cache), say=say)
+        reader = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
+    except (corpus.CorpusError, OSError) as e:
+        raise common.UsageError(str(e)) from None
+    try:
+        reader.check()
+    except corpus.CorpusError as e:   # a corpus too small to train on leaves nothing behind
+        corpus.remove(args.corpus)
+        raise common.UsageError(str(e)) from None
     args.fingerprint = hashlib.sha256(json.dumps({k: v for k, v in config.items() if k != "transformers_version"},
                                                  sort_keys=True).encode()).hexdigest()[:16]
     ckpts = run_dir / "checkpoints"
@@ -1310,7 +1247,7 @@ def check(args):
         if meta["step"] >= args.steps:   # (the folder and the table are still made, from the checkpoint)
             args.resume_from += (f": --steps {args.steps} already reached, nothing left to train (give more --steps, "
                                  f"or another --run-dir to start again)")
-    return sizes, tokens.numel(), seqs
+    return sizes, reader
 
 
 def check_mesh_fits(config: dict, sizes: dict, args):
@@ -1358,11 +1295,12 @@ def main(argv=None):
     if "--setup-memory" in given or "--hf-checkpoint" in given:
         return measure(given)
     args = parser().parse_args(argv)
-    sizes, n_tokens, seqs = check(args)
+    sizes, reader = check(args)
     if common.is_reporter():
+        train_n, held_n = (sum(s[k] for s in reader.sources) for k in ("train", "held"))
         print(f"{args.model} on {mesh_label(sizes, args.ep)} ({args.world_size} x {args.backend}/{args.device}): "
-              f"{args.data}, {n_tokens:,} tokens, {seqs - args.held} sequences of {args.context_length} to train on, "
-              f"{args.held} held out", flush=True)
+              f"{', '.join(args.data)}: {reader.tokens:,} tokens, {train_n:,} to train on, {held_n:,} held out "
+              f"({args.eval_batches} evaluation batches of {args.batch_size} x {args.context_length})", flush=True)
     if common.is_reporter() and getattr(args, "resume_from", None):
         print(args.resume_from, flush=True)
     if args.bench:

@@ -25,6 +25,8 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("m13")
     text = train.pydoc_text()[:150_000]
     (root / "text.txt").write_text(text)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in text[:60_000].split("\n\n")
+                                             if d.strip()))   # the text's paragraphs as documents
     train.write_tiny_model(root / "model", text, 64)
     train.write_tiny_model(root / "tied", text, 64, tied=True)
     return root
@@ -79,20 +81,21 @@ def test_pipeline_and_tp_run_checks_trains_evaluates_and_saves_a_folder_transfor
                                       "or another --run-dir to start again)"), again.resume_from
     summary = json.loads((tmp_path / "13_train.json").read_text())
     assert summary["rows"][0]["mesh"] == "pp 2 x tp 2" and summary["rows"][0]["steps"] == 6
-    cached = [f for f in os.listdir(tiny) if f.startswith("text.txt.tokens-")]
-    assert len(cached) == 1   # tokenized once, beside the text
+    cached = os.listdir(tiny / "13_data")
+    assert len(cached) == 1 and cached[0].startswith("text.txt-")   # prepared once, beside the text
 
 
 def test_a_run_killed_by_kill_9_resumes_to_the_weights_of_one_never_killed(tiny, tmp_path):
     """cp 2 (each rank half of every sequence): rank 1 kills itself (SIGKILL) at step 5,
     after the checkpoint of step 3; the same command again resumes from step 3, now under
     torchrun with one restart and a checkpoint every step written in the background, and
-    rank 1 kills itself again at step 6 of that first attempt; torchrun restarts both, they
+    rank 1 kills itself again at step 6 of that first attempt (the corpus a mixture, 0.7 of
+    the text and 0.3 of JSON lines); torchrun restarts both, they
     resume from the newest published checkpoint (step 4 or 5: a save waits for the one
     before it) and end with the sha256 of a run never killed (the batches of step i depend
     on i alone; the optimizer's state and each rank's RNG come back with the weights)."""
-    args = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--cp", "2", *SHORT, "--no-verify",
-            "--out", str(tmp_path)]
+    args = ["--model", str(tiny / "model"), "--data", f"{tiny / 'text.txt'}:0.7", "--data", f"{tiny / 'docs.jsonl'}:0.3",
+            "--cp", "2", *SHORT, "--no-verify", "--out", str(tmp_path)]   # (a mixture of a text and JSON lines)
     whole = run_inline("13_train.py", *args, "--run-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = run_inline("13_train.py", *args, "--run-dir", str(tmp_path / "killed"), "--fault-at", "4:1")
@@ -158,8 +161,8 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
     assert "no weights there" in refused("13_train.py", "--model", str(bare), "--data", text)
     short = tmp_path / "short.txt"
     short.write_text("def f(x):\n    return x\n" * 20)
-    assert "a batch of 16 and its held-out batch need 32" in refused("13_train.py", "--model", model, "--data",
-                                                                     str(short))
+    assert "a sequence needs 129 of each: give a longer text" in refused("13_train.py", "--model", model, "--data",
+                                                                        str(short))
     binary, latin, blank = tmp_path / "weights.bin", tmp_path / "latin.txt", tmp_path / "blank.txt"
     binary.write_bytes(b"\x00\x01" * 100)
     latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 50)
@@ -168,17 +171,15 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
                                                                         str(binary))
     assert "not UTF-8 text (byte 0xe9 at offset 3)" in refused("13_train.py", "--model", model, "--data", str(latin))
     assert "the file is empty" in refused("13_train.py", "--model", model, "--data", str(blank))
-    assert not list(tmp_path.glob("*.tokens-*"))   # no refused text leaves its token file behind
+    assert not (tmp_path / "13_data").exists()   # no refused text leaves its tokens behind
     p = run_script("-X", "importtime", "13_train.py", "--model", model, "--data", str(binary))   # as typed: before
     assert p.returncode == 2 and p.stderr.splitlines()[-1].startswith("13_train.py: error: --data ")  # torch loads
     assert not [line for line in p.stderr.splitlines() if line.rstrip().endswith("| torch")], p.stderr[-2000:]
-    train = load("13_train")   # a text inside the model's folder: its tokens kept beside the folder, not in it
+    train = load("13_train")   # a text inside the model's folder: its tokens kept beside --run-dir, not in it
     inside = tmp_path / "folder"
     inside.mkdir()
-    for f in os.listdir(tiny / "model"):
-        shutil.copy(tiny / "model" / f, inside / f)
-    (inside / "notes.txt").write_text("a text kept with the model")
-    assert train.token_file(inside / "notes.txt", inside).parent == tmp_path / "13_tokens"
+    assert train.data_cache(inside / "notes.txt", inside, tmp_path / "runs" / "run") == tmp_path / "runs" / "13_data"
+    assert train.data_cache(tmp_path / "notes.txt", inside, tmp_path / "runs" / "run") == tmp_path / "13_data"
     assert "--tp 3 does not divide the model's 4 attention heads" in refused("13_train.py", "--model", model, "--data",
                                                                              text, "--tp", "3")
     assert "--pp 8 x --chunks 1 stages for the model's 4 layers" in refused("13_train.py", "--model", model, "--data",

@@ -1,0 +1,524 @@
+"""The corpus people train on, at any size the disk holds: prepared once into memory-mapped
+token shards, read a batch's rows at a time.
+
+    sources = parse_sources(["books/:0.7", "web.jsonl:0.3"])        # --data PATH[:WEIGHT] ...
+    index = prepare(sources, "models/qwen", "runs/13_data", text_field="text")   # every core; resumable
+    data = Reader(index, context=2048, batch=16, seed=0)
+    x, y = data.batch_of(step)                  # step's global batch: depends on (seed, step) alone
+    x, y = data.batch_of(step, rows=range(4, 8))   # a data rank's rows only: it reads nothing else
+    x, y = data.held_out(k)                     # the k-th of the fixed evaluation batches
+
+Inputs (each a file or a folder of them): text (.txt, .md, .rst, .py, ... any UTF-8 file: each
+file a document), JSON lines (.jsonl, .json: each line's ``text_field`` a document), Parquet
+(.parquet: each row's ``text_field``), and a folder ``datasets``' save_to_disk wrote (its arrow
+files: each row's ``text_field``); several mixed by weight. Documents are kept apart by the
+tokenizer's end-of-text token after each.
+
+Preparation (prepare): the sources are cut into work units of about UNIT_BYTES (a text or
+JSON-lines file at line ends, a Parquet file by row groups, an arrow file whole), tokenized by
+a pool of processes (one a core, each its tokenizer's batch encoding), each unit written as
+one memory-mappable shard (uint16 where the vocabulary fits, else uint32) by atomic rename,
+with its size and a digest in a sidecar; the index (index.json) last. A killed preparation
+continues where it stopped (the units done are kept); two preparations of the same corpus
+never run at once (a lock file: the second waits, then finds it done). Memory stays bounded
+whatever the corpus: a process holds one unit. The folder is named by the tokenizer's files
+and the sources (paths, sizes, times) and the text field.
+
+Reading (Reader): each source's tokens are its shards end to end; its last HELD_FRACTION is
+held out, cut at a document's end (whole documents; a source with no document ends inside
+it is cut there). Step i's global batch: ``batch`` sequences of context + 1 tokens, each from
+a source drawn by weight and a start drawn uniformly in its training tokens, by a generator
+seeded with (seed, i): O(batch) per step whatever the corpus, the same after a resume and on
+any number of data ranks (each reads only its rows). The evaluation batches are drawn alike
+from the held-out tokens, seeded with (seed, k): the same every time.
+"""
+import contextlib
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import numpy as np
+
+UNIT_BYTES = 8 << 20       # a work unit's text: a process holds one (and its tokens)
+HELD_FRACTION = 0.05       # each source's tail, whole documents, held out for evaluation
+VERSION = 1                # of the folder's layout: a new one prepares anew
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".tex",
+                 ".html", ".csv", ".tsv", ".xml", ".yaml", ".yml", ".toml", ".ini", ".cfg")
+KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+class CorpusError(ValueError):
+    """Bad input: one line saying what is wrong and what to do."""
+
+
+# ---- the sources ------------------------------------------------------------------------
+def parse_sources(specs, text_field="text") -> list:
+    """``--data PATH[:WEIGHT]`` values -> [{"path", "weight", "files": [(kind, path)], "field"}].
+    A folder takes the files under it (sorted; hidden ones and token caches aside) of the
+    kinds above, or the arrow files of a ``datasets`` folder (dataset_info.json or
+    state.json beside them). CorpusError: a missing path, a folder with nothing readable, a
+    weight that is not a positive number, weights that sum to nothing."""
+    out = []
+    for spec in specs:
+        path, weight = spec, 1.0
+        head, sep, tail = spec.rpartition(":")
+        if sep and head and not Path(spec).exists():
+            try:
+                path, weight = head, float(tail)
+            except ValueError:
+                raise CorpusError(f"--data {spec}: the weight after ':' must be a number ({tail!r})") from None
+            if not (weight > 0 and weight < float("inf")):
+                raise CorpusError(f"--data {spec}: a weight must be a positive number")
+        p = Path(path)
+        if not p.exists():
+            raise CorpusError(f"--data {path}: no such file or folder")
+        files = _files_of(p)
+        if not files:
+            raise CorpusError(f"--data {path}: a folder with no file to read (text, .jsonl, .parquet, or a "
+                              f"datasets folder's .arrow files)")
+        out.append({"path": str(p.resolve()), "weight": weight, "files": files, "field": text_field})
+    if not out:
+        raise CorpusError("--data: give a text file, a folder of them, JSON lines, Parquet or a datasets folder")
+    return out
+
+
+def _files_of(p: Path) -> list:
+    if p.is_file():
+        return [(KINDS.get(p.suffix.lower(), "text"), str(p.resolve()))]
+    if (p / "dataset_info.json").exists() or (p / "state.json").exists():   # datasets' save_to_disk
+        return [("arrow", str(f.resolve())) for f in sorted(p.glob("*.arrow"))]
+    found = []
+    for root, dirs, names in os.walk(p):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for n in sorted(names):
+            f = Path(root) / n
+            kind = KINDS.get(f.suffix.lower()) or ("text" if f.suffix.lower() in TEXT_SUFFIXES else None)
+            if kind and not n.startswith(".") and ".tokens-" not in n:
+                found.append((kind, str(f.resolve())))
+    return found
+
+
+def text_problem(path: str) -> str | None:
+    """Why a text or JSON-lines file cannot be read as UTF-8 text, or None: looked at, at its
+    start and at 15 places spread over it (a gigabyte costs 16 MiB of reads), for a NUL byte
+    (a binary file) or bytes that are not UTF-8, with where and what."""
+    size, chunk = os.path.getsize(path), 1 << 20
+    if size == 0:
+        return "the file is empty"
+    with open(path, "rb") as f:
+        for at in sorted({0, *(size * k // 16 for k in range(1, 16))}):
+            f.seek(at)
+            raw = f.read(chunk)
+            if b"\0" in raw:
+                return (f"a binary file, not text (a NUL byte at offset {at + raw.index(0):,}; it starts "
+                        f"{raw[:8]!r}): give a text file")
+            if at:   # (a place inside a character: from the next one on)
+                raw = raw[next((i for i, b in enumerate(raw[:4]) if b & 0xC0 != 0x80), 0):]
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.start < len(raw) - 3:   # (not a character the chunk's end cut)
+                    return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {at + e.start:,}): give a "
+                            f"UTF-8 text file (iconv -t UTF-8 converts one)")
+    return None
+
+
+def check_sources(sources) -> None:
+    """What can be checked without reading a corpus whole: every text and JSON-lines file
+    UTF-8 (text_problem), a JSON-lines, Parquet or arrow file's first record has the text
+    field. CorpusError naming the file."""
+    for s in sources:
+        for kind, f in s["files"]:
+            if kind in ("text", "jsonl"):
+                why = text_problem(f)
+                if why and not (why == "the file is empty" and len(s["files"]) > 1):
+                    raise CorpusError(f"--data {f}: {why}")
+            if kind == "jsonl" and os.path.getsize(f):
+                with open(f, "rb") as fh:
+                    first = fh.readline()
+                try:
+                    record = json.loads(first)
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"--data {f}: line 1 is not JSON ({e.msg}): JSON lines hold one object a "
+                                      f"line") from None
+                if not isinstance(record, dict) or not isinstance(record.get(s["field"]), str):
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise CorpusError(f"--data {f}: line 1 has no text field {s['field']!r} (it has {keys}): give "
+                                      f"--text-field")
+            if kind in ("parquet", "arrow"):
+                names = _columns(kind, f)
+                if s["field"] not in names:
+                    raise CorpusError(f"--data {f}: no column {s['field']!r} (it has {names}): give --text-field")
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+        return pyarrow
+    except ImportError:
+        raise CorpusError("reading Parquet or a datasets folder needs pyarrow: pip install pyarrow") from None
+
+
+def _columns(kind, f) -> list:
+    pa = _pyarrow()
+    if kind == "parquet":
+        return list(pa.parquet.ParquetFile(f).schema_arrow.names)
+    with pa.memory_map(f) as m:
+        return list(pa.ipc.open_stream(m).schema.names)
+
+
+# ---- preparation --------------------------------------------------------------------------
+def _units(sources) -> list:
+    """The work units: (source, file's kind, file, where: (start, stop) bytes of a text or
+    JSON-lines file cut at line ends, a Parquet row group's index, None for an arrow file
+    whole, last: whether the unit ends its file (a text file's document ends there))."""
+    units = []
+    for si, s in enumerate(sources):
+        for kind, f in s["files"]:
+            if kind in ("text", "jsonl"):
+                size = os.path.getsize(f)
+                cuts = [0]
+                with open(f, "rb") as fh:
+                    while cuts[-1] + UNIT_BYTES < size:
+                        fh.seek(cuts[-1] + UNIT_BYTES)
+                        fh.readline()   # to the end of the line it lands in
+                        cuts.append(min(fh.tell(), size))
+                cuts.append(size)
+                cuts = sorted(set(cuts))
+                units += [(si, kind, f, (a, b), b == size) for a, b in zip(cuts, cuts[1:])]
+            elif kind == "parquet":
+                n = _pyarrow().parquet.ParquetFile(f).num_row_groups
+                units += [(si, kind, f, g, g == n - 1) for g in range(n)]
+            else:
+                units.append((si, kind, f, None, True))
+    return units
+
+
+def _documents(unit, field) -> list:
+    """The documents of a unit (a text file's part is one, closed only where the file ends)."""
+    _, kind, f, where, _ = unit
+    if kind in ("text", "jsonl"):
+        with open(f, "rb") as fh:
+            fh.seek(where[0])
+            raw = fh.read(where[1] - where[0])
+        if kind == "text":
+            return [raw.decode("utf-8", errors="replace")]
+        docs = []
+        for n, line in enumerate(raw.splitlines()):
+            if line.strip():
+                try:
+                    docs.append(json.loads(line)[field])
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise CorpusError(f"--data {f}: a line after byte {where[0]:,} ({n + 1} into its unit) has no "
+                                      f"text field {field!r} ({type(e).__name__})") from None
+        return [d for d in docs if isinstance(d, str)]
+    pa = _pyarrow()
+    if kind == "parquet":
+        return [d for d in pa.parquet.ParquetFile(f).read_row_group(where, columns=[field]).column(0).to_pylist()
+                if isinstance(d, str)]
+    with pa.memory_map(f) as m:
+        return [d for d in pa.ipc.open_stream(m).read_all().column(field).to_pylist() if isinstance(d, str)]
+
+
+_tokenizer = None
+
+
+def _start_worker(model):
+    global _tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # (a process a core already)
+    import transformers
+    _tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+
+
+def _eos(tok) -> int:
+    eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+    if eos is None:
+        raise CorpusError("the tokenizer has no end-of-text token (eos_token) to keep documents apart")
+    return eos
+
+
+def _tokenize_unit(job):
+    """A worker's unit: its documents tokenized (the batch encoding), each closed by the end-
+    of-text token (a text file's only where the file ends), written as one shard by rename,
+    then its sidecar (size and digest). Returns (unit's name, tokens, bytes of text read)."""
+    unit, name, folder, dtype, field = job
+    docs = _documents(unit, field)
+    eos = _eos(_tokenizer)
+    ids = _tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []
+    out = _join(ids, eos, closes=unit[1] != "text" or unit[4]).astype(dtype)
+    path = Path(folder) / f"{name}.bin"
+    tmp = path.with_suffix(f".bin.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(out.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _atomic_json(path.with_suffix(".json"), {"tokens": int(out.size), "bytes": int(out.nbytes), "digest": _digest(path)})
+    return name, int(out.size), _unit_bytes(unit)
+
+
+def _n_groups(unit) -> int:
+    return _pyarrow().parquet.ParquetFile(unit[2]).num_row_groups if unit[1] == "parquet" else 1
+
+
+def _join(ids, eos, closes) -> np.ndarray:
+    """Documents' tokens end to end, each followed by ``eos`` (the last only if ``closes``)."""
+    parts = []
+    for k, doc in enumerate(ids):
+        parts.append(np.asarray(doc, dtype=np.int64))
+        if closes or k < len(ids) - 1:
+            parts.append(np.asarray([eos], dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _digest(path) -> str:
+    """A shard's size and the sha256 of its first and last MiB: what a truncated or
+    overwritten shard fails (cheap at any size)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 1 << 20:
+            f.seek(max(1 << 20, size - (1 << 20)))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _atomic_json(path, obj):
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _unit_ok(folder, name) -> bool:
+    """A unit prepared before, whole: its shard's size and digest as its sidecar says."""
+    shard, side = Path(folder) / f"{name}.bin", Path(folder) / f"{name}.json"
+    try:
+        meta = json.loads(side.read_text())
+        return os.path.getsize(shard) == meta["bytes"] and _digest(shard) == meta["digest"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def corpus_folder(sources, model, cache) -> Path:
+    """Where ``sources`` tokenized by ``model``'s tokenizer are kept: ``cache``/a name from the
+    tokenizer's files, the sources (paths, weights aside; each file's size and time) and the
+    text field."""
+    h = hashlib.sha256(f"v{VERSION}".encode())
+    for n in sorted(os.listdir(model)):
+        if n.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            h.update(n.encode() + (Path(model) / n).read_bytes())
+    for s in sources:
+        h.update(s["field"].encode())
+        for kind, f in s["files"]:
+            st = os.stat(f)
+            h.update(f"{kind}:{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    stem = Path(sources[0]["path"]).name + (f"+{len(sources) - 1}" if len(sources) > 1 else "")
+    return Path(cache) / f"{stem}-{h.hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _locked(folder, say):
+    """The folder's lock, held while preparing: a second preparation of the same corpus waits
+    here (saying so), then finds the index written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another preparation of {folder} to finish")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare(sources, model, cache, processes=None, say=print, every=2.0) -> str:
+    """Tokenize ``sources`` (parse_sources') with ``model``'s tokenizer into memory-mapped
+    shards under ``cache`` once (every core; resumable; one preparation at a time), and
+    return the index's path. A unit prepared before is kept when its shard checks out (size
+    and digest), and prepared again when it does not. ``say``: where progress goes (MB of
+    text done, MB/s, time left, every ``every`` seconds)."""
+    folder = corpus_folder(sources, model, cache)
+    index = folder / "index.json"
+    if index.exists() and _index_ok(index):
+        return str(index)
+    with _locked(folder, say):
+        if index.exists() and _index_ok(index):   # (prepared meanwhile by the one we waited for)
+            return str(index)
+        import transformers
+        tok = transformers.AutoTokenizer.from_pretrained(model)
+        eos, vocab = _eos(tok), len(tok)
+        dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+        units = _units(sources)
+        names = [f"{u[0]:03d}-{k:06d}" for k, u in enumerate(units)]
+        todo = [(u, n, str(folder), dtype, sources[u[0]]["field"]) for u, n in zip(units, names)
+                if not _unit_ok(folder, n)]
+        total = sum(_unit_bytes(u) for u, *_ in todo)
+        kept = len(units) - len(todo)
+        head = (f"preparing {len(units)} units of text ({total / 1e6:,.1f} MB to tokenize"
+                f"{f'; {kept} prepared before, kept' if kept else ''}) into {folder}")
+        began, done, last, said = time.perf_counter(), 0, time.perf_counter(), False   # (a quick one says nothing)
+        n = processes or os.cpu_count() or 1
+        ctx = multiprocessing.get_context("forkserver" if sys.platform != "darwin" else "spawn")
+        order = sorted(todo, key=lambda j: -_unit_bytes(j[0]))   # (the largest first: the pool ends together)
+        with contextlib.ExitStack() as stack:
+            if n > 1 and len(todo) > 1:   # (an executor, not a Pool: a worker that dies ends it with an error;
+                pool = stack.enter_context(   # a Pool would start another, and another, and wait forever)
+                    ProcessPoolExecutor(min(n, len(todo)), mp_context=ctx, initializer=_start_worker, initargs=(model,)))
+                results = (f.result() for f in as_completed([pool.submit(_tokenize_unit, job) for job in order]))
+            else:   # one unit, or one core: here (a pool's processes would cost more than they save)
+                _start_worker(model)
+                results = map(_tokenize_unit, order)
+            for _, _, read in results:
+                done += read
+                now = time.perf_counter()
+                if now - last >= every or (said and done >= total):
+                    if not said:
+                        say(head)
+                    rate = done / max(now - began, 1e-9)
+                    say(f"  {done / 1e6:,.1f} / {total / 1e6:,.1f} MB, {rate / 1e6:,.2f} MB/s, "
+                        f"{(total - done) / max(rate, 1e-9):,.0f} s left")
+                    last, said = now, True
+        per = [{"unit": n, "source": u[0], "tokens": json.loads((folder / f"{n}.json").read_text())["tokens"]}
+               for u, n in zip(units, names)]
+        _atomic_json(index, {"version": VERSION, "dtype": np.dtype(dtype).name, "eos": eos, "vocab": vocab,
+                             "sources": [{k: s[k] for k in ("path", "weight", "field")} for s in sources],
+                             "units": per})
+        if said:
+            say(f"prepared {sum(p['tokens'] for p in per):,} tokens in {time.perf_counter() - began:,.1f} s")
+    return str(index)
+
+
+def remove(index) -> None:
+    """A prepared corpus's folder gone (one refused as too small), and its cache folder with
+    it where nothing else is left there."""
+    import shutil
+    folder = Path(index).parent
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()
+
+
+def _unit_bytes(unit) -> int:
+    where = unit[3]
+    return where[1] - where[0] if isinstance(where, tuple) else os.path.getsize(unit[2]) // _n_groups(unit)
+
+
+def _index_ok(index) -> bool:
+    try:
+        meta = json.loads(Path(index).read_text())
+        return meta.get("version") == VERSION and all(_unit_ok(Path(index).parent, u["unit"]) for u in meta["units"])
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+# ---- reading -------------------------------------------------------------------------------
+class Reader:
+    """The prepared corpus (``index``: prepare's) as step i's global batch of ``batch``
+    sequences of ``context`` + 1 tokens (inputs and next tokens): each sequence from a source
+    drawn by weight and a start drawn uniformly among its training tokens, by a generator
+    seeded with (seed, i). Each source's last HELD_FRACTION, cut at a document's end, is
+    held out: ``held_out(k)``, the k-th evaluation batch, drawn alike seeded with (seed, k).
+    Shards are memory-mapped; a batch reads its rows' tokens and nothing else (``read``
+    counts the bytes). ``weights``: replace the index's (a mixture changed at resume)."""
+
+    def __init__(self, index, context: int, batch: int, seed: int = 0, weights=None):
+        self.meta = json.loads(Path(index).read_text())
+        folder, self.context, self.batch, self.seed = Path(index).parent, context, batch, seed
+        self.dtype, self.read = np.dtype(self.meta["dtype"]), 0
+        eos = self.meta["eos"]
+        self.sources = []
+        for si, s in enumerate(self.meta["sources"]):
+            units = [u for u in self.meta["units"] if u["source"] == si and u["tokens"]]
+            maps = [np.memmap(folder / f"{u['unit']}.bin", dtype=self.dtype, mode="r") for u in units]
+            ends = np.cumsum([0] + [u["tokens"] for u in units])
+            n = int(ends[-1])
+            cut = self._held_cut(maps, ends, n, eos)
+            self.sources.append({"maps": maps, "ends": ends, "tokens": n, "train": cut, "held": n - cut,
+                                 "weight": (weights or [x["weight"] for x in self.meta["sources"]])[si]})
+        w = np.array([s["weight"] for s in self.sources], dtype=np.float64)
+        self.p = w / w.sum()
+
+    @staticmethod
+    def _held_cut(maps, ends, n, eos) -> int:
+        """Where a source's held-out tail begins: just after the first document end at or
+        after (1 - HELD_FRACTION) of its tokens (looked for in one shard at most), else there."""
+        at = int(n * (1 - HELD_FRACTION))
+        k = int(np.searchsorted(ends, at, side="right")) - 1
+        if k < len(maps):
+            tail = np.asarray(maps[k][at - int(ends[k]):])
+            hit = np.flatnonzero(tail == eos)
+            if hit.size and at + int(hit[0]) + 1 < n:
+                return at + int(hit[0]) + 1
+        return at
+
+    def check(self) -> None:
+        """CorpusError where a source cannot give a sequence to train on and one to evaluate,
+        or the corpus not one batch's tokens to train on."""
+        need = self.context + 1
+        for s, meta in zip(self.sources, self.meta["sources"]):
+            if s["train"] < need or s["held"] < need:
+                raise CorpusError(f"--data {meta['path']}: {s['tokens']:,} tokens, {s['train']:,} to train on and "
+                                  f"{s['held']:,} held out; a sequence needs {need} of each: give a longer text, "
+                                  f"or a smaller --context-length")
+        train = sum(s["train"] for s in self.sources)
+        if train < self.batch * need:
+            raise CorpusError(f"--data: {train:,} tokens to train on, fewer than one batch of {self.batch} sequences "
+                              f"of {need} ({self.batch * need:,}): give a longer text, or a smaller --batch-size or "
+                              f"--context-length")
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.sources)
+
+    def _tokens(self, s, start: int, n: int) -> np.ndarray:
+        """n tokens of source ``s`` from ``start`` (across its shards' seams)."""
+        out, ends = [], s["ends"]
+        k = int(np.searchsorted(ends, start, side="right")) - 1
+        while n > 0:
+            off = start - int(ends[k])
+            piece = s["maps"][k][off:off + n]
+            out.append(np.asarray(piece))
+            self.read += piece.nbytes
+            n -= len(piece)
+            start += len(piece)
+            k += 1
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def _draw(self, key, held: bool):
+        """(source, start) for each of the batch's rows, from a generator seeded with ``key``."""
+        rng = np.random.default_rng(key)
+        which = rng.choice(len(self.sources), size=self.batch, p=self.p)
+        u = rng.random(self.batch)
+        out = []
+        for si, x in zip(which, u):
+            s = self.sources[si]
+            lo, span = (s["train"], s["held"]) if held else (0, s["train"])
+            out.append((s, lo + int(x * (span - self.context))))
+        return out
+
+    def _rows(self, draws, rows):
+        import torch
+        rows = range(self.batch) if rows is None else rows
+        seq = np.stack([self._tokens(*draws[r], self.context + 1).astype(np.int64) for r in rows])
+        t = torch.from_numpy(seq)
+        return t[:, :-1], t[:, 1:]
+
+    def batch_of(self, step: int, rows=None):
+        """Step ``step``'s global batch (x, y), int64 [batch, context]; ``rows``: only those
+        rows (a data rank's), the others not read."""
+        return self._rows(self._draw([self.seed, 0, step], held=False), rows)
+
+    def held_out(self, k: int, rows=None):
+        """The k-th evaluation batch, from the held-out tokens (the same every time)."""
+        return self._rows(self._draw([self.seed, 1, k], held=True), rows)

@@ -1,0 +1,229 @@
+"""corpus.py: the corpus people have (text files and folders, JSON lines, Parquet, a datasets
+folder, several mixed by weight) prepared once into memory-mapped token shards and read a
+batch's rows at a time. Properties, not times: the tokens are the tokenizer's own with the
+documents kept apart, a batch depends on (seed, step) alone whatever the data ranks, a rank
+reads its rows and nothing more, held-out data is whole documents, a killed or damaged
+preparation is finished or redone and never trained on, two preparations never run at once."""
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import corpus
+from conftest import load
+
+DOCS = [f"document {i}: " + " ".join(f"word{(i * 7 + k) % 97}" for k in range(5 + i % 40)) for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tokenizer folder (13's tiny model writer: a byte-level BPE trained on the text)."""
+    folder = tmp_path_factory.mktemp("tok") / "model"
+    load("13_train").write_tiny_model(folder, "\n".join(DOCS), 64)
+    return str(folder)
+
+
+def tokenizer(model):
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(model)
+
+
+def joined(model, docs, close=True):
+    """The tokenizer's own tokens of ``docs``, each followed by its end-of-text token."""
+    tok = tokenizer(model)
+    out = []
+    for k, d in enumerate(docs):
+        out += tok(d, add_special_tokens=False)["input_ids"]
+        if close or k < len(docs) - 1:
+            out.append(tok.eos_token_id)
+    return out
+
+
+def stream(index, source=0) -> list:
+    """A prepared source's tokens, its shards end to end."""
+    meta = json.loads(Path(index).read_text())
+    return [int(t) for u in meta["units"] if u["source"] == source
+            for t in np.fromfile(Path(index).parent / f"{u['unit']}.bin", dtype=meta["dtype"])]
+
+
+def write_sources(root: Path) -> dict:
+    """The same documents as each kind of input."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "one.txt").write_text(DOCS[0])
+    folder = root / "texts"
+    folder.mkdir()
+    for i, d in enumerate(DOCS[:5]):
+        (folder / f"{i:02d}.txt").write_text(d)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
+    table = pa.table({"id": list(range(len(DOCS))), "body": DOCS})
+    pq.write_table(table, root / "docs.parquet", row_group_size=150)
+    ds = root / "dataset"   # the layout datasets' save_to_disk writes (checked by hand with datasets 3.6)
+    ds.mkdir()
+    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table, max_chunksize=100)
+    (ds / "dataset_info.json").write_text("{}")
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return {"text": root / "one.txt", "folder": folder, "jsonl": root / "docs.jsonl",
+            "parquet": root / "docs.parquet", "dataset": ds}
+
+
+def test_every_kind_of_input_is_the_tokenizers_own_tokens_with_documents_kept_apart(model, tmp_path):
+    src = write_sources(tmp_path / "data")
+    want = {"text": joined(model, DOCS[:1]), "folder": joined(model, DOCS[:5]), "jsonl": joined(model, DOCS),
+            "parquet": joined(model, DOCS), "dataset": joined(model, DOCS)}
+    for kind, path in src.items():
+        sources = corpus.parse_sources([str(path)], text_field="body")
+        corpus.check_sources(sources)
+        index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
+        assert stream(index) == want[kind], kind
+        assert json.loads(Path(index).read_text())["dtype"] == "uint16"   # a vocabulary of 512
+
+
+def test_a_batch_depends_on_the_step_alone_and_each_data_rank_reads_only_its_rows(model, tmp_path):
+    src = write_sources(tmp_path / "data")
+    sources = corpus.parse_sources([f"{src['jsonl']}:0.7", f"{src['folder']}:0.3"], text_field="body")
+    index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
+    whole = corpus.Reader(index, 16, 8, seed=3)
+    for step in (0, 5, 1000):
+        x, y = whole.batch_of(step)
+        assert x.shape == (8, 16) and bool((x[:, 1:] == y[:, :-1]).all())
+        for dp in (2, 4):   # a run resumed on another number of data ranks: the same global batch
+            parts = []
+            for r in range(dp):
+                reader = corpus.Reader(index, 16, 8, seed=3)
+                parts.append(reader.batch_of(step, rows=range(r * 8 // dp, (r + 1) * 8 // dp)))
+                assert reader.read == (8 // dp) * 17 * 2   # its rows' tokens (uint16), nothing else
+            assert all(bool((a == b).all()) for a, b in zip(whole.batch_of(step), map(torch.cat, zip(*parts))))
+    assert not bool((whole.batch_of(0)[0] == whole.batch_of(1)[0]).all())
+    drawn = [s is whole.sources[0] for step in range(300) for s, _ in whole._draw([3, 0, step], held=False)]
+    assert abs(sum(drawn) / len(drawn) - 0.7) < 0.03   # the mixture's weights
+
+
+def test_held_out_data_is_whole_documents_and_the_evaluation_batches_are_the_same_every_time(model, tmp_path):
+    src = write_sources(tmp_path / "data")
+    index = corpus.prepare(corpus.parse_sources([str(src["jsonl"])], "body"), model, tmp_path / "c",
+                           say=lambda line: None)
+    reader = corpus.Reader(index, 16, 4, seed=0)
+    s, tokens, eos = reader.sources[0], stream(index), tokenizer(model).eos_token_id
+    assert tokens[s["train"] - 1] == eos and 0.04 < s["held"] / s["tokens"] < 0.06   # cut after a document's end
+    tok = tokenizer(model)
+    train_text, held_text = tok.decode(tokens[:s["train"]]), tok.decode(tokens[s["train"]:])
+    held_docs = {d.split(":")[0] for d in held_text.split(tok.eos_token) if d.strip()}
+    assert held_docs and not any(f"{d}:" in train_text for d in held_docs)   # no held document is trained on
+    again = corpus.Reader(index, 16, 4, seed=0)
+    for k in range(3):
+        assert all(bool((a == b).all()) for a, b in zip(reader.held_out(k), again.held_out(k)))
+        assert all(start >= s["train"] for _, start in reader._draw([0, 1, k], held=True))
+
+
+def test_a_killed_preparation_continues_and_a_damaged_shard_is_prepared_again(model, tmp_path, monkeypatch):
+    src = write_sources(tmp_path / "data")
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 4096)   # many units from a small file
+    sources = corpus.parse_sources([str(src["jsonl"])], "body")
+    done, real = [], corpus._tokenize_unit
+
+    def dies_after_three(job):
+        if len(done) == 3:
+            raise KeyboardInterrupt   # the preparation killed mid-way
+        done.append(job[1])
+        return real(job)
+    monkeypatch.setattr(corpus, "_tokenize_unit", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        corpus.prepare(sources, model, tmp_path / "cache", processes=1, say=lambda line: None)
+    folder = corpus.corpus_folder(sources, model, tmp_path / "cache")
+    assert not (folder / "index.json").exists() and len(list(folder.glob("*.bin"))) == 3
+    n_units = len(corpus._units(sources))
+    monkeypatch.setattr(corpus, "_tokenize_unit", lambda job: (done.append(job[1]), real(job))[1])
+    done.clear()
+    index = corpus.prepare(sources, model, tmp_path / "cache", processes=1, say=lambda line: None)
+    assert len(done) == n_units - 3 and n_units > 5   # the rest only
+    assert stream(index) == joined(model, DOCS)
+    shards = sorted(folder.glob("*.bin"))
+    with open(shards[1], "r+b") as f:   # truncated
+        f.truncate(10)
+    shards[2].write_bytes(b"\xff" * shards[2].stat().st_size)   # overwritten
+    done.clear()
+    index = corpus.prepare(sources, model, tmp_path / "cache", processes=1, say=lambda line: None)
+    assert sorted(done) == sorted(p.stem for p in shards[1:3])   # found and prepared again, nothing else
+    assert stream(index) == joined(model, DOCS)
+
+
+def test_a_pool_of_processes_prepares_the_same_tokens_as_one(model, tmp_path, monkeypatch):
+    src = write_sources(tmp_path / "data")
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 8192)
+    sources = corpus.parse_sources([str(src["jsonl"]), str(src["folder"])], "body")
+    said = []
+    pooled = corpus.prepare(sources, model, tmp_path / "pool", processes=2, say=said.append, every=0.0)
+    alone = corpus.prepare(sources, model, tmp_path / "one", processes=1, say=lambda line: None)
+    assert [stream(pooled, s) for s in (0, 1)] == [stream(alone, s) for s in (0, 1)]
+    assert said[0].startswith("preparing ") and " MB/s, " in said[1] and said[-1].startswith("prepared ")
+
+
+def test_two_preparations_of_one_corpus_never_run_at_once(model, tmp_path):
+    import fcntl
+    src = write_sources(tmp_path / "data")
+    sources = corpus.parse_sources([str(src["text"])], "body")
+    folder = corpus.corpus_folder(sources, model, tmp_path / "cache")
+    folder.mkdir(parents=True)
+    said, out = [], {}
+    with open(folder / ".lock", "a+") as held:   # another preparation of it, under way
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t = threading.Thread(target=lambda: out.update(index=corpus.prepare(sources, model, tmp_path / "cache",
+                                                                            say=said.append)))
+        t.start()
+        for _ in range(200):
+            if said:
+                break
+            time.sleep(0.01)
+        assert said == [f"waiting for another preparation of {folder} to finish"] and not out
+        fcntl.flock(held, fcntl.LOCK_UN)
+    t.join(60)
+    assert stream(out["index"]) == joined(model, DOCS[:1])
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", "no such file or folder"),
+    ("empty folder", "a folder with no file to read"),
+    ("no field", "line 1 has no text field 'body' (it has ['id', 'text'])"),
+    ("no column", "no column 'body' (it has ['id', 'text'])"),
+    ("binary", "a binary file, not text (a NUL byte at offset 0"),
+    ("not utf-8", "not UTF-8 text (byte 0xe9 at offset 3)"),
+    ("weight", "the weight after ':' must be a number ('x')"),
+    ("zero weight", "a weight must be a positive number"),
+    ("too small", "fewer than one batch of 32 sequences of 17"),
+])
+def test_bad_input_is_refused_naming_the_file_and_what_to_do(model, tmp_path, case, words):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    f = tmp_path / "x.txt"
+    spec = str(f)
+    if case == "empty folder":
+        (tmp_path / "e").mkdir()
+        (tmp_path / "e" / "image.png").write_bytes(b"\x89PNG")
+        spec = str(tmp_path / "e")
+    elif case == "no field":
+        f = tmp_path / "x.jsonl"
+        f.write_text(json.dumps({"id": 1, "text": "a"}) + "\n")
+        spec = str(f)
+    elif case == "no column":
+        f = tmp_path / "x.parquet"
+        pq.write_table(pa.table({"id": [1], "text": ["a"]}), f)
+        spec = str(f)
+    elif case == "binary":
+        f.write_bytes(b"\x00safetensors")
+    elif case == "not utf-8":
+        f.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    elif case in ("weight", "zero weight", "too small"):
+        f.write_text(" ".join(DOCS[:15]) if case == "too small" else "text")
+        spec = {"weight": f"{f}:x", "zero weight": f"{f}:0", "too small": str(f)}[case]
+    with pytest.raises(corpus.CorpusError) as e:
+        sources = corpus.parse_sources([spec], "body")
+        corpus.check_sources(sources)
+        corpus.Reader(corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None), 16, 32).check()
+    assert words in str(e.value), str(e.value)
