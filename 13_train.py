@@ -4,10 +4,12 @@ config, its weights, its tokenizer) and a text file in, a folder from_pretrained
 The model is built on meta, put on the mesh by the calls of 10's "A Hugging Face model"
 (its own tensor-parallel plan, its own pipeline stages, FSDP by its decoder layers,
 DDPBucketed over the data ranks, context parallelism, its experts split), and each rank
-reads only its slices of the folder's weights. The text is tokenized once by the folder's
-tokenizer into a token file cached beside it, packed into sequences of --context-length,
-the last of them held out; step i's global batch depends on i alone (a permutation per
-epoch, seeded), so a resumed run sees the same batches as one that never stopped. The loop
+reads only its slices of the folder's weights. The corpus (text files or folders of them,
+JSON lines, Parquet, a datasets folder, several mixed by weight: --data PATH[:WEIGHT]) is
+prepared once by every core into token shards beside it (corpus.py), each source's last
+5 % (whole documents) held out; step i's global batch is drawn from (--seed, i) alone, so a
+resumed run, on any number of data ranks, sees the same batches as one that never stopped,
+and each rank reads its rows and nothing more, whatever the corpus's size. The loop
 is what a training run needs: warmup and cosine decay, gradient accumulation, clipping by
 the global norm, a progress line every few steps, an eval loss on the held-out sequences, a
 loss plot kept up to date, a sharded checkpoint every K steps (resume after kill -9 to the
@@ -23,6 +25,7 @@ Run:
     python 13_train.py                                             # the tiny model, fsdp 2
     python 13_train.py --model FOLDER --data FILE --pp 2 --fsdp 2 --tp 2 --steps 200
     python 13_train.py --model FOLDER --data FILE --dp 2 --cp 2 --steps 100 --run-dir runs/mine
+    python 13_train.py --model FOLDER --data books/:0.7 --data web.jsonl:0.3 --text-field text
     torchrun --nproc-per-node 8 13_train.py --model FOLDER --data FILE --pp 2 --fsdp 2 --tp 2
     python 13_train.py --setup-memory        # each rank's memory while a model is set up (make setup-memory)
     python 13_train.py --hf-checkpoint       # a Hugging Face folder in and out, beside DCP (make hf-checkpoint)

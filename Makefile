@@ -18,6 +18,9 @@
 # make setup-memory (13) each rank's peak host memory while it sets up the medium LM on 8 ranks, built whole
 #            or on the meta device (ours, FSDP2's), then the large LM (whole on 8 ranks: 22 GiB) built on
 #            meta and trained a step (about 2 minutes; not in `all`)
+# make data-bench (13) its corpus prepared by every core beside a nanoGPT-style datasets.map(num_proc), and
+#            each rank's peak memory and data time a step at 1x, 10x and 100x a 10 MB corpus
+#            (results/13_data_bench_*.md; about 2 minutes; not in `all`)
 # make hf-checkpoint (13) the medium LM as a sharded safetensors folder, set up from it and saved again on 8
 #            ranks (ours on pp 2 x fsdp 2 x tp 2 and fsdp 8, torch.distributed.checkpoint's Hugging Face
 #            reader and writer on FSDP2): each rank's peak host memory and the time (about 30 s; not in `all`)
@@ -41,7 +44,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14
 
-.PHONY: all test setup docs train train-bench clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
+.PHONY: all test setup docs train train-bench data-bench clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -133,6 +136,13 @@ setup-memory: $(STAMP)
 
 hf-checkpoint: $(STAMP)
 	$(PY) 13_train.py --hf-checkpoint --out results
+
+# 13's corpus: preparation beside a nanoGPT-style datasets.map (datasets installed for it), and
+# each rank's memory and data time at 1x, 10x, 100x (tools/data_bench.py; about 2 minutes)
+data-bench: $(TEST_STAMP)
+	$(PY) -m pip install --no-compile -q datasets
+	test -f runs/13_tiny_model/config.json || $(MAKE) train
+	$(PY) tools/data_bench.py --out results
 
 checkpoints: $(STAMP)
 	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results

@@ -1,5 +1,6 @@
-"""The corpus people train on, at any size the disk holds: prepared once into memory-mapped
-token shards, read a batch's rows at a time.
+"""The corpus people train on, at any size the disk holds: prepared once into token shards
+(flat uint16/uint32 files, memory-mappable as nanoGPT's and Megatron's are), read a batch's
+rows at a time.
 
     sources = parse_sources(["books/:0.7", "web.jsonl:0.3"])        # --data PATH[:WEIGHT] ...
     index = prepare(sources, "models/qwen", "runs/13_data", text_field="text")   # every core; resumable
@@ -15,8 +16,11 @@ files: each row's ``text_field``); several mixed by weight. Documents are kept a
 tokenizer's end-of-text token after each.
 
 Preparation (prepare): the sources are cut into work units of about UNIT_BYTES (a text or
-JSON-lines file at line ends, a Parquet file by row groups, an arrow file whole), tokenized by
-a pool of processes (one a core, each its tokenizer's batch encoding), each unit written as
+JSON-lines file at line ends, a Parquet file by row groups, an arrow file whole; small files
+together), tokenized by a pool of processes (by default one per two cores, each its
+tokenizer's batch encoding on its two; fewer than POOL_UNITS units, or one process, in this
+process, the batch encoding's own threads on every core),
+each unit written as
 one memory-mappable shard (uint16 where the vocabulary fits, else uint32) by atomic rename,
 with its size and a digest in a sidecar; the index (index.json) last. A killed preparation
 continues where it stopped (the units done are kept); two preparations of the same corpus
@@ -46,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 UNIT_BYTES = 8 << 20       # a work unit's text: a process holds one (and its tokens)
+POOL_UNITS = 4             # fewer units to prepare: in this process (measured: docs/13)
 HELD_FRACTION = 0.05       # each source's tail, whole documents, held out for evaluation
 VERSION = 1                # of the folder's layout: a new one prepares anew
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".tex",
@@ -177,11 +182,14 @@ def _columns(kind, f) -> list:
 
 # ---- preparation --------------------------------------------------------------------------
 def _units(sources) -> list:
-    """The work units: (source, file's kind, file, where: (start, stop) bytes of a text or
-    JSON-lines file cut at line ends, a Parquet row group's index, None for an arrow file
-    whole, last: whether the unit ends its file (a text file's document ends there))."""
+    """The work units: (source, [pieces]), each piece (kind, file, where, closes): ``where``
+    (start, stop) bytes of a text or JSON-lines file cut at line ends, a Parquet row group's
+    index, or None for an arrow file whole; ``closes``: a text file's document ends with the
+    piece (its file does). Small files share a unit up to UNIT_BYTES (a batch encoding of
+    their documents together), large ones are cut into several."""
     units = []
     for si, s in enumerate(sources):
+        pieces = []
         for kind, f in s["files"]:
             if kind in ("text", "jsonl"):
                 size = os.path.getsize(f)
@@ -191,20 +199,40 @@ def _units(sources) -> list:
                         fh.seek(cuts[-1] + UNIT_BYTES)
                         fh.readline()   # to the end of the line it lands in
                         cuts.append(min(fh.tell(), size))
-                cuts.append(size)
-                cuts = sorted(set(cuts))
-                units += [(si, kind, f, (a, b), b == size) for a, b in zip(cuts, cuts[1:])]
+                cuts = sorted(set(cuts + [size]))
+                pieces += [(kind, f, (a, b), b == size) for a, b in zip(cuts, cuts[1:])]
             elif kind == "parquet":
-                n = _pyarrow().parquet.ParquetFile(f).num_row_groups
-                units += [(si, kind, f, g, g == n - 1) for g in range(n)]
+                pieces += [(kind, f, g, True) for g in range(_pyarrow().parquet.ParquetFile(f).num_row_groups)]
             else:
-                units.append((si, kind, f, None, True))
+                pieces.append((kind, f, None, True))
+        unit, size = [], 0
+        for piece in pieces:   # consecutive pieces of the source, up to UNIT_BYTES a unit
+            if unit and size + _piece_bytes(piece) > UNIT_BYTES:
+                units.append((si, unit))
+                unit, size = [], 0
+            unit.append(piece)
+            size += _piece_bytes(piece)
+        if unit:
+            units.append((si, unit))
     return units
 
 
-def _documents(unit, field) -> list:
-    """The documents of a unit (a text file's part is one, closed only where the file ends)."""
-    _, kind, f, where, _ = unit
+def _piece_bytes(piece) -> int:
+    kind, f, where, _ = piece
+    if isinstance(where, tuple):
+        return where[1] - where[0]
+    if kind == "parquet":
+        return os.path.getsize(f) // max(1, _pyarrow().parquet.ParquetFile(f).num_row_groups)
+    return os.path.getsize(f)
+
+
+def _unit_bytes(unit) -> int:
+    return sum(_piece_bytes(p) for p in unit[1])
+
+
+def _documents(piece, field) -> list:
+    """The documents of a piece (a text file's part is one, closed only where the file ends)."""
+    kind, f, where, _ = piece
     if kind in ("text", "jsonl"):
         with open(f, "rb") as fh:
             fh.seek(where[0])
@@ -217,7 +245,7 @@ def _documents(unit, field) -> list:
                 try:
                     docs.append(json.loads(line)[field])
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise CorpusError(f"--data {f}: a line after byte {where[0]:,} ({n + 1} into its unit) has no "
+                    raise CorpusError(f"--data {f}: a line after byte {where[0]:,} ({n + 1} into its piece) has no "
                                       f"text field {field!r} ({type(e).__name__})") from None
         return [d for d in docs if isinstance(d, str)]
     pa = _pyarrow()
@@ -231,9 +259,13 @@ def _documents(unit, field) -> list:
 _tokenizer = None
 
 
-def _start_worker(model):
+def _start_worker(model, threads=None):
+    """A process's tokenizer; ``threads``: the batch encoding's threads in a pool's process
+    (the cores over the processes: more would only contend)."""
     global _tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # (a process a core already)
+    if threads:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+        os.environ["RAYON_NUM_THREADS"] = os.environ["RAYON_RS_NUM_CPUS"] = str(threads)
     import transformers
     _tokenizer = transformers.AutoTokenizer.from_pretrained(model)
 
@@ -246,14 +278,18 @@ def _eos(tok) -> int:
 
 
 def _tokenize_unit(job):
-    """A worker's unit: its documents tokenized (the batch encoding), each closed by the end-
-    of-text token (a text file's only where the file ends), written as one shard by rename,
-    then its sidecar (size and digest). Returns (unit's name, tokens, bytes of text read)."""
+    """A worker's unit: its pieces' documents tokenized together (the batch encoding), each
+    closed by the end-of-text token (a text file's only where the file ends), written as one
+    shard by rename, then its sidecar (size and digest). Returns (unit's name, tokens, bytes
+    of text read)."""
     unit, name, folder, dtype, field = job
-    docs = _documents(unit, field)
-    eos = _eos(_tokenizer)
+    docs, closes = [], []
+    for piece in unit[1]:
+        got = _documents(piece, field)
+        docs += got
+        closes += [piece[0] != "text" or piece[3]] * len(got)
     ids = _tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []
-    out = _join(ids, eos, closes=unit[1] != "text" or unit[4]).astype(dtype)
+    out = _join(ids, _eos(_tokenizer), closes).astype(dtype)
     path = Path(folder) / f"{name}.bin"
     tmp = path.with_suffix(f".bin.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -265,18 +301,14 @@ def _tokenize_unit(job):
     return name, int(out.size), _unit_bytes(unit)
 
 
-def _n_groups(unit) -> int:
-    return _pyarrow().parquet.ParquetFile(unit[2]).num_row_groups if unit[1] == "parquet" else 1
-
-
 def _join(ids, eos, closes) -> np.ndarray:
-    """Documents' tokens end to end, each followed by ``eos`` (the last only if ``closes``)."""
-    parts = []
-    for k, doc in enumerate(ids):
-        parts.append(np.asarray(doc, dtype=np.int64))
-        if closes or k < len(ids) - 1:
-            parts.append(np.asarray([eos], dtype=np.int64))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    """Documents' tokens end to end, each followed by ``eos`` where ``closes`` says so."""
+    flat = []
+    for doc, close in zip(ids, closes):
+        flat += doc
+        if close:
+            flat.append(eos)
+    return np.array(flat, dtype=np.int64)
 
 
 def _digest(path) -> str:
@@ -343,8 +375,7 @@ def _locked(folder, say):
 
 
 def prepare(sources, model, cache, processes=None, say=print, every=2.0) -> str:
-    """Tokenize ``sources`` (parse_sources') with ``model``'s tokenizer into memory-mapped
-    shards under ``cache`` once (every core; resumable; one preparation at a time), and
+    """Tokenize ``sources`` (parse_sources') with ``model``'s tokenizer into token shards under ``cache`` once (every core; resumable; one preparation at a time), and
     return the index's path. A unit prepared before is kept when its shard checks out (size
     and digest), and prepared again when it does not. ``say``: where progress goes (MB of
     text done, MB/s, time left, every ``every`` seconds)."""
@@ -368,16 +399,17 @@ def prepare(sources, model, cache, processes=None, say=print, every=2.0) -> str:
         head = (f"preparing {len(units)} units of text ({total / 1e6:,.1f} MB to tokenize"
                 f"{f'; {kept} prepared before, kept' if kept else ''}) into {folder}")
         began, done, last, said = time.perf_counter(), 0, time.perf_counter(), False   # (a quick one says nothing)
-        n = processes or os.cpu_count() or 1
+        n = processes or max(1, (os.cpu_count() or 1) // 2)   # (a process per two cores: measured, docs/13)
         ctx = multiprocessing.get_context("forkserver" if sys.platform != "darwin" else "spawn")
         order = sorted(todo, key=lambda j: -_unit_bytes(j[0]))   # (the largest first: the pool ends together)
         with contextlib.ExitStack() as stack:
-            if n > 1 and len(todo) > 1:   # (an executor, not a Pool: a worker that dies ends it with an error;
-                pool = stack.enter_context(   # a Pool would start another, and another, and wait forever)
-                    ProcessPoolExecutor(min(n, len(todo)), mp_context=ctx, initializer=_start_worker, initargs=(model,)))
+            if n > 1 and len(todo) >= POOL_UNITS:   # (an executor, not a Pool: a worker that dies ends it with
+                n = min(n, len(todo))                # an error; a Pool would start another, and wait forever)
+                pool = stack.enter_context(ProcessPoolExecutor(
+                    n, mp_context=ctx, initializer=_start_worker, initargs=(model, max(1, (os.cpu_count() or 1) // n))))
                 results = (f.result() for f in as_completed([pool.submit(_tokenize_unit, job) for job in order]))
-            else:   # one unit, or one core: here (a pool's processes would cost more than they save)
-                _start_worker(model)
+            else:   # a few units, or one process: here, the batch encoding on every core (the tokenizer's
+                _start_worker(model)   # threads; a pool's start costs more than it saves on a few units)
                 results = map(_tokenize_unit, order)
             for _, _, read in results:
                 done += read
@@ -409,11 +441,6 @@ def remove(index) -> None:
         folder.parent.rmdir()
 
 
-def _unit_bytes(unit) -> int:
-    where = unit[3]
-    return where[1] - where[0] if isinstance(where, tuple) else os.path.getsize(unit[2]) // _n_groups(unit)
-
-
 def _index_ok(index) -> bool:
     try:
         meta = json.loads(Path(index).read_text())
@@ -423,14 +450,44 @@ def _index_ok(index) -> bool:
 
 
 # ---- reading -------------------------------------------------------------------------------
+class _Shards:
+    """A source's shards, read with positioned reads (os.pread) of just the tokens asked for:
+    no memory map, whose touched pages (and the kernel's read-ahead around each) would stay
+    resident and grow with the corpus. A shard's file is opened when first read and kept
+    open (at most FILES_KEPT at once, the least recently read closed first)."""
+
+    FILES_KEPT = 256
+
+    def __init__(self, paths, dtype):
+        self.paths, self.dtype, self.open = paths, np.dtype(dtype), {}
+
+    def __len__(self):
+        return len(self.paths)
+
+    def read(self, k: int, start: int, n: int) -> np.ndarray:
+        """Up to ``n`` tokens of shard ``k`` from token ``start`` (fewer at its end)."""
+        fd = self.open.pop(k, None)
+        if fd is None:
+            fd = os.open(self.paths[k], os.O_RDONLY)
+            if len(self.open) >= self.FILES_KEPT:
+                os.close(self.open.pop(next(iter(self.open))))
+        self.open[k] = fd   # (the most recent last)
+        size = self.dtype.itemsize
+        return np.frombuffer(os.pread(fd, n * size, start * size), dtype=self.dtype)
+
+    def __del__(self, close=os.close):   # (os itself may be gone at the interpreter's exit)
+        for fd in self.open.values():
+            close(fd)
+
+
 class Reader:
     """The prepared corpus (``index``: prepare's) as step i's global batch of ``batch``
     sequences of ``context`` + 1 tokens (inputs and next tokens): each sequence from a source
     drawn by weight and a start drawn uniformly among its training tokens, by a generator
     seeded with (seed, i). Each source's last HELD_FRACTION, cut at a document's end, is
     held out: ``held_out(k)``, the k-th evaluation batch, drawn alike seeded with (seed, k).
-    Shards are memory-mapped; a batch reads its rows' tokens and nothing else (``read``
-    counts the bytes). ``weights``: replace the index's (a mixture changed at resume)."""
+    A batch reads its rows' tokens and nothing else, by positioned reads (``read`` counts
+    the bytes). ``weights``: replace the index's (a mixture changed at resume)."""
 
     def __init__(self, index, context: int, batch: int, seed: int = 0, weights=None):
         self.meta = json.loads(Path(index).read_text())
@@ -440,23 +497,23 @@ class Reader:
         self.sources = []
         for si, s in enumerate(self.meta["sources"]):
             units = [u for u in self.meta["units"] if u["source"] == si and u["tokens"]]
-            maps = [np.memmap(folder / f"{u['unit']}.bin", dtype=self.dtype, mode="r") for u in units]
+            shards = _Shards([folder / f"{u['unit']}.bin" for u in units], self.dtype)
             ends = np.cumsum([0] + [u["tokens"] for u in units])
             n = int(ends[-1])
-            cut = self._held_cut(maps, ends, n, eos)
-            self.sources.append({"maps": maps, "ends": ends, "tokens": n, "train": cut, "held": n - cut,
+            cut = self._held_cut(shards, ends, n, eos)
+            self.sources.append({"shards": shards, "ends": ends, "tokens": n, "train": cut, "held": n - cut,
                                  "weight": (weights or [x["weight"] for x in self.meta["sources"]])[si]})
         w = np.array([s["weight"] for s in self.sources], dtype=np.float64)
         self.p = w / w.sum()
 
     @staticmethod
-    def _held_cut(maps, ends, n, eos) -> int:
+    def _held_cut(shards, ends, n, eos) -> int:
         """Where a source's held-out tail begins: just after the first document end at or
         after (1 - HELD_FRACTION) of its tokens (looked for in one shard at most), else there."""
         at = int(n * (1 - HELD_FRACTION))
         k = int(np.searchsorted(ends, at, side="right")) - 1
-        if k < len(maps):
-            tail = np.asarray(maps[k][at - int(ends[k]):])
+        if k < len(shards):
+            tail = shards.read(k, at - int(ends[k]), int(ends[k + 1]) - at)
             hit = np.flatnonzero(tail == eos)
             if hit.size and at + int(hit[0]) + 1 < n:
                 return at + int(hit[0]) + 1
@@ -486,9 +543,8 @@ class Reader:
         out, ends = [], s["ends"]
         k = int(np.searchsorted(ends, start, side="right")) - 1
         while n > 0:
-            off = start - int(ends[k])
-            piece = s["maps"][k][off:off + n]
-            out.append(np.asarray(piece))
+            piece = s["shards"].read(k, start - int(ends[k]), n)
+            out.append(piece)
             self.read += piece.nbytes
             n -= len(piece)
             start += len(piece)
