@@ -154,7 +154,7 @@ def test_a_killed_preparation_continues_and_a_damaged_shard_is_prepared_again(mo
     assert stream(index) == joined(model, DOCS)
 
 
-def test_a_pool_of_processes_prepares_the_same_tokens_as_one(model, tmp_path, monkeypatch):
+def test_a_pool_of_processes_prepares_the_same_tokens_and_batches_as_one(model, tmp_path, monkeypatch):
     src = write_sources(tmp_path / "data")
     monkeypatch.setattr(corpus, "UNIT_BYTES", 8192)
     sources = corpus.parse_sources([str(src["jsonl"]), str(src["folder"])], "body")
@@ -162,6 +162,12 @@ def test_a_pool_of_processes_prepares_the_same_tokens_as_one(model, tmp_path, mo
     pooled = corpus.prepare(sources, model, tmp_path / "pool", processes=2, say=said.append, every=0.0)
     alone = corpus.prepare(sources, model, tmp_path / "one", processes=1, say=lambda line: None)
     assert [stream(pooled, s) for s in (0, 1)] == [stream(alone, s) for s in (0, 1)]
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 1 << 20)   # the same corpus in one unit a source: the same batches
+    whole = corpus.prepare(sources, model, tmp_path / "whole", processes=1, say=lambda line: None)
+    assert len(json.loads(Path(whole).read_text())["units"]) == 2
+    readers = [corpus.Reader(i, 16, 8, seed=1) for i in (pooled, whole)]
+    for step in (0, 7):
+        assert all(bool((a == b).all()) for a, b in zip(*(r.batch_of(step) for r in readers)))
     assert said[0].startswith("preparing ") and " MB/s, " in said[1] and said[-1].startswith("prepared ")
 
 
