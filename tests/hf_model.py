@@ -668,7 +668,8 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
     hfc.save_hf_checkpoint(named, os.path.join(out, label), config=ref.config, layout=layout)
     full = placement.full_state_dict(named)   # (the test's own check: whole on the first rank)
     if ctx.rank == 0:
-        a, b = _tensor_shapes(src), _tensor_shapes(os.path.join(out, label))
+        a, b = _source_shapes.get(src) or _source_shapes.setdefault(src, _tensor_shapes(src)), \
+            _tensor_shapes(os.path.join(out, label))
         r["layout"] = a == b   # the source's names and shapes
         r["layout diff"] = sorted(set(a) ^ set(b))[:6] + [(k, a[k], b[k]) for k in a if k in b and a[k] != b[k]][:6]
         back = type(ref).from_pretrained(os.path.join(out, label))
@@ -682,6 +683,9 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
     if label == "fsdp 8":   # a save that fails on one rank: refused everywhere, the folder as it was
         r["failed save"] = _failed_save(ctx, named, os.path.join(out, label), ref.config)
     return r
+
+
+_source_shapes = {}   # save_pretrained's folder, read once a job
 
 
 def _tensor_shapes(folder) -> dict:
