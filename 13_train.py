@@ -1206,8 +1206,9 @@ def check(args):
                 written_aside(home, lambda tmp: write_tiny_model(tmp, text, args.context_length, args.seed))
         args.data = args.data or [str(data)]
     model = Path(args.model)
-    if missing_libraries():
-        raise common.UsageError(missing_libraries())
+    missing = missing_libraries()
+    if missing:
+        raise common.UsageError(missing)
     if not (model / "config.json").exists():
         raise common.UsageError(f"--model {model}: no config.json there (a folder save_pretrained wrote)")
     if not (model / "model.safetensors").exists() and not (model / "model.safetensors.index.json").exists():

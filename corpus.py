@@ -51,6 +51,8 @@ import numpy as np
 
 UNIT_BYTES = 8 << 20       # a work unit's text: a process holds one (and its tokens)
 POOL_UNITS = 4             # fewer units to prepare: in this process (measured: docs/13)
+CALL_CHARS = 256 << 10     # text a tokenizer call takes (a call's memory grows with its longest text:
+PART_CHARS = 32 << 10      # ~600 MB for one 1 MB string, measured), a long text in parts of PART_CHARS
 HELD_FRACTION = 0.05       # each source's tail, whole documents, held out for evaluation
 VERSION = 1                # of the folder's layout: a new one prepares anew
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".tex",
@@ -285,11 +287,19 @@ def _tokenize_unit(job):
     unit, name, folder, dtype, field = job
     docs, closes = [], []
     for piece in unit[1]:
-        got = _documents(piece, field)
-        docs += got
-        closes += [piece[0] != "text" or piece[3]] * len(got)
-    ids = _tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []
-    out = _join(ids, _eos(_tokenizer), closes).astype(dtype)
+        for doc in _documents(piece, field):
+            parts = _lines_of(doc, PART_CHARS)   # (a long text in parts: a call's memory is many
+            docs += parts                        # times its longest text)
+            closes += [False] * (len(parts) - 1) + [piece[0] != "text" or piece[3]]
+    eos, out, batch, size = _eos(_tokenizer), [], [], 0
+    for k, doc in enumerate(docs):   # calls of about CALL_CHARS of text: memory bounded by that
+        batch.append(doc)
+        size += len(doc)
+        if size >= CALL_CHARS or k == len(docs) - 1:
+            ids = _tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            out += [np.asarray(x, dtype=dtype) for x in ids]
+            batch, size = [], 0
+    out = _join(out, eos, closes, dtype)
     path = Path(folder) / f"{name}.bin"
     tmp = path.with_suffix(f".bin.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -301,14 +311,24 @@ def _tokenize_unit(job):
     return name, int(out.size), _unit_bytes(unit)
 
 
-def _join(ids, eos, closes) -> np.ndarray:
+def _join(ids, eos, closes, dtype) -> np.ndarray:
     """Documents' tokens end to end, each followed by ``eos`` where ``closes`` says so."""
-    flat = []
-    for doc, close in zip(ids, closes):
-        flat += doc
-        if close:
-            flat.append(eos)
-    return np.array(flat, dtype=np.int64)
+    end = np.asarray([eos], dtype=dtype)
+    parts = [p for doc, close in zip(ids, closes) for p in ((doc, end) if close else (doc,))]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _lines_of(text: str, n: int) -> list:
+    """``text`` in parts of about ``n`` characters, each ending at a line's end (where its
+    tokenization restarts), or whole where it is shorter."""
+    parts, at = [], 0
+    while len(text) - at > n:
+        cut = text.find("\n", at + n)
+        if cut < 0:
+            break
+        parts.append(text[at:cut + 1])
+        at = cut + 1
+    return parts + [text[at:]]
 
 
 def _digest(path) -> str:
