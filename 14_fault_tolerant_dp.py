@@ -20,34 +20,43 @@ peer's before it steps.
 Run:
     python 14_fault_tolerant_dp.py                     # verify under failures, then time (make 14)
     python 14_fault_tolerant_dp.py --replicas 4 --inner ddp --no-bench
-    python 14_fault_tolerant_dp.py --coordinator --port 29510     # alone; then one torchrun job a replica:
-    torchrun --nproc-per-node 2 14_fault_tolerant_dp.py --join HOST:29510 --replica-id 0 --steps 200
+    python 14_fault_tolerant_dp.py --coordinator --port 29510 --run-dir R   # alone; then one torchrun job a replica:
+    torchrun --nproc-per-node 2 14_fault_tolerant_dp.py --join HOST:29510 --replica-id 0 --steps 200 --run-dir R
+    python 14_fault_tolerant_dp.py --replay R       # the run's committed steps in one process, against its weights
 
 The verification trains --replicas replicas of --replica-ranks ranks through a scenario of
 failures: a replica killed (kill -9 of one of its ranks) and replaced; the heal of that
 replacement, whose source is killed midway; a replica hung (SIGSTOP of its last rank, its
-first beating on), then killed and replaced; two replicas killed at once. Then it replays
+first beating on), then killed and replaced; two replicas killed at once, as a step begins and
+at four other points of it (at the quorum, before the all-reduce, before the vote, after
+the commit), a different replica left each time. Then it checks every step was committed
+once, in order, and replays
 the committed steps in one process (at each, the average over the replicas that contributed,
 each replica its own fixed data shard) and compares: every replica's weights bit for bit
 alike, and the replay's. It prints the membership timeline (replicas x steps: stepped,
 healed, out) and draws it. The benchmark (--replicas 2, 3 and 4, one rank each) times a step
 without failures beside torch DDP over the same ranks (the quorum's cost), the time from a
-kill to the next committed step, and the heal; torchft's Manager beside it where torchft is
-installed (a SKIP line otherwise).
+kill to the next committed step, and the heal (torchft's Manager is not yet beside it: a SKIP
+line says so).
 Writes <out>/14_fault_tolerant_dp.{json,md} (the benchmark), 14_timeline.{json,png}.
 """
-import argparse
-import importlib.util
-import multiprocessing
-import shutil
-import signal
-import statistics
+import os
 import sys
-import tempfile
-import textwrap
-from pathlib import Path
 
-import common
+if "--join" in sys.argv:   # a replica's rank: a store whose server went (the coordinator's, an agent's killed)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # is not a C++ trace a call: the replica says what it means
+import argparse   # noqa: E402
+import errno   # noqa: E402
+import importlib.util   # noqa: E402
+import multiprocessing   # noqa: E402
+import shutil   # noqa: E402
+import signal   # noqa: E402
+import statistics   # noqa: E402
+import tempfile   # noqa: E402
+import textwrap   # noqa: E402
+from pathlib import Path   # noqa: E402
+
+import common   # noqa: E402
 
 # ---- begin copy: fault-tolerant replicas (needs torch and the standard library) ----
 import contextlib
@@ -56,23 +65,68 @@ import functools
 import hashlib
 import json
 import os
+import select
 import socket
 import socketserver
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 
-class CoordinatorGone(RuntimeError):
+class ReplicaStopped(RuntimeError):
+    """Why a replica's ranks stop without training on, raised on every rank of it; ``code``:
+    the exit status a script gives it."""
+    code = 1
+
+
+class CoordinatorGone(ReplicaStopped):
     """The coordinator's connection closed: no quorum can form. The replica's state is
     its last committed step (save it; a new coordinator resumes from there)."""
 
 
+class Replaced(ReplicaStopped):
+    """This replica id was started again while this start lived: the new start goes on and
+    this one stops (exit 0, so that an agent that restarts failed workers does not start it
+    again to take over in turn)."""
+    code = 0
+
+
+class NotJoined(ReplicaStopped):
+    """The replica could not join: nothing listens at the address, the run there is over,
+    or the coordinator refused it (its settings differ from the run's)."""
+    code = 2
+
+
+STOPS = {c.__name__: c for c in (CoordinatorGone, Replaced, NotJoined)}
+
+
 def _send(sock, msg: dict):
     sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+def connect(address: str, wait: float = 30.0) -> socket.socket:
+    """A connection to the coordinator at ``address`` (HOST:PORT), tried again for up to
+    ``wait`` seconds while nothing listens there (a coordinator still starting); then
+    NotJoined, naming the address."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.time() + wait
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except socket.gaierror as e:
+            raise NotJoined(f"--join {address}: the host {host!r} is not known here ({e.strerror})") from None
+        except OSError as e:
+            if time.time() > deadline:
+                raise NotJoined(f"nothing answers at {address} ({e.strerror or e}; tried for {wait:.0f} s): start "
+                                f"the coordinator there first, or check --join") from None
+            time.sleep(0.5)
 
 
 def _beat(sock, msg: dict, every: float, stop: threading.Event):
@@ -99,22 +153,41 @@ class Coordinator:
     every rank of it beats (a connection of its own, a line every detect/5 seconds), so a
     replica is live while each of its ranks beats and no connection closed. A quorum forms
     when every live replica has asked, or join_timeout seconds after the first asked, with
-    those that did; never with fewer than min_replicas. Its answer: the members, the step
-    they take (the newest any member holds), and for each member behind it the live peer it
-    heals from. Then each member votes; the step commits only if every member voted ok, and
-    a member that goes before it votes (a closed connection at once; no beat for ``detect``
-    seconds) aborts it for all. Until step 0 commits, every member but the source heals from
-    it (``init_sync``: replicas built apart start from one replica's weights). It also holds
-    the TCPStore through which each quorum's groups meet.
+    those that did; never with fewer than min_replicas, and never below the run's newest
+    committed step: while a live replica holds that state, the others wait for it (it heals
+    them), so no step is committed twice. Its answer: the members, the step they take (the
+    newest any member holds), and for each member behind it the live peer it heals from.
+    Then each member votes; the step commits only if every member voted ok, and a member
+    that goes before it votes (a closed connection at once; no beat for ``detect`` seconds;
+    a new start of it said hello) aborts it for all. Until step 0 commits, every member but
+    the source heals from it (``init_sync``: replicas built apart start from one replica's
+    weights). It also holds the TCPStore through which each quorum's groups meet.
+
+    A replica is a start, not an id: a second hello of a replica id while the first start
+    lives takes over (the old start's next request is answered ``replaced``, and its votes
+    no longer count). ``record``: a file where every committed step is appended (its step
+    and members), the replicas' settings and the run's end: the one-process replay reads it,
+    and a coordinator started again on it goes on with the same run. ``say``: called with a
+    line for each thing an operator follows (a replica joined, lost, replaced; a heal; an
+    aborted step; every ``log_every``-th commit).
 
         coordinator = Coordinator("0.0.0.0", 29510, detect=2.0)
         print(coordinator.address)         # replicas: ReplicaManager(..., coordinator="HOST:29510", ...)
         coordinator.serve()                 # until close() (or the process ends)
     """
 
-    def __init__(self, host="127.0.0.1", port=0, detect=2.0, join_timeout=10.0, min_replicas=1, init_sync=True):
+    def __init__(self, host="127.0.0.1", port=0, detect=2.0, join_timeout=10.0, min_replicas=1, init_sync=True,
+                 record=None, say=None, log_every=10):
         self.detect, self.join_timeout, self.min_replicas = detect, join_timeout, min_replicas
-        self.init_sync = init_sync
+        self.init_sync, self.say, self.log_every = init_sync, say, log_every
+        self.committed, self.settings, self.final, self.lines = 0, None, None, 0   # (the run: from its record)
+        self.record = record and Path(record)
+        if self.record:
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+        if self.record and self.record.exists():
+            for line in self.record.read_text().splitlines():
+                self._read(json.loads(line))
+        self.server = Server((host, port), self._handler())   # (first: a port in use fails before anything starts)
         listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)   # (TCPStore's own server would listen on
         listen.bind((host, 0))                                        # every interface: handed a socket, it
         listen.listen(128)                                            # listens where that one is bound)
@@ -123,11 +196,19 @@ class Coordinator:
         self.lock = threading.Condition()
         self.t0 = time.time()
         self.replicas = {}      # id -> its record (each rank's beat, step, asked, done, connections, reply)
+        self.leaders = {}       # a first rank's connection -> the hello it said (which start of its replica)
         self.quorum, self.decisions, self.next_qid, self.next_group, self.hellos = None, {}, 0, 0, 0
         self.history, self.events = [], []    # every quorum formed (and its fate); (t, replica, what)
         self.faults = []        # {"replica": id or None (a heal's source), "fault": ...}: handed out with a quorum
         self.stop_at = None     # the step at which every replica is told to stop
+        self.no_holder = None   # since when no live replica holds the newest committed step
         self.conns = set()      # every open connection (close() ends them)
+        self.address = f"{host}:{self.server.server_address[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+        threading.Thread(target=self._tick, daemon=True).start()
+
+    def _handler(self):
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -138,14 +219,7 @@ class Coordinator:
                     outer._serve(self.rfile, self.connection)
                 finally:
                     outer.conns.discard(self.connection)
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address, daemon_threads = True, True
-        self.server = Server((host, port), Handler)
-        self.address = f"{host}:{self.server.server_address[1]}"
-        self._closed = threading.Event()
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
-        threading.Thread(target=self._tick, daemon=True).start()
+        return Handler
 
     def serve(self):
         self._closed.wait()
@@ -158,6 +232,33 @@ class Coordinator:
         for conn in list(self.conns):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+    # ---- the run's record ----
+    def _read(self, e):
+        """One entry of the record: the settings, a committed step, a rewind, the run's end."""
+        if "settings" in e:
+            self.settings = e["settings"]
+        elif "commit" in e:
+            self.committed = e["commit"] + 1
+        elif "rewind" in e or "start" in e:
+            self.committed = e.get("rewind", e.get("start"))
+        elif "final" in e:
+            self.final = e["final"]
+        self.lines += 1
+
+    def _write(self, e):
+        if self.record:
+            try:
+                with open(self.record, "a") as f:
+                    f.write(json.dumps(e) + "\n")
+                self.lines += 1
+            except OSError as err:   # (the run goes on: only its replay is lost)
+                self._say(f"cannot write the record {self.record} ({err}): the run goes on without one")
+                self.record = None
+
+    def _say(self, line):
+        if self.say is not None:
+            self.say(line)
 
     # ---- the connections: one thread each ----
     def _serve(self, rfile, conn):
@@ -172,21 +273,51 @@ class Coordinator:
         except (OSError, ValueError, KeyError, AttributeError, TypeError):   # gone, or not a replica's message
             pass
         finally:
-            if replica is not None:
-                with self.lock:   # its connection closed: lost at once (unless it said it is done)
-                    rec = self.replicas.get(replica)
-                    if rec is not None and rec["conns"].get(id(conn)):
-                        rec["conns"][id(conn)] = False
-                        self.lock.notify_all()
+            with self.lock:   # its connection closed: lost at once (unless it said it is done)
+                self.leaders.pop(id(conn), None)
+                rec = self.replicas.get(replica) if replica is not None else None
+                if rec is not None and rec["conns"].get(id(conn)):
+                    rec["conns"][id(conn)] = False
+                    self.lock.notify_all()
+
+    def _stale(self, r, conn):
+        """The answer to a request from a start of replica ``r`` that a newer start replaced."""
+        rec, said = self.replicas.get(r), self.leaders.get(conn)
+        if conn is None or said is None or rec is None or rec["hello"] == said:
+            return None
+        return {"replaced": f"started again elsewhere ({rec['where']}): this start stops, the new one goes on"}
 
     def _hello(self, msg, conn):
         with self.lock:
-            r = msg["replica"]
-            self._event(r, "rejoined" if r in self.replicas else "joined")
+            r, settings = msg["replica"], msg.get("settings")
+            training = any(not rec["done"] and rec["live"] for rec in self.replicas.values())
+            if not training and (self.final is not None or self.stop_at is not None and self.committed >= self.stop_at):
+                return {"over": f"the run at {self.address} is over: it ended at step {self.committed}"
+                                f"{' (final weights written by replica %s)' % self.final['replica'] if self.final else ''}"
+                                f"; a coordinator serves one run: start a new one (a new --run-dir) for another"}
+            if settings is not None and self.settings is None:
+                self.settings = settings
+                self._write({"settings": settings})
+            elif settings is not None and settings != self.settings:
+                diff = "; ".join(f"{k} {settings.get(k)} against the run's {self.settings.get(k)}"
+                                 for k in sorted(set(settings) | set(self.settings))
+                                 if settings.get(k) != self.settings.get(k))
+                return {"refused": f"replica {r} cannot join the run at {self.address}: {diff}"}
+            old = self.replicas.get(r)
+            where = msg.get("where", "?")
+            if old is not None and not old["done"] and self._alive(old):
+                self._event(r, "replaced")
+                self._say(f"replica {r} started again ({where}) while its start at {old['where']} lives: the new "
+                          f"start takes over, the old one is told to stop")
+            self._event(r, "rejoined" if old else "joined")
+            self._say(f"replica {r} {'rejoined' if old else 'joined'} ({where}), at step {msg['step']}")
             self.hellos += 1   # (which start of a replica this is: a restarted one gets new groups)
             self.replicas[r] = {"hello": self.hellos, "beats": dict.fromkeys(range(msg.get("ranks", 1)), time.time()),
                                 "step": msg["step"], "asked": None, "done": False, "conns": {conn: True},
-                                "reply": None, "live": True, "incarnation": msg.get("incarnation", 0)}
+                                "reply": None, "live": True, "incarnation": msg.get("incarnation", 0),
+                                "where": where}
+            self.leaders[conn] = self.hellos
+            self.lock.notify_all()
             return {"store_port": self.store.port, "beat": self.detect / 5, "hello": self.hellos}
 
     def _beat(self, msg, conn):
@@ -208,13 +339,16 @@ class Coordinator:
     def _quorum(self, msg, conn):
         r = msg["replica"]
         with self.lock:
+            stale = self._stale(r, conn)
+            if stale:
+                return stale
             rec = self.replicas[r]
             rec.update(step=msg["step"], asked=time.time(), reply=None)
             self.lock.notify_all()
             self._form()
             while rec["reply"] is None:
                 if self.replicas.get(r) is not rec:   # a new start of this replica said hello: this one is gone
-                    return {"stop": True, "step": msg["step"]}
+                    return self._stale(r, conn) or {"stop": True, "step": msg["step"]}
                 self.lock.wait(0.05)
                 self._form()
             reply, rec["reply"] = rec["reply"], None
@@ -222,6 +356,9 @@ class Coordinator:
 
     def _vote(self, msg, conn):
         with self.lock:
+            stale = self._stale(msg["replica"], conn)
+            if stale:
+                return stale
             qid, q = msg["qid"], self.quorum
             if qid not in self.decisions and q is not None and q["qid"] == qid:
                 q["votes"][msg["replica"]] = bool(msg["ok"])
@@ -235,21 +372,35 @@ class Coordinator:
             return {"commit": self.decisions.get(qid, False)}
 
     def _done(self, msg, conn):
+        """A replica finished: the first at the run's newest committed step writes the final
+        weights (every replica's there are alike: written once; again by one that trained on
+        alone to a later step)."""
         with self.lock:
+            stale = self._stale(msg["replica"], conn)
+            if stale:
+                return stale
             rec = self.replicas[msg["replica"]]
             rec.update(done=True, step=msg["step"])
             self._event(msg["replica"], "finished")
+            write = msg["step"] > 0 and msg["step"] >= self.committed and (self.final is None
+                                                                           or self.final["step"] < msg["step"])
+            if write:
+                self.final = {"replica": msg["replica"], "step": msg["step"]}
+                self._write({"final": self.final})
+            self._say(f"replica {msg['replica']} finished at step {msg['step']}"
+                      + (" and writes the final weights" if write else ""))
             self.lock.notify_all()
-        return {}
+        return {"write": write}
 
     def _status(self, msg, conn):
         with self.lock:
             last = next((q for q in reversed(self.history) if q.get("commit")), None)
             self._liveness()
             return {"replicas": {r: {"alive": rec["live"], "step": rec["step"], "done": rec["done"],
-                                     "incarnation": rec["incarnation"]}
+                                     "incarnation": rec["incarnation"], "where": rec["where"]}
                                  for r, rec in self.replicas.items()},
                     "last_commit": last and {k: last[k] for k in ("qid", "step", "members")},
+                    "committed": self.committed, "over": self.final is not None,
                     "history": self.history if msg.get("history") else None, "events": self.events,
                     "t": time.time() - self.t0}
 
@@ -279,6 +430,8 @@ class Coordinator:
                 rec["live"] = live
                 if not rec["done"]:
                     self._event(r, "back" if live else "lost")
+                    self._say(f"replica {r} {'is back' if live else 'lost'}"
+                              + ("" if live else " (a connection closed, or no beat for --detect seconds)"))
 
     def _form(self):
         self._liveness()
@@ -295,9 +448,26 @@ class Coordinator:
         finished = max([rec["step"] for rec in self.replicas.values() if rec["done"]], default=-1)
         if self.stop_at is not None and newest >= self.stop_at or newest < finished:
             for r, rec in asking.items():   # the run is over (or every peer with newer state has finished)
-                rec.update(reply={"stop": True, "step": newest}, asked=None)
+                rec.update(reply={"stop": True, "step": newest, "over": f"the run at {self.address} is over: "
+                                  f"it ended at step {max(newest, finished)}"}, asked=None)
             self.lock.notify_all()
             return
+        if newest < self.committed:   # the asking are behind the run's newest committed step
+            if any(rec["step"] >= self.committed for rec in live.values()):
+                self.no_holder = None
+                return   # a live replica holds it: wait for it (it heals them; no step is committed twice)
+            self.no_holder = self.no_holder or now
+            if now - self.no_holder < self.join_timeout:
+                return   # (a replica that holds it may be back: a hung one continued)
+            self._write({"rewind": newest, "lost": [newest, self.committed - 1]})
+            self._say(f"no live replica holds step {self.committed} (every replica that had it is gone): the run "
+                      f"goes back to step {newest}, the newest any replica holds; steps {newest} to "
+                      f"{self.committed - 1} will be committed again (the record says so)")
+            self.committed = newest
+        elif newest > self.committed:   # (a coordinator without the run's record: the record starts here)
+            self._write({"start": newest})
+            self.committed = newest
+        self.no_holder = None
         members = sorted(asking)
         source = min(r for r in members if asking[r]["step"] == newest)
         heal = {r: source for r in members if asking[r]["step"] < newest or self.init_sync and newest == 0 and r != source}
@@ -305,6 +475,10 @@ class Coordinator:
         prev, who = self.quorum, [(r, asking[r]["hello"]) for r in members]
         if prev is None or prev["who"] != who or not self.decisions.get(prev["qid"]):
             self.next_group += 1   # the same starts of the same replicas after a commit keep their groups
+        if prev is None or prev["members"] != members:
+            self._say(f"quorum {self.next_qid}: replicas {members} at step {newest}")
+        for r in sorted(heal):
+            self._say(f"replica {r} heals from replica {heal[r]} at step {newest}")
         for old in [k for k in self.decisions if k < self.next_qid - 1000]:   # (a vote that old is long stale)
             del self.decisions[old]
         q = {"qid": self.next_qid, "group": self.next_group, "who": who, "step": newest, "members": members,
@@ -329,24 +503,41 @@ class Coordinator:
         if q is None or q["qid"] in self.decisions:
             return
         votes, members = q["votes"], q["members"]
+        gone = [r for r, h in q["who"] if r not in votes and (not self.replicas[r]["live"]
+                                                              or self.replicas[r]["hello"] != h)]   # lost, or replaced
         if len(votes) == len(members):
-            commit = all(votes.values())
-        elif any(not self.replicas[r]["live"] for r in members if r not in votes):
+            commit = all(votes.values()) and q["step"] == self.committed
+        elif gone:
             commit = False   # a member went before it voted
         elif q["first_vote"] and time.time() - q["first_vote"] > self.join_timeout:
             commit = False   # alive, but silent
         else:
             return
         self.decisions[q["qid"]] = commit
-        if not commit:   # (a member still waiting in this step's all-reduce stops: ReplicaManager._wait)
+        if not commit:   # (a member still waiting in this step's all-reduce, group or heal stops: ReplicaManager)
             self.store.set(f"aborted/{q['qid']}", "1")
         h = self.history[-1]
-        h.update(commit=commit, decided=round(time.time() - self.t0, 3), votes=dict(votes), info=q["info"],
-                 lost=[r for r in members if r not in votes and not self.replicas[r]["live"]])
+        h.update(commit=commit, decided=round(time.time() - self.t0, 3), votes=dict(votes), info=q["info"], lost=gone)
         if commit:
+            self._write({"commit": q["step"], "members": members})
+            self.committed = q["step"] + 1
             for r in members:
                 self.replicas[r]["step"] = q["step"] + 1
+            last = next((p for p in reversed(self.history[:-1]) if p.get("commit")), None)
+            if self.committed % self.log_every == 0 or last is None or last["members"] != members:
+                aborted = sum(1 for p in self.history if p.get("commit") is False)
+                self._say(f"step {q['step']} committed by replicas {members} ({aborted} attempt(s) aborted so far, "
+                          f"{time.time() - self.t0:.0f} s in)")
+        else:
+            why = "; ".join(f"{w} {', '.join(map(str, rs))}" for rs, w in (
+                (gone, "lost:"), (sorted(r for r, ok in votes.items() if not ok), "failed:")) if rs)
+            self._say(f"step {q['step']} aborted (members {members}; {why or 'a member silent past --join-timeout'}):"
+                      f" committed by nobody, redone")
         self.lock.notify_all()
+
+
+class Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address, daemon_threads = True, True
 
 
 class ReplicaManager:
@@ -377,7 +568,8 @@ class ReplicaManager:
     The cross-replica groups are gloo's: gradients on a GPU are reduced from device memory, a
     heal's tensors travel through host memory (gloo's send takes CPU tensors only).
     ``heal_hook(i, n)``: called by a heal's source after its i-th tensor of n (the tests'
-    kill during a heal). ``step``: the committed step this replica starts from (its own
+    kill during a heal); ``quorum_hook(q)``: with each quorum's answer, before its group is
+    made (the tests' kill there). ``step``: the committed step this replica starts from (its own
     checkpoint's; the quorum heals it if the others are further); ``incarnation``: which
     start of this replica it is (the coordinator reports it: a launcher tells a replaced
     replica's new start from the old one). ``close()``: this rank's beats stop and its
@@ -393,14 +585,16 @@ class ReplicaManager:
     """
 
     def __init__(self, module, optimizer, coordinator: str, replica_id: int, process_group=None, timeout=300.0,
-                 step=0, incarnation=0, bucket_mb=None, first_bucket_mb=1.0):
+                 step=0, incarnation=0, bucket_mb=None, first_bucket_mb=1.0, settings=None, connect_wait=30.0,
+                 say=None):
         self.module, self.optimizer, self.group = module, optimizer, process_group
         self.rank, self.replica_id, self.timeout, self.step = dist.get_rank(process_group), replica_id, timeout, step
         self.size = dist.get_world_size(process_group)
         self.device = next(module.parameters()).device
         self.coordinator, self.qid, self.group_id, self.pg, self.members = coordinator, None, None, None, []
-        self.faults = []
-        self.heal_hook, self.heals, self.info = None, [], {}
+        self.faults, self.say, self.writer = [], say, False
+        self.heal_hook, self.quorum_hook, self.heals, self.info = None, None, [], {}
+        self.started, self.first, self.commits, self.aborts = step, None, 0, 0   # (this start's own counts)
         host, port = coordinator.rsplit(":", 1)
         if bucket_mb is not None and self.size > 1:   # (before the hello: nothing to undo)
             raise ValueError(f"bucket_mb: the all-reduce runs during backward only where a replica is one rank "
@@ -409,13 +603,18 @@ class ReplicaManager:
         if self.size > 1:   # every rank here before the hello: each must beat within ``detect`` of it
             dist.barrier(group=process_group)
         if self.rank == 0:
-            self._sock = socket.create_connection((host, int(port)))
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._lines = self._sock.makefile("r")
-            hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "incarnation": incarnation,
-                               "ranks": self.size})
+            try:
+                self._sock = connect(coordinator, connect_wait)
+                self._lines = self._sock.makefile("r")
+                hello = self._ask({"op": "hello", "replica": replica_id, "step": step, "incarnation": incarnation,
+                                   "ranks": self.size, "settings": settings,
+                                   "where": f"{socket.gethostname()}, pid {os.getpid()}"})
+                if "over" in hello or "refused" in hello:
+                    raise NotJoined(hello.get("over") or hello["refused"])
+            except ReplicaStopped as e:
+                hello = {"stopped": type(e).__name__, "message": str(e)}
         hello = self._share(hello)
-        beats, self._stop = socket.create_connection((host, int(port))), threading.Event()   # every rank: one hung
+        beats, self._stop = connect(coordinator, connect_wait), threading.Event()            # every rank: one hung
         threading.Thread(target=_beat, daemon=True, args=(                                  # or gone is seen
             beats, {"op": "beat", "replica": replica_id, "rank": self.rank, "hello": hello["hello"]}, hello["beat"],
             self._stop)).start()
@@ -472,23 +671,39 @@ class ReplicaManager:
         self.launched_upto += 1
 
     # ---- the coordinator (the replica's first rank talks to it) ----
+    WAIT_LINE = 30.0   # seconds between the lines that say this replica still waits for the coordinator
+
     def _ask(self, msg):
+        """The coordinator's answer to ``msg`` (a quorum's may take long: every WAIT_LINE
+        seconds a line says what it waits for)."""
         try:
             _send(self._sock, msg)
+            began = time.time()   # (one answer a request, nothing unasked: the socket holds all that is unread)
+            while not select.select([self._sock], [], [], self.WAIT_LINE)[0]:
+                self._tell(f"waiting {time.time() - began:.0f} s for the coordinator's answer to its {msg['op']} "
+                           f"at step {self.step}" + (" (a quorum forms when every live replica asks, with at least "
+                                                     "--min-replicas)" if msg["op"] == "quorum" else ""))
             line = self._lines.readline()
         except OSError as e:
             raise CoordinatorGone(f"the coordinator at {self.coordinator} is gone ({e})") from None
         if not line:
             raise CoordinatorGone(f"the coordinator at {self.coordinator} is gone (its connection closed)")
-        return json.loads(line)
+        reply = json.loads(line)
+        if "replaced" in reply:
+            raise Replaced(reply["replaced"])
+        return reply
+
+    def _tell(self, line):
+        if self.say is not None:
+            self.say(f"replica {self.replica_id}: {line}")
 
     def _share(self, obj):
-        """Rank 0's ``obj`` on every rank of the replica (an error on rank 0 too: it is raised everywhere)."""
+        """Rank 0's ``obj`` on every rank of the replica (a stop on rank 0 too: it is raised everywhere)."""
         box = [obj]
         if self.size > 1:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
-        if isinstance(box[0], dict) and "gone" in box[0]:
-            raise CoordinatorGone(box[0]["gone"])
+        if isinstance(box[0], dict) and "stopped" in box[0]:
+            raise STOPS[box[0]["stopped"]](box[0]["message"])
         return box[0]
 
     def _leader(self, msg):
@@ -497,9 +712,35 @@ class ReplicaManager:
         if self.rank == 0:
             try:
                 reply = self._ask(msg)
-            except CoordinatorGone as e:
-                reply = {"gone": str(e)}
+            except ReplicaStopped as e:
+                reply = {"stopped": type(e).__name__, "message": str(e)}
         return self._share(reply)
+
+    def _aborted(self) -> bool:
+        """Whether the coordinator aborted this quorum's step (a key it sets in its store)."""
+        try:
+            return bool(self.store.check([f"aborted/{self.qid}"]))
+        except RuntimeError:   # its store is gone with the coordinator: the vote finds it gone
+            return True
+
+    def _abortable(self, fn) -> bool:
+        """``fn()`` in a thread of its own, waited for here in 50 ms pieces: False where it
+        raised, or where the coordinator aborted this quorum's step meanwhile (a member lost:
+        gloo's own wait would last the group's timeout; the thread is left to end there)."""
+        done, failed = threading.Event(), []
+
+        def run():
+            try:
+                fn()
+            except Exception:   # (gloo's errors, and a peer's garbled layout)
+                failed.append(True)
+            finally:
+                done.set()
+        threading.Thread(target=run, daemon=True).start()
+        while not done.wait(0.05):
+            if self._aborted():
+                return False
+        return not failed
 
     # ---- a step ----
     def start_step(self, steps=None) -> bool:
@@ -509,8 +750,14 @@ class ReplicaManager:
             return self._finished()
         q = self._leader({"op": "quorum", "replica": self.replica_id, "step": self.step})
         if q.get("stop"):
+            if not self.commits and not self.heals and self.close.alive:   # it joined a run that is over
+                self._finished()
+                raise NotJoined(f"{q['over']}; replica {self.replica_id} has nothing to join: a coordinator serves "
+                                f"one run, start a new one (a new --run-dir) for another")
             return self._finished()
         self.qid, self.faults, self.ok, self.info = q["qid"], q["faults"], True, {}
+        if self.quorum_hook is not None:
+            self.quorum_hook(q)
         if q["group"] != self.group_id:   # the members changed, or the last step aborted: a group of their own
             self._new_group(q)
         heal = {int(k): v for k, v in q["heal"].items()}
@@ -535,13 +782,16 @@ class ReplicaManager:
 
     def _finished(self) -> bool:
         """The run is over for this replica: it says so, then every rank closes (after the
-        word: a rank's connection closing first would count as its replica lost)."""
+        word: a rank's connection closing first would count as its replica lost). ``writer``:
+        whether this replica writes the final weights (the coordinator names one: the first to
+        finish at the run's newest step)."""
         if self.close.alive:
+            said = None
             if self.rank == 0:
-                with contextlib.suppress(CoordinatorGone):
-                    self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
-            if self.size > 1:
-                self._share(None)
+                with contextlib.suppress(ReplicaStopped):
+                    said = self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
+            said = self._share(said) if self.size > 1 else said
+            self.writer = bool(said and said.get("write"))
             self.close()
         return False
 
@@ -555,10 +805,11 @@ class ReplicaManager:
             options._devices = [dist.ProcessGroupGloo.create_device(interface=iface.split(",")[0]) if iface
                                 else dist.ProcessGroupGloo.create_default_device()]
             options._timeout = datetime.timedelta(seconds=self.timeout)
-            try:
-                self.pg = dist.ProcessGroupGloo(store, self.members.index(self.replica_id), len(self.members), options)
-            except RuntimeError:   # a member went before the group met
-                self.pg = None
+            made = []   # (a member that went before the group met would hold it up to the timeout: abortable)
+            if not self._abortable(lambda: made.append(dist.ProcessGroupGloo(
+                    store, self.members.index(self.replica_id), len(self.members), options))):
+                made.clear()
+            self.pg = made[0] if made else None
 
     def all_reduce_gradients(self) -> bool:
         """Each gradient this rank holds averaged with rank k of every member (one flat
@@ -594,7 +845,7 @@ class ReplicaManager:
             return params, flat, None
 
     def _wait(self, work) -> bool:
-        """Wait for a cross-replica work: False where it failed, or where the coordinator
+        """Wait for a cross-replica all-reduce: False where it failed, or where the coordinator
         aborted this quorum's step meanwhile (a member lost: a work that waits on a peer that
         gave up may otherwise wait out the group's timeout)."""
         while True:
@@ -608,11 +859,7 @@ class ReplicaManager:
                         return True
                     except RuntimeError:
                         return False
-                try:
-                    aborted = self.store.check([f"aborted/{self.qid}"])   # (set by the coordinator's decision)
-                except RuntimeError:   # its store is gone with the coordinator: the vote finds it gone
-                    return False
-                if aborted:
+                if self._aborted():
                     return False
 
     def _finish(self, params, flat, work) -> bool:
@@ -646,8 +893,11 @@ class ReplicaManager:
         reply = self._leader({"op": "vote", "replica": self.replica_id, "qid": self.qid, "ok": not failed,
                               "info": {k: [i.get(k) for i in info] for k in info[0]} if healed else {}})
         if reply["commit"]:
+            self.first = self.step if self.first is None else self.first
             self.step += 1
+            self.commits += 1
         else:
+            self.aborts += 1
             self._retire_group()   # made again at the next quorum
             self.group_id = None
         return reply["commit"]
@@ -697,37 +947,46 @@ class ReplicaManager:
         False."""
         began, index, joiner = time.perf_counter(), self.members.index, self.replica_id in heal
         peers = [heal[self.replica_id]] if joiner else [j for j, s in heal.items() if s == self.replica_id]
-        tensors, exact, got = [], False, None
-        try:
-            if joiner:
-                src = index(peers[0])
-                layout = self._recv_obj(src)
+        tensors, result, dropped = self._state(), {}, threading.Lock()   # (held by whoever writes into the state)
+        abandoned = []
+
+        def receive():   # (in a thread: every wait ends when the coordinator aborts the step)
+            src = index(peers[0])
+            layout = self._recv_obj(src)
+            with dropped:
+                if abandoned:
+                    return
                 for p, st in zip(self.module.parameters(), layout["state"]):
                     self.optimizer.state[p] = {
                         k: torch.zeros(v[0], dtype=getattr(torch, v[1]), device=p.device if v[2] else "cpu")
                         if isinstance(v, list) else v for k, v in st.items()}
                 for g, given in zip(self.optimizer.param_groups, layout["groups"]):
                     g.update(given)
-                tensors = self._state()
+                result["tensors"] = self._state()
+            for i, t in enumerate(result["tensors"]):
+                buf = torch.empty(t.shape, dtype=t.dtype)
+                self.pg.recv([buf], src, 2 + i).wait()
+                with dropped, torch.no_grad():
+                    if abandoned:
+                        return
+                    t.copy_(buf)
+            result["exact"] = self._digest(result["tensors"], layout["step"]) == layout["digest"]
+            result["step"] = layout["step"]
+
+        def send():
+            layout = {**self._layout(), "digest": self._digest(tensors, self.step)}
+            for j in peers:
+                self._send_obj(layout, index(j))
                 for i, t in enumerate(tensors):
-                    buf = torch.empty(t.shape, dtype=t.dtype)
-                    self.pg.recv([buf], src, 2 + i).wait()
-                    with torch.no_grad():
-                        t.copy_(buf)
-                got = layout["step"]
-                exact = self._digest(tensors, got) == layout["digest"]
-            else:
-                tensors = self._state()
-                layout = {**self._layout(), "digest": self._digest(tensors, self.step)}
-                for j in peers:
-                    self._send_obj(layout, index(j))
-                    for i, t in enumerate(tensors):
-                        self.pg.send([t.detach().cpu().contiguous()], index(j), 2 + i).wait()
-                        if self.heal_hook is not None:
-                            self.heal_hook(i, len(tensors))
-                exact = True
-        except RuntimeError:
-            exact = False
+                    self.pg.send([t.detach().cpu().contiguous()], index(j), 2 + i).wait()
+                    if self.heal_hook is not None:
+                        self.heal_hook(i, len(tensors))
+            result["exact"] = True
+        exact = self._abortable(receive if joiner else send) and result.get("exact", False)
+        with dropped:
+            abandoned.append(True)   # (a thread still receiving writes nothing more)
+        tensors = result.get("tensors", tensors)
+        got = result.get("step")
         flag = torch.tensor([float(exact)], device=self.device)
         if self.size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)   # every rank of the replica, or none
@@ -777,32 +1036,45 @@ def shard_batch(args, replica: int, step: int, device):
     return common.lm_batch(args.batch_size, args.context_length, step, args.seed * 1000 + 17 + replica, device)
 
 
-def act_out(faults, ctx):
+def act_out(faults, ctx, when=None):
     """The scenario's failures, handed out by the coordinator with a quorum: kill -9 of the
-    replica's last rank, SIGSTOP of it (its beats stop: it hangs; its first rank still beats)."""
-    if "kill" in faults and ctx.rank == ctx.world_size - 1:
+    replica's last rank (when the step starts, or "kill@WHEN": at that point of the step),
+    SIGSTOP of it (its beats stop: it hangs; its first rank still beats)."""
+    if ("kill" if when is None else f"kill@{when}") in faults and ctx.rank == ctx.world_size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if "stop" in faults and ctx.rank == ctx.world_size - 1:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def replica_settings(args) -> dict:
+    """What every replica of a run must share (the coordinator refuses a replica whose differ;
+    the replay rebuilds the run from them)."""
+    return {k: getattr(args, k) for k in ("model_size", "context_length", "batch_size", "seed", "replica_ranks", "inner")}
+
+
 def replica_worker(ctx, args):
     """One replica's training, on each of its ranks: from its own checkpoint (--run-dir,
     where one is) or step 0, a quorum each step, until --steps or the coordinator says
-    stop. Where the coordinator is gone, each rank saves its part of the last committed
-    step (a sharded checkpoint in --run-dir) before the replica ends. Returns rank 0's
-    record: the weights (whole), the step, the heals, each step's seconds."""
+    stop; a line every --log-every committed steps. Where the coordinator is gone, each rank
+    saves its part of the last committed step (a sharded checkpoint in --run-dir) before the
+    replica ends. The replica the coordinator names writes the final weights to
+    --run-dir/final (once for the run). Returns rank 0's record: the weights (whole), the
+    step, the heals, each step's seconds, this start's counts."""
     model, opt = build(ctx, args)
     sync = getattr(model, "finish_gradient_synchronization", lambda: None)
-    folder = Path(args.run_dir) / f"replica-{args.replica_id}" if args.run_dir else None
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    folder = run_dir / f"replica-{args.replica_id}" if run_dir else None
     latest = sharded_checkpoint.latest_checkpoint(str(folder)) if folder and folder.exists() else None
     start = sharded_checkpoint.load_sharded(model, opt, latest)["step"] if latest else 0
+    say = (lambda line: print(line, flush=True)) if ctx.rank == 0 else None
     manager = ReplicaManager(model, opt, args.join, args.replica_id, timeout=args.timeout, step=start,
                              incarnation=args.incarnation,
-                             bucket_mb=args.bucket_mb if ctx.world_size == 1 and overlaps(args) else None)
+                             bucket_mb=args.bucket_mb if ctx.world_size == 1 and overlaps(args) else None,
+                             settings=replica_settings(args), connect_wait=args.connect_wait, say=say)
     manager.heal_hook = lambda i, n: act_out(["kill"] if "healkill" in manager.faults and i == n // 2 else [], ctx)
+    manager.quorum_hook = lambda q: act_out(q["faults"], ctx, "quorum")
     part = args.batch_size // ctx.world_size
-    times, pace = [], args.pace_ms / 1000
+    times, pace, loss, began_run = [], args.pace_ms / 1000, None, time.perf_counter()
     try:
         while True:
             began = time.perf_counter()   # (a step's time counts its quorum)
@@ -810,11 +1082,19 @@ def replica_worker(ctx, args):
                 break
             act_out(manager.faults, ctx)
             x, y = shard_batch(args, args.replica_id, manager.step, ctx.device)
-            model(x[ctx.rank * part:(ctx.rank + 1) * part], y[ctx.rank * part:(ctx.rank + 1) * part]).backward()
+            out = model(x[ctx.rank * part:(ctx.rank + 1) * part], y[ctx.rank * part:(ctx.rank + 1) * part])
+            out.backward()
             sync()
-            if manager.should_commit(manager.all_reduce_gradients()):
+            act_out(manager.faults, ctx, "reduce")
+            reduced = manager.all_reduce_gradients()
+            act_out(manager.faults, ctx, "vote")
+            if manager.should_commit(reduced):
+                act_out(manager.faults, ctx, "commit")
                 placement.clip_grad_norm_(model, CLIP)
                 opt.step()
+                loss = out.item()
+                if say and manager.step % args.log_every == 0:
+                    say(progress_line(manager, loss, time.perf_counter() - began_run))
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - began)
             time.sleep(max(0.0, pace - times[-1]))
@@ -827,24 +1107,55 @@ def replica_worker(ctx, args):
                               f"its state is saved in {where}: start a coordinator and the replicas again to go on "
                               f"from there") from None
     full = {k.removeprefix("module."): v for k, v in placement.full_state_dict(model).items()}   # (the model's names)
+    if ctx.rank != 0:
+        return None
+    final = None
+    if manager.writer and run_dir:   # (the run's final weights: once, by the replica the coordinator named)
+        final = run_dir / "final" / "weights.pt"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        common.save_file(final, lambda f: torch.save(full, f))
     return {"replica": args.replica_id, "step": manager.step, "heals": manager.heals, "times": times,
-            "weights": full, "started": start} if ctx.rank == 0 else None
+            "weights": full, "started": start, "from": manager.first, "commits": manager.commits,
+            "aborts": manager.aborts, "final": final and str(final), "loss": loss}
+
+
+def progress_line(manager, loss, seconds) -> str:
+    got = sum(h["role"] == "joiner" for h in manager.heals)
+    return (f"replica {manager.replica_id}: step {manager.step} committed with replicas {manager.members or [manager.replica_id]}"
+            f", loss {loss:.4f}; this start: {manager.commits} committed, {manager.aborts} aborted, {got} heal(s) "
+            f"received, {len(manager.heals) - got} served, {seconds:.0f} s")
 
 
 def run_replica(args):
     """--join: this process is a rank of one replica (torchrun's, or the launcher's, which
-    sets torchrun's variables); rank 0 writes --result where given, and prints its summary."""
+    sets torchrun's variables); rank 0 writes --result where given, and prints its summary.
+    A replica that stops without training on (the coordinator gone, the run over, replaced
+    by a new start of it) ends with one line from its first rank."""
     if args.parent:
         common._watch_parent(args.parent)   # the launcher gone: so is this replica
     args.doing = f"replica {args.replica_id}, joining the coordinator at {args.join}"
-    out = common.launch(replica_worker, args, world_size=args.replica_ranks)
+    try:
+        out = common.launch(replica_worker, args, world_size=args.replica_ranks)
+    except ReplicaStopped as e:
+        line = f"{Path(SCRIPT).name}: replica {args.replica_id}: {e}"
+        if common.is_reporter():
+            print(line, file=sys.stderr, flush=True)
+        if e.code:
+            common.torchrun_error_file(line)
+            sys.exit(e.code)
+        return
     if out is None:
         return
     digest = common.weights_sha256(out["weights"])
     if args.result:
         common.save_file(args.result, lambda f: torch.save(out, f))
-    print(f"replica {args.replica_id}: {out['step']} steps committed (from step {out['started']}), "
-          f"{len(out['heals'])} heal(s); final weights sha256 {digest}", flush=True)
+    got = [h for h in out["heals"] if h["role"] == "joiner"]
+    healed = "; healed from replica " + ", ".join(f"{h['peers'][0]} at step {h['step']}" for h in got) if got else ""
+    where = f"written to {out['final']}" if out["final"] else "written by another replica" if args.run_dir else "not saved"
+    print(f"replica {args.replica_id}: done at step {out['step']}; this start committed {out['commits']} step(s)"
+          f"{' from step %d' % out['from'] if out['commits'] else ''} ({out['aborts']} aborted{healed}; "
+          f"{len(out['heals']) - len(got)} heal(s) served); "
+          f"final weights sha256 {digest}, {where}", flush=True)
 
 
 # ---- the launcher: the coordinator and each replica's ranks as processes of their own ------
@@ -896,7 +1207,7 @@ class Launcher:
                 "--context-length", str(a.context_length), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
                 "--detect", str(a.detect), "--pace-ms", str(a.pace_ms), "--seed", str(a.seed), "--backend", a.backend,
                 "--device", a.device, "--timeout", str(a.timeout), "--parent", str(os.getpid()),
-                "--bucket-mb", str(a.bucket_mb), "--overlap", a.overlap,
+                "--bucket-mb", str(a.bucket_mb), "--overlap", a.overlap, "--run-dir", str(self.work / "run"),
                 "--result", str(self.work / f"replica-{r}.pt")]
         log = str(self.work / f"replica-{r}.{self.incarnation[r]}.log")
         procs = []
@@ -930,8 +1241,8 @@ class Launcher:
                 continue
             codes = [p.exitcode for p in procs]
             rec = status["replicas"].get(str(r))
-            if all(c == 0 for c in codes):
-                self.finished.add(r)
+            if all(c == 0 for c in codes) or status["over"] and all(c == NotJoined.code for c in codes):
+                self.finished.add(r)   # (or came back after the run ended: nothing to join)
                 self.event(r, "finished")
             elif any(c not in (None, 0) for c in codes):
                 if not rec or rec["incarnation"] != self.incarnation[r]:   # it never joined: it cannot start
@@ -1018,15 +1329,26 @@ def everyone(n):
         status["last_commit"]["step"] >= since + 2
 
 
+TWO_AT_ONCE = (("quorum", "at the quorum, before its group is made"), ("reduce", "before the all-reduce"),
+               ("vote", "before the vote"), ("commit", "after the commit, before the optimizer's step"))
+
+
 def verification_phases(n: int) -> list:
     """The scenario: replica 1 killed, with the source of the heal that follows killed
-    midway; replica n-1 hung (SIGSTOP); two replicas killed at once; then a stop."""
+    midway; replica n-1 hung (SIGSTOP); two replicas killed at once when a step starts, then
+    at each other point of a step (TWO_AT_ONCE), a different replica left each time; then a
+    stop."""
+    pairs = [(0, n - 1), (1, n - 1), (0, 1), (0, n - 1)]
     return [
         (everyone(n), lambda last: {"faults": [{"replica": 1, "fault": "kill"}, {"replica": None, "fault": "healkill"}]},
          "kill -9 replica 1; then the source of its heal, midway"),
         (everyone(n), lambda last: {"faults": [{"replica": n - 1, "fault": "stop"}]}, f"SIGSTOP replica {n - 1}"),
         (everyone(n), lambda last: {"faults": [{"replica": 0, "fault": "kill"}, {"replica": 1, "fault": "kill"}]},
          "kill -9 replicas 0 and 1 at once"),
+        *[(everyone(n), lambda last, pair=pair, when=when: {"faults": [{"replica": r, "fault": f"kill@{when}"}
+                                                                      for r in pair]},
+           f"kill -9 replicas {pair[0]} and {pair[1]} at once, {words}")
+          for pair, (when, words) in zip(pairs, TWO_AT_ONCE)],
         (everyone(n), lambda last: {"stop_at": last["step"] + 3}, "stop"),
     ]
 
@@ -1193,9 +1515,9 @@ def benchmark(args):
     rows, settings = [], {"model_size": args.model_size, "context_length": args.context_length,
                           "batch_size": args.batch_size, "detect_s": args.detect, "bench_steps": args.bench_steps,
                           "backend": "gloo", "device": args.device, "world_size": list(args.bench_replicas)}
-    if importlib.util.find_spec("torchft") is None:
-        print("benchmark: SKIP torchft's Manager: torchft is not installed here (this machine's package index has "
-              "none); ours and torch DDP only", flush=True)
+    print(f"benchmark: SKIP torchft's Manager: not yet run beside ours (torchft "
+          f"{'is' if importlib.util.find_spec('torchft') else 'is not'} installed here); ours and torch DDP only",
+          flush=True)
     fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0})   # (one rank a replica: --inner unused)
     for n in args.bench_replicas:
         run = run_scenario(fast, n, 1, bench_phases(n, args.bench_steps), deadline=args.deadline)
@@ -1270,8 +1592,17 @@ def parser():
                         "coordinator there")
     p.add_argument("--replica-id", type=common.COUNT0, default=None, help="--join: this replica's number")
     p.add_argument("--run-dir", default=None,
-                   help="--join: where a replica saves its last committed step when the coordinator is gone, and "
-                        "starts from (default: runs/14_fault_tolerant_dp)")
+                   help="--join and --coordinator: the run's folder (default: runs/14_fault_tolerant_dp): the "
+                        "coordinator's record of every committed step (record.jsonl), each replica's last committed "
+                        "step when the coordinator is gone (replica-<id>, where it starts from), the final weights "
+                        "(final/weights.pt); --replay reads it")
+    p.add_argument("--log-every", type=common.COUNT, default=10,
+                   help="--join and --coordinator: a progress line every this many committed steps")
+    p.add_argument("--connect-wait", type=common.SECONDS, default=30.0,
+                   help="--join: seconds a replica tries to reach the coordinator before it gives up")
+    p.add_argument("--replay", default=None, metavar="RUN_DIR",
+                   help="replay a torchrun run's committed steps in one process from its record (RUN_DIR/record.jsonl) "
+                        "and compare with its final weights (RUN_DIR/final/weights.pt)")
     p.add_argument("--incarnation", type=common.COUNT0, default=0, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
@@ -1294,7 +1625,16 @@ def check_args(args):
         raise common.UsageError("--device cuda but no GPU is visible: use --device cpu")
     if args.coordinator and args.join:
         raise common.UsageError("--coordinator and --join: a process is the coordinator or a replica's rank, not both")
+    if args.replay is not None:
+        if not (Path(args.replay) / "record.jsonl").is_file():
+            raise common.UsageError(f"--replay {args.replay}: no record.jsonl there (the coordinator writes it in its "
+                                    f"--run-dir)")
+        return
     if args.coordinator:
+        if args.replica_id is not None:
+            raise common.UsageError("--replica-id applies to --join (a replica's ranks)")
+        args.run_dir = args.run_dir or str(common.ROOT / "runs" / NAME)
+        common.check_out(args.run_dir, "--run-dir")
         return
     if args.batch_size % args.replica_ranks:
         raise common.UsageError(f"--batch-size {args.batch_size} must divide by --replica-ranks {args.replica_ranks}: "
@@ -1303,6 +1643,12 @@ def check_args(args):
         host, _, port = args.join.rpartition(":")
         if not host or not port.isdigit():
             raise common.UsageError(f"--join {args.join}: give the coordinator's HOST:PORT")
+        if not 1 <= int(port) <= 65535:
+            raise common.UsageError(f"--join {args.join}: a port is 1 to 65535")
+        try:
+            socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise common.UsageError(f"--join {args.join}: the host {host!r} is not known here ({e.strerror})") from None
         if args.replica_id is None:
             raise common.UsageError("--join needs --replica-id: this replica's number (its data shard)")
         if common.under_torchrun():
@@ -1313,8 +1659,8 @@ def check_args(args):
         common.check_out(args.run_dir, "--run-dir")
         return
     if args.replica_id is not None or args.run_dir is not None:
-        raise common.UsageError(f"{'--replica-id' if args.replica_id is not None else '--run-dir'} applies to --join "
-                                f"(a replica's ranks)")
+        raise common.UsageError("--replica-id applies to --join (a replica's ranks)" if args.replica_id is not None
+                                else "--run-dir applies to --join and --coordinator (the torchrun form)")
     if args.replicas < 2:
         raise common.UsageError(f"--replicas {args.replicas}: surviving a lost replica needs at least 2")
     if not args.no_verify and args.replicas < 3:
@@ -1336,18 +1682,76 @@ def check_args(args):
 
 
 def run_coordinator(args):
-    coordinator = Coordinator(args.host, args.port, detect=args.detect, join_timeout=args.join_timeout,
-                              min_replicas=args.min_replicas)
+    """--coordinator: the quorum service alone, for replicas under torchrun: its record in
+    --run-dir (a record there goes on; one whose run ended is refused), a line for what an
+    operator follows, until killed (Ctrl-C)."""
+    record = Path(args.run_dir) / "record.jsonl"
+    began = time.time()
+    say = lambda line: print(f"coordinator [{time.time() - began:7.1f} s] {line}", flush=True)   # noqa: E731
+    try:
+        coordinator = Coordinator(args.host, args.port, detect=args.detect, join_timeout=args.join_timeout,
+                                  min_replicas=args.min_replicas, record=record, say=say, log_every=args.log_every)
+    except OSError as e:
+        raise common.UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}): "
+                                f"{'another process holds the port; choose another, or --port 0 for any free one' if e.errno == errno.EADDRINUSE else 'give an address of this machine'}") from None
+    if coordinator.final is not None:
+        coordinator.close()
+        raise common.UsageError(f"the run recorded in {record} is over (it ended at step {coordinator.final['step']}, "
+                                f"its final weights in {Path(args.run_dir) / 'final'}): a coordinator serves one run; "
+                                f"give another --run-dir for another")
     if args.parent:
         common._watch_parent(args.parent)
     port = coordinator.address.rsplit(":", 1)[1]
     reach = f"{socket.gethostname()}:{port}" if args.host in ("0.0.0.0", "") else coordinator.address
     print(f"coordinator at {coordinator.address} (its store at port {coordinator.store.port}); every replica's first "
           f"rank joins it with --join {reach}", flush=True)
+    say(f"its record: {record}" + (f" (going on with the run there: steps 0 to {coordinator.committed - 1} committed)"
+                                   if coordinator.committed else " (a new run)"))
     try:
         coordinator.serve()
     finally:
         coordinator.close()
+
+
+def read_record(path) -> tuple:
+    """A coordinator's record: the run's settings, (step, members) of every committed step
+    that stands (a rewind drops the steps after it), and the final weights' entry."""
+    settings, schedule, final = None, [], None
+    for line in Path(path).read_text().splitlines():
+        e = json.loads(line)
+        if "settings" in e:
+            settings = e["settings"]
+        elif "commit" in e:
+            schedule.append((e["commit"], e["members"]))
+        elif "rewind" in e:
+            schedule = [(s, m) for s, m in schedule if s < e["rewind"]]
+        elif "start" in e and e["start"] > len(schedule):
+            raise common.LaunchError(f"{path}: the record starts at step {e['start']} (a coordinator started without "
+                                     f"the run's earlier record): its steps before that cannot be replayed")
+        elif "final" in e:
+            final = e["final"]
+    return settings, schedule, final
+
+
+def replay_run(args):
+    """--replay RUN_DIR: the committed steps of a torchrun run replayed in one process, and
+    compared with the final weights written there."""
+    folder = Path(args.replay)
+    settings, schedule, final = read_record(folder / "record.jsonl")
+    if settings is None or final is None or not (folder / "final" / "weights.pt").is_file():
+        raise common.UsageError(f"--replay {folder}: the run there has not ended (no final weights): replay it once its "
+                                f"replicas are done")
+    done = participation([{"step": s, "members": m, "commit": True} for s, m in schedule])
+    run = argparse.Namespace(**{**vars(args), **settings})
+    print(f"replaying {len(done)} committed steps of the run in {folder} in one process ({settings['model_size']} LM, "
+          f"replicas' batches of {settings['batch_size']} x {settings['context_length']})", flush=True)
+    want = replay(run, done)
+    got = torch.load(folder / "final" / "weights.pt", weights_only=True)
+    diff = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    label = (f"{len(done)} committed steps against the final weights (written by replica {final['replica']} at step "
+             f"{final['step']})")
+    common.check_verification({label: {"ok": diff < TOLERANCE and final["step"] == len(done), "max_diff": diff}},
+                              f"{NAME} replay of {folder}")
 
 
 def verify(args):
@@ -1372,6 +1776,8 @@ def verify(args):
 def main(argv=None):
     args = parser().parse_args(argv)
     check_args(args)
+    if args.replay is not None:
+        return replay_run(args)
     if args.coordinator:
         return run_coordinator(args)
     if args.join is not None:

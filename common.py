@@ -115,10 +115,24 @@ def run_main(main_fn):
         if under_torchrun() and dist.is_initialized():
             dist.destroy_process_group()
     lost = [f"error: {line}" for line in unsaved()]
-    for line in [message] * bool(message) + lost:
+    said = [message] * bool(message and (code != 2 or is_reporter()))   # (under torchrun every rank checks the
+    for line in said + lost:                                                # same flags: rank 0 says it once)
         print(f"{prog}: {line}", file=sys.stderr)
     if code or lost:
+        if message:
+            torchrun_error_file(f"{prog}: {message}")
         sys.exit(code or 1)
+
+
+def torchrun_error_file(line: str):
+    """Under torchrun, ``line`` in the file where its agent reads a failed rank's error: its
+    report's "traceback :" then shows this line, not a pointer to torch's docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and under_torchrun():
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
 
 
 # ----------------------------------------------------------------------------------------

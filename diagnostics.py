@@ -550,8 +550,14 @@ class FlightRecorder:
         self.entered += 1
         self.flight.append(rec)
         if self.check and op not in P2P_CALLS:   # (before the call: a mismatch is refused, not run)
-            self._settle()
-            self._compare(rec, wait=not async_op)
+            try:
+                self._settle()
+                self._compare(rec, wait=not async_op)
+            except dist.DistNetworkError as e:   # its store's server is gone (torchrun's agent killed, its
+                self.check = False               # ranks living on): the run goes on, unchecked, and says so
+                print(f"rank {self.rank}: the checks of each collective stop: their store is gone "
+                      f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      f"training goes on", file=sys.stderr, flush=True)
         return rec
 
     def _pairs(self, op, args, kwargs, group, name) -> list:

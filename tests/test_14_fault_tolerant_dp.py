@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 import common
 from conftest import ROOT, listening_sockets, load, refused, seconds
@@ -27,11 +28,11 @@ class Fake:
     """A replica as the coordinator sees it: its first rank's connection that asks, and a
     connection a rank that beats (until stopped: as a SIGSTOP'd process's beats stop)."""
 
-    def __init__(self, coordinator, r, step=0, ranks=1):
+    def __init__(self, coordinator, r, step=0, ranks=1, **said):
         host, port = coordinator.address.rsplit(":", 1)
         self.r, self.sock = r, socket.create_connection((host, int(port)))
         self.lines = self.sock.makefile("r")
-        self.hello = self.ask({"op": "hello", "replica": r, "step": step, "ranks": ranks})["hello"]
+        self.hello = self.ask({"op": "hello", "replica": r, "step": step, "ranks": ranks, **said})["hello"]
         self.beats = [socket.create_connection((host, int(port))) for _ in range(ranks)]
         self.beating = [True] * ranks
         for k in range(ranks):
@@ -112,10 +113,14 @@ def test_a_member_whose_connection_closes_aborts_at_once_and_a_late_joiner_is_st
         assert a.vote(q) is False and time.time() - began < seconds(2.0)
         q = a.quorum(0)
         assert q["members"] == [0] and a.vote(q) is True
-        assert a.ask({"op": "done", "replica": 0, "step": 1}) == {}
-        late = Fake(c, 2)   # joins after everyone with newer state finished: nothing to heal from
-        assert late.quorum(0) == {"stop": True, "step": 0}
-        a.close(), late.close()
+        assert a.ask({"op": "done", "replica": 0, "step": 1}) == {"write": True}   # (the first done writes)
+        host, port = c.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as late:   # joins after the run ended: nothing to join
+            ft._send(late, {"op": "hello", "replica": 2, "step": 0})
+            said = json.loads(late.makefile("r").readline())
+        assert said == {"over": f"the run at {c.address} is over: it ended at step 1 (final weights written by replica "
+                                f"0); a coordinator serves one run: start a new one (a new --run-dir) for another"}
+        a.close()
     finally:
         c.close()
 
@@ -153,6 +158,92 @@ def test_a_replica_is_lost_when_any_of_its_ranks_hangs_or_goes_not_only_its_firs
         a.close(), b.close()
     finally:
         c.close()
+
+
+def commit_together(*fakes, step):
+    qs = together(*[lambda f=f: f.quorum(step) for f in fakes])
+    assert all(q["members"] == sorted(f.r for f in fakes) for q in qs), qs
+    assert together(*[lambda f=f, q=q: f.vote(q) for f, q in zip(fakes, qs)]) == [True] * len(fakes)
+    return qs[0]
+
+
+def test_no_step_is_committed_twice_restarted_replicas_wait_for_the_live_one_that_holds_the_newest(tmp_path):
+    """Two of three replicas restarted at once (their new starts at step 0) while the third,
+    the only one holding the newest committed step, is busy (beating, not asking): the two
+    wait for it past the join timeout, then heal from it; nobody commits step 0 again (the
+    old rule formed a quorum of the two at step 0 after the join timeout). With every
+    holder lost the run goes back, in the record's words, to the newest step left; the
+    record read for the replay keeps the steps that stand."""
+    record = tmp_path / "record.jsonl"
+    c = ft.Coordinator(detect=0.5, join_timeout=0.3, record=record)
+    try:
+        a, b, keep = Fake(c, 0), Fake(c, 1), Fake(c, 2)
+        for step in range(3):
+            commit_together(a, b, keep, step=step)
+        a.close(), b.close()
+        a, b = Fake(c, 0), Fake(c, 1)   # their new starts, at step 0
+        asked = together(lambda: a.quorum(0), lambda: b.quorum(0), lambda: (time.sleep(1.0), keep.quorum(3))[1])
+        assert [q["members"] for q in asked] == [[0, 1, 2]] * 3 and asked[0]["step"] == 3, asked
+        assert asked[0]["heal"] == {"0": 2, "1": 2}
+        assert together(*[lambda f=f, q=q: f.vote(q) for f, q in zip((a, b, keep), asked)]) == [True] * 3
+        for f in (a, b, keep):   # every replica that holds step 4 lost; two new starts at step 0
+            f.close()
+        a, b = Fake(c, 0), Fake(c, 1)
+        q = commit_together(a, b, step=0)
+        assert q["step"] == 0 and c.committed == 1
+        a.close(), b.close()
+    finally:
+        c.close()
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [e.get("commit") for e in lines if "commit" in e] == [0, 1, 2, 3, 0]
+    assert {"rewind": 0, "lost": [0, 3]} in lines
+    assert ft.read_record(record) == (None, [(0, [0, 1])], None)
+    again = ft.Coordinator(record=record)   # a coordinator started again on the record: the same run
+    try:
+        assert again.committed == 1
+    finally:
+        again.close()
+
+
+def test_a_second_start_of_a_replica_takes_over_and_the_first_is_told_and_a_misfit_is_refused():
+    """A replica id said hello twice while its first start lives (an operator ran the same
+    command again, or its agent died and its rank lives on): the open quorum that holds the
+    old start aborts at once, the old start's every request is answered "replaced" (its
+    votes no longer count), the new one steps with the others; nothing hangs. A replica
+    whose settings differ from the run's is refused by name."""
+    c = ft.Coordinator(detect=0.5, join_timeout=5.0)
+    try:
+        a, b = Fake(c, 0, settings={"model_size": "nano"}), Fake(c, 1, settings={"model_size": "nano"})
+        commit_together(a, b, step=0)
+        q, _ = together(lambda: a.quorum(1), lambda: b.quorum(1))
+        began = time.time()
+        b2 = Fake(c, 1, step=1, settings={"model_size": "nano"}, where="host2, pid 7")
+        assert a.vote(q) is False and time.time() - began < seconds(2.0)   # (not the join timeout)
+        said = b.ask({"op": "vote", "replica": 1, "qid": q["qid"], "ok": True})
+        assert said == {"replaced": "started again elsewhere (host2, pid 7): this start stops, the new one goes on"}
+        assert b.quorum(1) == said
+        commit_together(a, b2, step=1)
+        assert ("replaced" in [what for _, r, what in c.events if r == 1])
+        host, port = c.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as other:
+            ft._send(other, {"op": "hello", "replica": 2, "step": 0, "settings": {"model_size": "small"}})
+            refused = json.loads(other.makefile("r").readline())
+        assert refused == {"refused": f"replica 2 cannot join the run at {c.address}: model_size small against the "
+                                      f"run's nano"}
+        a.close(), b.close(), b2.close()
+    finally:
+        c.close()
+
+
+def test_a_replica_reaches_no_coordinator_in_one_line_after_a_bounded_wait():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # (nothing listens: bound, not listening)
+        began = time.time()
+        with pytest.raises(ft.NotJoined, match=rf"nothing answers at 127.0.0.1:{port} \(.*; tried for 1 s\): start "
+                                                r"the coordinator there first, or check --join"):
+            ft.connect(f"127.0.0.1:{port}", wait=1.0)
+        assert 1.0 <= time.time() - began < seconds(5.0)
 
 
 def test_a_replica_waiting_in_its_all_reduce_when_the_coordinator_dies_is_told_it_is_gone():
@@ -216,9 +307,13 @@ def test_the_scenario_passes_with_ddp_and_with_fsdp_inside_and_leaves_nothing_ru
         tl = json.loads((tmp_path / inner / "14_timeline.json").read_text())
         assert [a["phase"] for a in tl["acted"]] == [
             "kill -9 replica 1; then the source of its heal, midway", "SIGSTOP replica 2",
-            "kill -9 replicas 0 and 1 at once", "stop"]
+            "kill -9 replicas 0 and 1 at once", "kill -9 replicas 0 and 2 at once, at the quorum, before its group is made",
+            "kill -9 replicas 1 and 2 at once, before the all-reduce", "kill -9 replicas 0 and 1 at once, before the vote",
+            "kill -9 replicas 0 and 2 at once, after the commit, before the optimizer's step", "stop"]
         aborted = tl["timeline"]["aborted"]
-        assert len(aborted) >= 4   # the kill, the heal's, the hang, the two
+        assert len(aborted) >= 7   # the kill, the heal's, the hang, two at once at 4 points (after the commit: none)
+        # each committed step once, in order (the verification checks it too), each pair lost at once
+        assert [q["step"] for q in tl["history"] if q.get("commit")] == list(range(tl["timeline"]["steps"]))
         # each says why: the members lost before they voted, those whose step failed (on a loaded
         # machine a slow member's step may fail too: its attempt is aborted and redone); every
         # replica the scenario kills or stops is among the lost of one
@@ -234,7 +329,7 @@ def test_the_scenario_passes_with_ddp_and_with_fsdp_inside_and_leaves_nothing_ru
     assert own_processes(tag) == []
 
 
-# ---- torchrun: each replica its own job; the coordinator dies, and the run resumes ---------------
+# ---- torchrun: each replica its own job, driven from outside as an operator does ------------------
 def status(address):
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:
@@ -242,59 +337,123 @@ def status(address):
         return json.loads(s.makefile("r").readline())
 
 
-def coordinator(tag):
-    p = start("14_fault_tolerant_dp.py", "--coordinator", "--port", "0", "--detect", "2", "--min-replicas", "2",
-              tag=tag, start_new_session=True)
+def coordinator(tag, *argv):
+    p = start("14_fault_tolerant_dp.py", "--coordinator", "--detect", "2", "--min-replicas", "2", "--log-every", "5",
+              *argv, tag=tag, start_new_session=True)
     return p, p.stdout.readline().split()[2]
 
 
-def test_torchrun_replicas_outlive_nothing_when_the_coordinator_dies_and_resume_from_what_they_saved(tmp_path):
-    """Two replicas, each a torchrun job of 2 ranks (FSDP inside), joined to a coordinator
-    given on the command line (it waits for both: --min-replicas 2). The coordinator is
-    killed (kill -9): each replica ends with one line naming it and the step it stopped at,
-    having saved that step (each rank its part); a new coordinator and the same two
-    commands go on from there to the end, the replicas alike."""
-    tag = uuid.uuid4().hex
-    coord, address = coordinator(tag)
-    args = ["--detect", "2", "--run-dir", str(tmp_path / "run"), "--pace-ms", "30"]
+def ours(err: str) -> list:
+    """The lines 14 itself wrote to stderr (torchrun's banner and report aside)."""
+    return [line for line in err.splitlines() if line.startswith("14_fault_tolerant_dp.py:")]
 
-    def replica(r, address, steps):
-        return start("-m", "torch.distributed.run", "--nproc-per-node", "2", "14_fault_tolerant_dp.py", "--join",
-                     address, "--replica-id", str(r), "--steps", str(steps), *args, tag=tag)
-    jobs = [replica(r, address, 10_000) for r in (0, 1)]
-    deadline = time.time() + 120
-    while True:
+
+def committed_with_both(address, after=-1, within=120.0):
+    deadline = time.time() + within
+    while time.time() < deadline:
         last = status(address)["last_commit"]
-        if last and last["members"] == [0, 1] and last["step"] >= 5 or time.time() > deadline:
-            break
+        if last and last["members"] == [0, 1] and last["step"] > after:
+            return last["step"]
         time.sleep(0.2)
-    assert last and last["step"] >= 5, [j.poll() for j in jobs]
-    os.killpg(coord.pid, signal.SIGKILL)
-    coord.wait()
-    saved = []
-    for r, j in enumerate(jobs):
-        out, err = j.communicate(timeout=120)
-        assert j.returncode != 0
-        said = re.search(rf"the coordinator at {address} is gone \(.*\): replica {r} stops at its last committed "
-                         rf"step, (\d+); its state is saved in (\S+): start a coordinator", err)
-        assert said, err[-3000:]
-        saved.append(int(said.group(1)))
-    assert saved[0] == saved[1] and sorted(os.listdir(tmp_path / "run" / "replica-0")) == [f"step-{saved[0]:09d}"]
-    coord, address = coordinator(tag)
+    raise AssertionError(f"no step committed by both replicas after step {after} in {within:.0f} s")
+
+
+def alive(pid) -> bool:
     try:
-        jobs = [replica(r, address, saved[0] + 3) for r in (0, 1)]
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_torchrun_replicas_driven_from_outside_take_over_end_in_one_line_resume_and_replay(tmp_path, capsys):
+    """The torchrun form as an operator drives it, each replica a torchrun job of 2 ranks
+    (FSDP inside): a replica started before its coordinator gives up after --connect-wait
+    in one line (torchrun's report carries it); replica 1 started again while it lives
+    takes over (the first job says so in one line and exits 0); the new job's agent killed
+    by kill -9 of its process group leaves its ranks running (each a session of its own),
+    and a third start takes over from them, which end; the coordinator killed: each replica
+    ends in one line, its step saved; a new coordinator on the same folder goes on with the
+    run (its record), the same commands train to the end, one replica writes the final
+    weights, and the record replayed in one process gives them. Nothing is left running."""
+    tag, run = uuid.uuid4().hex, tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    args = ["--detect", "2", "--run-dir", str(run), "--pace-ms", "30", "--log-every", "5"]
+
+    def replica(r, steps, *extra, ranks=2):
+        return start("-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "14_fault_tolerant_dp.py", "--join",
+                     address, "--replica-id", str(r), "--steps", str(steps), *args, *extra, tag=tag,
+                     start_new_session=True)
+    early = replica(0, 100, "--connect-wait", "1", ranks=1)   # nothing listens there yet
+    out, err = early.communicate(timeout=120)
+    assert early.returncode != 0 and ours(err) == [
+        f"14_fault_tolerant_dp.py: replica 0: nothing answers at {address} (Connection refused; tried for 1 s): start "
+        f"the coordinator there first, or check --join"], err
+    assert f"traceback : {ours(err)[0]}" in err and "[rank" not in err   # (torchrun's report: our line, no rank's)
+
+    coord, _ = coordinator(tag, "--port", str(port), "--run-dir", str(run))
+    try:
+        jobs = {0: replica(0, 10_000), 1: replica(1, 10_000)}
+        step = committed_with_both(address)
+        second = replica(1, 10_000)   # the same command again while replica 1 lives
+        out, err = jobs[1].communicate(timeout=120)
+        assert jobs[1].returncode == 0 and len(ours(err)) == 1 and re.fullmatch(
+            r"14_fault_tolerant_dp.py: replica 1: started again elsewhere \(\S+, pid \d+\): this start stops, the new "
+            r"one goes on", ours(err)[0]), err
+        step = committed_with_both(address, step)
+        os.killpg(second.pid, signal.SIGKILL)   # its agent gone; its ranks, each a session of its own, live on
+        second.wait()
+        time.sleep(1.0)
+        orphans = [pid for pid in own_processes(tag) if b"--replica-id\x001\x00" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert len(orphans) == 2, orphans
+        step = committed_with_both(address, step)   # (they keep training)
+        third = replica(1, 10_000)
+        deadline = time.time() + 60
+        while any(alive(pid) for pid in orphans) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in orphans), "the orphaned ranks of the killed job still run"
+        committed_with_both(address, step)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)   # the coordinator killed
+        said, _ = coord.communicate(timeout=60)
+    assert re.search(r"replica 1 started again \(\S+, pid \d+\) while its start at \S+, pid \d+ lives: the new start "
+                     r"takes over", said), said
+    assert re.search(r"step \d+ committed by replicas \[0, 1\]", said) and "replica 1 heals from replica 0" in said
+    saved = []
+    for r, j in ((0, jobs[0]), (1, third)):
+        out, err = j.communicate(timeout=120)
+        assert j.returncode != 0 and len(ours(err)) == 1, err
+        line = re.fullmatch(rf"14_fault_tolerant_dp.py: replica {r}: the coordinator at {address} is gone \(.*\): "
+                            rf"replica {r} stops at its last committed step, (\d+); its state is saved in (\S+): start "
+                            rf"a coordinator and the replicas again to go on from there", ours(err)[0])
+        assert line and f"traceback : {ours(err)[0]}" in err and "[rank" not in err and "frame #" not in err, err
+        assert re.search(rf"replica {r}: step \d+ committed with replicas \[0, 1\], loss [\d.]+; this start:", out), out
+        saved.append(int(line.group(1)))
+    assert saved[0] == saved[1] and sorted(os.listdir(run / "replica-0")) == [f"step-{saved[0]:09d}"]
+
+    coord, address = coordinator(tag, "--port", "0", "--run-dir", str(run))
+    try:
+        assert f"going on with the run there: steps 0 to {saved[0] - 1} committed" in coord.stdout.readline()
+        jobs = [replica(r, saved[0] + 3) for r in (0, 1)]
         outs = [j.communicate(timeout=120) for j in jobs]
     finally:
         os.killpg(coord.pid, signal.SIGKILL)
         coord.wait()
-    shas = []
+    shas, where = [], []
     for r, (j, (out, err)) in enumerate(zip(jobs, outs)):
         assert j.returncode == 0, err[-3000:]
-        line = re.search(rf"replica {r}: (\d+) steps committed \(from step (\d+)\), \d+ heal\(s\); final weights sha256 "
-                         rf"(\w+)", out)
-        assert line and int(line.group(1)) == saved[0] + 3 and int(line.group(2)) == saved[0], out
-        shas.append(line.group(3))
-    assert shas[0] == shas[1]
+        line = re.search(rf"replica {r}: done at step {saved[0] + 3}; this start committed 3 step\(s\) from step "
+                         rf"{saved[0]} \(0 aborted; 0 heal\(s\) served\); final weights sha256 (\w+), (.*)", out)
+        assert line, out
+        shas.append(line.group(1))
+        where.append(line.group(2))
+    assert shas[0] == shas[1] and sorted(where) == [f"written by another replica", f"written to {run}/final/weights.pt"]
+    assert common.weights_sha256(torch.load(run / "final" / "weights.pt")) == shas[0]
+    ft.main(["--replay", str(run)])   # (raises where the weights differ)
+    assert f"verify 14_fault_tolerant_dp replay of {run}: PASS" in capsys.readouterr().out
     time.sleep(0.5)
     assert own_processes(tag) == []
 
@@ -307,6 +466,21 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     assert "--join nohost: give the coordinator's HOST:PORT" in refused("14_fault_tolerant_dp.py", "--join", "nohost",
                                                                        "--replica-id", "0")
     assert "--replica-id applies to --join" in refused("14_fault_tolerant_dp.py", "--replica-id", "1")
+    assert "--run-dir applies to --join and --coordinator" in refused("14_fault_tolerant_dp.py", "--run-dir", "x")
+    for port in ("99999", "0"):
+        assert f"--join 127.0.0.1:{port}: a port is 1 to 65535" in refused(
+            "14_fault_tolerant_dp.py", "--join", f"127.0.0.1:{port}", "--replica-id", "0")
+    assert f"--replay {tmp_path}: no record.jsonl there" in refused("14_fault_tolerant_dp.py", "--replay", str(tmp_path))
+    with socket.socket() as taken:   # a coordinator on a port another process listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use): another process holds " \
+               f"the port; choose another, or --port 0 for any free one" in refused(
+                   "14_fault_tolerant_dp.py", "--coordinator", "--port", str(port), "--run-dir", str(tmp_path))
+    (tmp_path / "record.jsonl").write_text('{"commit": 0, "members": [0]}\n{"final": {"replica": 0, "step": 1}}\n')
+    assert f"the run recorded in {tmp_path / 'record.jsonl'} is over (it ended at step 1" in refused(
+        "14_fault_tolerant_dp.py", "--coordinator", "--port", "0", "--run-dir", str(tmp_path))
     assert "a process is the coordinator or a replica's rank" in refused("14_fault_tolerant_dp.py", "--coordinator",
                                                                          "--join", "h:1")
     assert "--replicas x --replica-ranks: 10 processes" in refused("14_fault_tolerant_dp.py", "--replicas", "5")

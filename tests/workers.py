@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time
@@ -475,8 +476,10 @@ def ft_coordinator_dies_mid_all_reduce(ctx, args):
     groups = [dist.new_group([r]) for r in range(ctx.world_size)]
     proc = None
     if ctx.rank == 0:
+        run = tempfile.mkdtemp(prefix="ft-run-")   # (its record; removed with the test's temporary folder)
         proc = subprocess.Popen([sys.executable, os.path.join(common.ROOT, "14_fault_tolerant_dp.py"), "--coordinator",
-                                 "--port", "0", "--min-replicas", "2"], stdout=subprocess.PIPE, text=True)
+                                 "--port", "0", "--min-replicas", "2", "--run-dir", run], stdout=subprocess.PIPE,
+                                text=True)
     box = [proc.stdout.readline().split()[2] if proc else None]
     dist.broadcast_object_list(box, src=0)
     torch.manual_seed(0)

@@ -186,8 +186,8 @@ def h14(results):
     text = ""
     if tl:
         c = tl["check"]
-        text = (f"{c['steps']} steps committed through a kill -9, a kill during a heal, a SIGSTOP and two lost at once, "
-                f"{c['heals']} exact heals; ")
+        text = (f"{c['steps']} steps committed once each through a kill -9, a kill during a heal, a SIGSTOP and two "
+                f"lost at once at five points of a step, {c['heals']} exact heals; ")
     rows = {r["replicas"]: r for r in doc["rows"]}
     n = max(rows)
     return (f"{text}step vs torch DDP {x(rows[n]['vs_ddp'])} at {n} replicas, a kill to the next commit "
