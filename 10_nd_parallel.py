@@ -912,15 +912,20 @@ def torch_composition(ctx, shape, model, batch, levers=Levers()):
     return step
 
 
-def peak_flops(device, given=None):
-    """Peak FLOP/s of one device for MFU, from --peak-tflops, or for a known GPU (float32
-    matrix math without TF32, the precision these runs use; datasheet figures)."""
+PEAK_TFLOPS = {"float32": (("H100", 67.0), ("H200", 67.0), ("A100", 19.5)),    # without TF32
+               "bf16": (("H100", 989.0), ("H200", 989.0), ("A100", 312.0))}    # dense (no sparsity)
+
+
+def peak_flops(device, given=None, dtype="float32"):
+    """Peak FLOP/s of one device for MFU, from --peak-tflops, or for a known GPU in the
+    precision of the run's matrix math (float32 without TF32, or bf16 autocast's dense
+    peak; datasheet figures, SXM parts)."""
     if given:
         return given * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((tf * 1e12 for key, tf in (("H100", 67.0), ("H200", 67.0), ("A100", 19.5)) if key in name), None)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS[dtype] if key in name), None)
 
 
 def flops_per_token(dims, context) -> float:

@@ -340,6 +340,22 @@ def build_on_meta(folder, device=None):
     return model
 
 
+def train_flops_per_token(model, context: int) -> float:
+    """A training step's FLOPs a token (docs/13), for MFU: 6 for each parameter a matrix
+    multiply uses (every one but the input embedding's, which is a lookup; a tied head
+    counted as the head), and attention's 12 L T d (the scores and their values, forward
+    and backward, the whole T x T square as nanoGPT and PaLM count it; T the context, d the
+    heads' width). A mixture of experts counts every expert: an upper bound of its work."""
+    config = model.config
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb
+    weights = sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 6.0 * weights + 12.0 * config.num_hidden_layers * context * width
+
+
 def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
     """``folder``'s model built on meta, put on the mesh (OnMesh) and filled from the folder,
     each rank reading its slices."""
@@ -449,7 +465,8 @@ def train(ctx, args, sizes):
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":                          # restarts count from 0)
         kill_at = None
     tokens_per_step = args.batch_size * args.context_length
-    peak = nd.peak_flops(ctx.device)
+    peak = nd.peak_flops(ctx.device, dtype=args.dtype)
+
     def evaluate():
         rows = run.rows(args.batch_size)   # (this rank's rows only: the reader reads no others)
         losses = [run.mean_over_mesh(run.eval_loss(*(t.to(ctx.device) for t in data.held_out(k, rows)), shared=True))
@@ -481,7 +498,7 @@ def train(ctx, args, sizes):
         if ctx.rank == 0 and ((i + 1) % args.log_every == 0 or i + 1 == args.steps or "eval" in row):
             elapsed = time.perf_counter() - began
             tok_s = tokens_per_step * done / stepping   # tokens/s: as the summary's (docs/13)
-            mfu = f" | mfu {6 * args.n_params * tok_s / peak / ctx.world_size:.1%}" if peak else ""
+            mfu = f" | mfu {args.flops_per_token * tok_s / peak / ctx.world_size:.1%}" if peak else ""
             mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _status_mb("VmHWM")
             eta = elapsed / done * (args.steps - i - 1)
             print(f"step {i + 1:>5}/{args.steps} | loss {loss:.4f} | eval "
@@ -519,16 +536,20 @@ def torch_skip(sizes: dict, plan) -> str | None:
     return None
 
 
-def torch_composition(ctx, folder, sizes, plan):
+def torch_composition(ctx, folder, sizes, plan, recompute=False):
     """The same model as transformers loads it (whole, on every rank), torch's TP over tp by
     ``plan`` (column -> ColwiseParallel, row -> RowwiseParallel), then FSDP2's fully_shard on
-    each decoder layer and the root over the data ranks."""
+    each decoder layer and the root over the data ranks (``recompute``: the model's own
+    gradient checkpointing first, as ours)."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
                                                               dtype=torch.float32).to(ctx.device)
+    model.train()   # (from_pretrained leaves it in eval mode, where transformers skips its checkpointing)
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     data, T = sizes["dp"] * sizes["fsdp"], sizes["tp"]
     mesh = init_device_mesh(ctx.device.type, (data, T), mesh_dim_names=("data", "tp"))
     if T > 1:
@@ -577,7 +598,11 @@ def bench_method(ctx, args, sizes, folder, method, plan):
             placement.clip_grad_norm_(run.stage, args.clip)
             opt.step()
         return step, run.stage, opt
-    model = torch_composition(ctx, folder, sizes, plan)
+    model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute)
+    if args.compile:   # each decoder layer, as ours (FSDP2's hooks around each compiled layer)
+        for m in model.modules():
+            if type(m).__name__ in (model._no_split_modules or ()):
+                m.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     mesh = nd.Mesh(sizes)
     replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
@@ -585,7 +610,11 @@ def bench_method(ctx, args, sizes, folder, method, plan):
     def step(x, y):
         opt.zero_grad(set_to_none=True)
         x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
-        lm_loss(model(input_ids=x, use_cache=False).logits, y).backward()
+        with common.autocast(ctx.device, args.dtype):   # (as ours: the loss in float32 from the logits)
+            logits = model(input_ids=x, use_cache=False).logits
+        loss = lm_loss(logits, y)
+        del logits   # (as ours: autograd keeps what backward needs)
+        loss.backward()
         torch_clip(model.parameters(), args.clip)
         opt.step()
     return step, model, opt
@@ -666,7 +695,7 @@ def larger_model(args, run_dir: Path) -> Path:
     return folder
 
 
-BENCH_HEADERS = ["setting", "method", "step_ms", "tokens_per_s", "vs_torch", "peak_MB", "save_ms"]
+BENCH_HEADERS = ["setting", "method", "step_ms", "tokens_per_s", "mfu", "vs_torch", "peak_MB", "save_ms"]
 
 
 def report_bench(args, sizes):
@@ -679,28 +708,41 @@ def report_bench(args, sizes):
         print(f"  SKIP  torch's composition on {mesh_label(sizes)}: {why}", flush=True)
         return
     rows = []
-    for setting, folder in (("as given", Path(args.model)), ("2x wide, 2x deep", larger_model(args, Path(args.run_dir)))):
+    peak = nd.peak_flops(torch.device(args.device), dtype=args.dtype)   # (the device's: MFU where it is known)
+    settings = [("as given", Path(args.model))]
+    if args.bench_settings == "both":
+        settings.append(("2x wide, 2x deep", larger_model(args, Path(args.run_dir))))
+    for setting, folder in settings:
         r = common.launch(bench_steps, args, sizes, str(folder))
         peaks = r["peaks"]
         tokens = args.batch_size * args.context_length
+        flops = train_flops_per_token(build_on_meta(folder), args.context_length)
         ratios = [a / b for a, b in zip(r["times"]["ours"], r["times"]["torch"])]
         for method in ("ours", "torch"):
             t = statistics.median(r["times"][method])
-            rows.append({"setting": setting, "method": {"ours": "ours (13's mesh)",
+            extra = " + compile" * args.compile + " + recompute" * args.recompute
+            rows.append({"setting": setting, "method": {"ours": "ours (13's mesh)" + extra,
                                                         "torch": "torch FSDP2" + (" + TP" if sizes["tp"] > 1 else "")
-                                                        }[method],
+                                                        + extra}[method],
                          "step_ms": t * 1e3, "tokens_per_s": round(tokens / t),
+                         "mfu": f"{flops * tokens / t / peak / args.world_size:.1%}" if peak else "",
                          "vs_torch": f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
                          if method == "ours" else "",
                          "peak_MB": " / ".join(f"{p:.1f}" for p in peaks[method]) if peaks[method][0] is not None
                          else "", "save_ms": statistics.median(r["saves"][method]) * 1e3})
-    title = f"13's training step beside torch's own on {mesh_label(sizes)}"
+    title = f"13's training step beside torch's own on {mesh_label(sizes)}" + (f", {args.dtype} autocast"
+                                                                                if args.dtype != "float32" else "")
     table = common.save_results(args.out, f"{NAME}_bench", rows, {"model": args.model, "mesh": mesh_label(sizes),
                                                                    "batch": args.batch_size,
                                                                    "context": args.context_length,
-                                                                   "steps": args.bench_steps, "device": args.device},
+                                                                   "steps": args.bench_steps, "device": args.device,
+                                                                   "dtype": args.dtype, "compile": args.compile,
+                                                                   "recompute": args.recompute},
                                 headers=BENCH_HEADERS, title=title,
-                                note="peak_MB: each rank's peak of live tensor bytes during a step (07's StepPeak); "
+                                note="mfu: tokens/s x the training FLOPs a token (6 a weight a matrix multiply "
+                                     "uses, and attention's 12 L T d: docs/13) over the ranks' peak for --dtype "
+                                     "(10's peak_flops; blank where the device's peak is not known); "
+                                     "peak_MB: each rank's peak of live tensor bytes during a step (07's StepPeak); "
                                      "save_ms: one sharded checkpoint (ours: save_sharded; torch's: "
                                      "torch.distributed.checkpoint.save), median of three")
     print(f"\n{title} ({args.world_size} x {args.backend}/{args.device}, {args.batch_size} x {args.context_length} "
@@ -1111,6 +1153,8 @@ def parser():
                         "torch.distributed.checkpoint) on the model and on one twice as wide and deep, steps "
                         "alternating: step time, tokens/s, each rank's step peak, a checkpoint save")
     p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
+    p.add_argument("--bench-settings", choices=["both", "given"], default="both",
+                   help="--bench: the model as given and one twice as wide and deep (both), or as given only")
     p.add_argument("--fault-at", default=None, help=argparse.SUPPRESS)   # STEP:RANK: that rank kill -9s itself there
     p.add_argument("--room", type=int, default=None, help=argparse.SUPPRESS)   # bytes a rank has for the check
     add_measure_flags(p)
@@ -1224,7 +1268,10 @@ def check(args):
         raise common.UsageError(str(e)) from None
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
-    args.n_params = sum(p.numel() for p in build_on_meta(model).parameters())   # (meta: no memory)
+    meta = build_on_meta(model)   # (meta: no memory)
+    args.n_params = sum(p.numel() for p in meta.parameters())
+    args.flops_per_token = train_flops_per_token(meta, args.context_length)
+    del meta
     cache = Path(args.data_cache) if args.data_cache else data_cache(Path(sources[0]["path"]), model, run_dir)
     say = (lambda line: print(line, flush=True)) if common.is_reporter() else (lambda line: None)
     try:   # (every core, once; under torchrun every rank asks, one prepares, the others wait for it)

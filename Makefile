@@ -314,3 +314,12 @@ gpu-check: $(GPU_DEPS)
 gpu-smoke: $(GPU_DEPS)
 	@rm -rf $(SMOKE_OUT)
 	@$(GPU_CHECK) --parts smoke --out $(SMOKE_OUT)
+
+# ---- make gpu-train: 13's run at about 1 B parameters on one GPU (context 2048, bf16, compile;
+# recompute where it runs out of memory) beside torch's FSDP2 + compile on the same model and
+# batches: tokens/s, MFU, peak memory (tools/gpu_train.py; GPU_OUT/train). Dry run on a CPU:
+#   make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry
+TRAIN_SIZE ?= 1b
+.PHONY: gpu-train
+gpu-train: $(GPU_DEPS)
+	@$(PY) tools/gpu_train.py --device $(GPU_DEV) --size $(TRAIN_SIZE) --python $(PY) --out $(GPU_OUT)/train

@@ -172,3 +172,56 @@ def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):
                           (None, "every gradient copied")):
         (tmp_path / "05_bucketed_ddp.json").write_text(json.dumps({"rows": rows, "settings": {"in_place_mb": in_place}}))
         assert check.read_05(tmp_path)[0]["measurement"].endswith(how)
+
+
+def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_path):
+    """make gpu-train's tries, 13 played by a script: --compile runs out of memory, then
+    --compile --recompute writes its table; the summary lists both tries and the table.
+    Where no try runs out of memory, it stops at the first (its failure, exit 1)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_train
+    fake = tmp_path / "fake13.py"
+    fake.write_text(
+        "import sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "if '--recompute' not in sys.argv:\n"
+        "    print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB'); sys.exit(1)\n"
+        "out.mkdir(parents=True); (out / '13_train_bench.md').write_text('| the table |')\n")
+    model = tmp_path / "out" / "model-tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")   # (written already: the fake needs no weights)
+    runner = tmp_path / "python"
+    runner.write_text(f"#!/bin/sh\nshift\nexec {sys.executable} {fake} \"$@\"\n")
+    runner.chmod(0o755)
+    assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner),
+                           "--out", str(tmp_path / "out")]) == 0
+    summary = (tmp_path / "out" / "SUMMARY.md").read_text()
+    assert "| compile | 1 |" in summary and "| True |" in summary and "| compile+recompute | 0 |" in summary
+    assert summary.rstrip().endswith("| the table |")
+    fake.write_text("import sys; print('a bug'); sys.exit(1)\n")
+    assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner),
+                           "--out", str(tmp_path / "out")]) == 1
+    rows = json.loads((tmp_path / "out" / "SUMMARY.json").read_text())["rows"]
+    assert [r["try"] for r in rows] == ["compile"] and not rows[0]["out_of_memory"]
+
+
+def test_mfu_counts_what_docs_13_says_against_the_dtypes_peak(monkeypatch):
+    """13's training FLOPs a token: 6 a weight a matrix multiply uses (not the input
+    embedding; a tied head once) and 12 L T d; the peak for bf16 autocast is the device's
+    bf16 dense figure, float32's without TF32."""
+    import torch
+    import transformers
+    train, nd = load("13_train"), load("10_nd_parallel")
+    for tied in (False, True):
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                          tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        n = sum(p.numel() for p in model.parameters())
+        want = 6 * (n - (0 if tied else 100 * 64)) + 12 * 3 * 256 * 64
+        assert train.train_flops_per_token(model, 256) == want
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert nd.peak_flops(torch.device("cuda"), dtype="bf16") == 989e12
+    assert nd.peak_flops(torch.device("cuda")) == 67e12
+    assert nd.peak_flops(torch.device("cpu"), dtype="bf16") is None

@@ -1,0 +1,137 @@
+"""make gpu-train: 13's run where people train, timed on one GPU beside torch's best.
+
+A Llama-shaped transformers model of about 1 B parameters, built from its config (random
+initial weights, seeded; nothing downloaded) and written as save_pretrained writes it, with
+13's tokenizer and Python's help text to train on; context 2048, bf16 autocast. 13's
+--bench on one rank then times ours (13's mesh) beside torch's FSDP2 on the same model and
+batches, both with every decoder layer through torch.compile, steps alternating: each
+one's step time, tokens/s, MFU (the training FLOPs a token of docs/13 over the device's bf16
+dense peak) and its peak memory at its third step. The best of --compile and --recompute
+that fits: --compile first; where it runs out of memory, --compile --recompute.
+
+    make gpu-train PY=python3                                    # on the lent GPU: results/gpu/train
+    make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry  # the dry run on a CPU (a tiny model)
+
+Every try is time-boxed (--box seconds) and keeps its log; <out>/SUMMARY.md lists each try's
+command, exit status and seconds, and the table of the one that ran (13_train_bench.md
+beside it). Exit status 1 where no try ran to its table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the model: Llama 3.2 1B's shape (16 layers of width 2048, grouped queries 32/8, SwiGLU 8192)
+# with a vocabulary of 32000: 1.10 B parameters, 7.0 GFLOP a token at context 2048 (docs/13's
+# count); and a tiny one for the CPU's dry run
+SIZES = {
+    "1b": {"config": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=32000),
+           "context": 2048, "batch": 4, "steps": 30},
+    "tiny": {"config": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=1024),
+             "context": 128, "batch": 4, "steps": 3},
+}
+
+
+def write_model(folder: Path, size: str, device: str, seed: int = 0):
+    """The model folder: 13's tokenizer (trained on Python's help text), a LlamaConfig of
+    ``size`` and its initial weights, seeded, made on ``device`` (fast on a GPU) and saved
+    as safetensors. Written beside, then moved in (a cut write leaves no half folder)."""
+    import torch
+    import transformers
+    sys.path.insert(0, str(ROOT))
+    import common
+    train = common.load_script(ROOT / "13_train.py")
+    spec = SIZES[size]
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    text = train.pydoc_text()
+    train.write_tiny_model(tmp, text, spec["context"], seed)   # (its tokenizer; the model is replaced below)
+    for f in tmp.glob("model*.safetensors*"):
+        f.unlink()
+    config = transformers.LlamaConfig(max_position_embeddings=spec["context"], eos_token_id=0, bos_token_id=0,
+                                      tie_word_embeddings=False, **spec["config"])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    (folder.parent / "pydoc_topics.txt").write_text(text)
+    return n
+
+
+def run_try(cmd: list, log: Path, box: float) -> tuple[int, float]:
+    """``cmd`` in its own process group, its output to ``log``, ended after ``box`` seconds."""
+    began = time.time()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = p.wait(timeout=box)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait()
+            code = 124
+    return code, time.time() - began
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--size", choices=list(SIZES), default="1b")
+    p.add_argument("--python", default=sys.executable, help="the python that runs 13")
+    p.add_argument("--out", default=str(ROOT / "results" / "gpu" / "train"))
+    p.add_argument("--steps", type=int, default=None, help="measured steps a method (default: the size's)")
+    p.add_argument("--box", type=float, default=420.0, help="seconds a try may take")
+    args = p.parse_args(argv)
+    spec, out = SIZES[args.size], Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = out / f"model-{args.size}"
+    began = time.time()
+    if not (folder / "config.json").exists():
+        n = write_model(folder, args.size, args.device)
+        print(f"gpu-train: wrote a {n / 1e9:.2f} B-parameter Llama-shaped model to {folder} in "
+              f"{time.time() - began:.0f} s", flush=True)
+    base = [args.python, "13_train.py", "--model", str(folder), "--data", str(out / "pydoc_topics.txt"),
+            "--data-cache", str(out / "data"), "--bench", "--bench-settings", "given",
+            "--bench-steps", str(args.steps or spec["steps"]), "--dtype", "bf16", "--fsdp", "1",
+            "--context-length", str(spec["context"]), "--batch-size", str(spec["batch"]), "--device", args.device,
+            "--backend", "nccl" if args.device == "cuda" else "gloo", "--run-dir", str(out / "run")]
+    rows = []
+    for name, levers in (("compile", ["--compile"]), ("compile+recompute", ["--compile", "--recompute"])):
+        log = out / f"{name}.log"
+        try_out = out / name
+        code, seconds = run_try([*base, *levers, "--out", str(try_out)], log, args.box)
+        oom = "out of memory" in log.read_text().lower()
+        rows.append({"try": name, "exit": code, "seconds": round(seconds, 1), "out_of_memory": oom})
+        print(f"gpu-train: {name}: exit {code} in {seconds:.0f} s{' (out of memory)' if oom else ''}; log {log}",
+              flush=True)
+        if code == 0 or not oom:
+            break
+    table = next(((out / r["try"] / "13_train_bench.md") for r in rows if r["exit"] == 0), None)
+    lines = ["# make gpu-train", "", f"Model: {folder} ({args.size}); 13's --bench, one rank, bf16 autocast.", "",
+             "| try | exit | seconds | out of memory |", "|---|---|---|---|"]
+    lines += [f"| {r['try']} | {r['exit']} | {r['seconds']} | {r['out_of_memory']} |" for r in rows]
+    lines += ["", table.read_text() if table else "No try ran to its table: see each log."]
+    (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
+    (out / "SUMMARY.json").write_text(json.dumps({"rows": rows, "size": args.size, "device": args.device}, indent=1))
+    print(f"gpu-train: wrote {out / 'SUMMARY.md'}", flush=True)
+    return 0 if table else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
