@@ -200,6 +200,7 @@ class Coordinator:
         self.quorum, self.decisions, self.next_qid, self.next_group, self.hellos = None, {}, 0, 0, 0
         self.history, self.events = [], []    # every quorum formed (and its fate); (t, replica, what)
         self.faults = []        # {"replica": id or None (a heal's source), "fault": ...}: handed out with a quorum
+        self.handed = -1        # the step of the quorum that handed out the last of them
         self.stop_at = None     # the step at which every replica is told to stop
         self.no_holder = None   # since when no live replica holds the newest committed step
         self.conns = set()      # every open connection (close() ends them)
@@ -401,6 +402,7 @@ class Coordinator:
                                  for r, rec in self.replicas.items()},
                     "last_commit": last and {k: last[k] for k in ("qid", "step", "members")},
                     "committed": self.committed, "over": self.final is not None,
+                    "faults_pending": len(self.faults), "handed": self.handed,
                     "history": self.history if msg.get("history") else None, "events": self.events,
                     "t": time.time() - self.t0}
 
@@ -492,6 +494,7 @@ class Coordinator:
             if target in faults:
                 faults[target].append(f["fault"])
                 self.faults.remove(f)
+                self.handed = newest
         for r in members:
             asking[r].update(asked=None, reply={"qid": q["qid"], "group": q["group"], "step": newest, "members": members,
                                                 "heal": {str(k): v for k, v in heal.items()}, "faults": faults[r]})
@@ -1323,10 +1326,13 @@ def run_scenario(args, replicas: int, ranks: int, phases, deadline: float) -> di
 
 
 def everyone(n):
-    """A condition: the last committed step had all ``n`` replicas, two steps after the
-    last phase acted."""
-    return lambda status, since: status["last_commit"]["members"] == list(range(n)) and \
-        status["last_commit"]["step"] >= since + 2
+    """A condition: the last phase's failures all handed out, and the last committed step had
+    all ``n`` replicas, two steps after the one they were handed out at (a kill after a
+    commit aborts nothing: the step it was handed out with commits with every replica, and
+    its victims are lost only after it)."""
+    return lambda status, since: status["faults_pending"] == 0 and \
+        status["last_commit"]["members"] == list(range(n)) and \
+        status["last_commit"]["step"] >= max(since, status["handed"]) + 2
 
 
 TWO_AT_ONCE = (("quorum", "at the quorum, before its group is made"), ("reduce", "before the all-reduce"),
