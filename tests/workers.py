@@ -478,8 +478,8 @@ def ft_coordinator_dies_mid_all_reduce(ctx, args):
     if ctx.rank == 0:
         run = tempfile.mkdtemp(prefix="ft-run-")   # (its record; removed with the test's temporary folder)
         proc = subprocess.Popen([sys.executable, os.path.join(common.ROOT, "14_fault_tolerant_dp.py"), "--coordinator",
-                                 "--port", "0", "--min-replicas", "2", "--run-dir", run], stdout=subprocess.PIPE,
-                                text=True)
+                                 "--port", "0", "--min-replicas", "2", "--run-dir", run,
+                                 "--parent", str(os.getpid())], stdout=subprocess.PIPE, text=True)   # (gone with it)
     box = [proc.stdout.readline().split()[2] if proc else None]
     dist.broadcast_object_list(box, src=0)
     torch.manual_seed(0)
