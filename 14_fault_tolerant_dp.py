@@ -180,7 +180,7 @@ class Coordinator:
                  record=None, say=None, log_every=10):
         self.detect, self.join_timeout, self.min_replicas = detect, join_timeout, min_replicas
         self.init_sync, self.say, self.log_every = init_sync, say, log_every
-        self.committed, self.settings, self.final, self.lines = 0, None, None, 0   # (the run: from its record)
+        self.committed, self.settings, self.final = 0, None, None   # (the run: from its record)
         self.record = record and Path(record)
         if self.record:
             self.record.parent.mkdir(parents=True, exist_ok=True)
@@ -245,14 +245,12 @@ class Coordinator:
             self.committed = e.get("rewind", e.get("start"))
         elif "final" in e:
             self.final = e["final"]
-        self.lines += 1
 
     def _write(self, e):
         if self.record:
             try:
                 with open(self.record, "a") as f:
                     f.write(json.dumps(e) + "\n")
-                self.lines += 1
             except OSError as err:   # (the run goes on: only its replay is lost)
                 self._say(f"cannot write the record {self.record} ({err}): the run goes on without one")
                 self.record = None
@@ -597,7 +595,7 @@ class ReplicaManager:
         self.coordinator, self.qid, self.group_id, self.pg, self.members = coordinator, None, None, None, []
         self.faults, self.say, self.writer = [], say, False
         self.heal_hook, self.quorum_hook, self.heals, self.info = None, None, [], {}
-        self.started, self.first, self.commits, self.aborts = step, None, 0, 0   # (this start's own counts)
+        self.first, self.commits, self.aborts = None, 0, 0   # (this start's own counts)
         host, port = coordinator.rsplit(":", 1)
         if bucket_mb is not None and self.size > 1:   # (before the hello: nothing to undo)
             raise ValueError(f"bucket_mb: the all-reduce runs during backward only where a replica is one rank "
