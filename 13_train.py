@@ -53,6 +53,10 @@ import time
 from pathlib import Path
 
 
+if "--join" in sys.argv:   # a replica's rank (14's): a store whose server went is not a C++ trace a call
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 # ---- what is refused before torch loads (no torch: a refusal takes a second, not ten) ----
 import corpus  # noqa: E402   (numpy and the standard library: the data, at any size; docs/13)
 
@@ -94,6 +98,13 @@ if __name__ == "__main__":
 
 import common  # noqa: E402
 
+# run as a command, each rank forks with transformers' model code imported once in the fork server
+# (0.8 s of CPU a rank here; a replaced replica's ranks start again and again); the server skips
+# it where it fails (a process that loads 13, the tests', keeps its own list)
+if __name__ == "__main__":
+    import multiprocessing
+    multiprocessing.set_forkserver_preload([*common.PRELOAD, "transformers.models.llama.modeling_llama"])
+
 # transformers' own progress bars (loading and writing a folder's weights), one a rank, would
 # interleave with the run's progress lines; set HF_HUB_DISABLE_PROGRESS_BARS=0 to see them
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -106,6 +117,7 @@ import placement
 import result_files
 import sharded_checkpoint
 
+ft = common.load_script(common.ROOT / "14_fault_tolerant_dp.py")   # replicas that survive a loss
 nd = common.load_script(common.ROOT / "10_nd_parallel.py")   # the mesh, and the scripts it composes:
 ddp, fsdp, tp, pp, cpm, ep = nd.ddp_mod, nd.fsdp_mod, nd.tp_mod, nd.pp_mod, nd.cp_mod, nd.ep_mod   # 05 07 08 09 11 12
 
@@ -447,14 +459,21 @@ def train(ctx, args, sizes):
     """The run: from the newest complete checkpoint in <run-dir>/checkpoints (or the
     folder's weights) to --steps; a line every --log-every steps, the eval loss every
     --eval-every, a checkpoint every --checkpoint-every; at the end the Hugging Face folder.
-    Returns the summary on the first rank."""
+    On replicas (--join): one replica's ranks, each step a quorum of the live replicas
+    (14's ReplicaManager): step i's batch is the corpus's batch i x --replicas + the
+    replica's id, its gradients averaged over the quorum's members, the step taken only
+    when every member's went well; a replica behind heals from a live peer rank by rank
+    (its weights, AdamW's state, the step: the data position; the RNG is seeded from the
+    step and the replica); its checkpoints in <run-dir>/replica-<id>/, the final folder
+    written by the replica the coordinator names. Returns the summary on the first rank."""
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     config = run.model.config
     opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay)
     run_dir = Path(args.run_dir)
-    ckpts = run_dir / "checkpoints"
+    home = run_dir / f"replica-{args.replica_id}" if args.join else run_dir   # (this replica's own files)
+    ckpts = home / "checkpoints"
     start, history = 0, []
     folder = sharded_checkpoint.latest_checkpoint(str(ckpts)) if ckpts.exists() else None
     if folder:
@@ -466,6 +485,7 @@ def train(ctx, args, sizes):
         kill_at = None
     tokens_per_step = args.batch_size * args.context_length
     peak = nd.peak_flops(ctx.device, dtype=args.dtype)
+    manager = replica_manager(ctx, args, sizes, run, opt, start) if args.join else None
 
     def evaluate():
         rows = run.rows(args.batch_size)   # (this rank's rows only: the reader reads no others)
@@ -476,50 +496,143 @@ def train(ctx, args, sizes):
         history.append({"step": 0, "eval": evaluate()})
     began, done, stepping = time.perf_counter(), 0, 0.0   # stepping: the training steps' seconds
     last_eval = next((r["eval"] for r in reversed(history) if "eval" in r), None)
-    for i in range(start, args.steps):
-        if i == kill_at and ctx.rank == kill_rank:
-            os.kill(os.getpid(), 9)
-        lr = lr_at(i, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        x, y = (t.to(ctx.device) for t in data.batch_of(i, run.rows(args.batch_size)))
-        t0 = time.perf_counter()
-        loss = run.mean_over_mesh(run.train_step(x, y, args.accumulate, shared=True))
-        norm = placement.clip_grad_norm_(run.stage, args.clip).item()
-        opt.step()
-        common.sync(ctx.device)
-        dt, done = time.perf_counter() - t0, done + 1
-        stepping += dt
-        row = {"step": i + 1, "loss": loss, "lr": lr, "grad_norm": norm, "seconds": dt}
-        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
-            last_eval = row["eval"] = evaluate()
-        history.append(row)
-        if ctx.rank == 0 and ((i + 1) % args.log_every == 0 or i + 1 == args.steps or "eval" in row):
-            elapsed = time.perf_counter() - began
-            tok_s = tokens_per_step * done / stepping   # tokens/s: as the summary's (docs/13)
-            mfu = f" | mfu {args.flops_per_token * tok_s / peak / ctx.world_size:.1%}" if peak else ""
-            mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _status_mb("VmHWM")
-            eta = elapsed / done * (args.steps - i - 1)
-            print(f"step {i + 1:>5}/{args.steps} | loss {loss:.4f} | eval "
-                  f"{'-' if last_eval is None else f'{last_eval:.4f}'} | lr {lr:.2e} | {tok_s:,.0f} tok/s{mfu} | "
-                  f"mem {mem:,.0f} MiB | {eta:,.0f} s left", flush=True)
-            _progress(run_dir, history)
-        if args.checkpoint_every and ((i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps):
-            sharded_checkpoint.save_sharded(run.stage, opt, str(ckpts), i + 1, async_save=args.checkpoint_async,
-                                            extra={"step": i + 1, "model": args.fingerprint, "history": list(history)})
+    i = start
+    try:
+        while True:
+            t0 = time.perf_counter()
+            if manager is not None:   # (a replica's step counts its quorum, and a heal where it takes one)
+                if not manager.start_step(args.steps):
+                    break
+                i = manager.step
+                ft.act_out(manager.faults, ctx)
+                torch.manual_seed(replica_seed(args, i))
+            elif i >= args.steps:
+                break
+            if i == kill_at and ctx.rank == kill_rank:
+                os.kill(os.getpid(), 9)
+            lr = lr_at(i, args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            x, y = (t.to(ctx.device) for t in data.batch_of(batch_index(args, i), run.rows(args.batch_size)))
+            loss = run.mean_over_mesh(run.train_step(x, y, args.accumulate, shared=True))
+            if manager is not None:
+                ft.act_out(manager.faults, ctx, "reduce")
+                reduced = manager.all_reduce_gradients()
+                ft.act_out(manager.faults, ctx, "vote")
+                if not manager.should_commit(reduced):   # (a member lost: nobody steps; the next quorum redoes it)
+                    continue
+                ft.act_out(manager.faults, ctx, "commit")
+            norm = placement.clip_grad_norm_(run.stage, args.clip).item()
+            opt.step()
+            common.sync(ctx.device)
+            dt, done = time.perf_counter() - t0, done + 1
+            stepping += dt
+            i += manager is None
+            step = manager.step if manager is not None else i
+            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "seconds": dt}
+            if manager is not None:
+                row["replicas"] = manager.members or [args.replica_id]
+            if step % args.eval_every == 0 or step == args.steps:
+                last_eval = row["eval"] = evaluate()
+            history.append(row)
+            speaks = manager is None or args.replica_id == min(row["replicas"])   # (on replicas: the quorum's first)
+            if ctx.rank == 0 and speaks and (step % args.log_every == 0 or step == args.steps or "eval" in row):
+                elapsed = time.perf_counter() - began
+                tok_s = tokens_per_step * done / stepping   # tokens/s: as the summary's (docs/13)
+                mfu = f" | mfu {args.flops_per_token * tok_s / peak / ctx.world_size:.1%}" if peak else ""
+                mem = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else _status_mb("VmHWM")
+                eta = elapsed / done * (args.steps - step)
+                print(f"{f'replica {args.replica_id}: ' if manager else ''}step {step:>5}/{args.steps} | loss "
+                      f"{loss:.4f} | eval {'-' if last_eval is None else f'{last_eval:.4f}'} | lr {lr:.2e} | "
+                      f"{tok_s:,.0f} tok/s{mfu} | mem {mem:,.0f} MiB | {eta:,.0f} s left"
+                      + (f" | {quorum_words(manager)}" if manager else ""), flush=True)
+            if ctx.rank == 0 and (step % args.log_every == 0 or step == args.steps):
+                _progress(home, history)
+            if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
+                sharded_checkpoint.save_sharded(run.stage, opt, str(ckpts), step, async_save=args.checkpoint_async,
+                                                extra={"step": step, "model": args.fingerprint, "history": list(history)})
+            if manager is not None:
+                time.sleep(max(0.0, args.pace_ms / 1000 - (time.perf_counter() - t0)))
+    except ft.CoordinatorGone as e:   # (the replicas stop; the run resumes from each one's checkpoint)
+        sharded_checkpoint.wait_for_saves()
+        sharded_checkpoint.save_sharded(run.stage, opt, str(ckpts), manager.step,
+                                        extra={"step": manager.step, "model": args.fingerprint, "history": list(history)})
+        raise ft.CoordinatorGone(f"{e}: replica {args.replica_id} stops at its last committed step, {manager.step}, "
+                                 f"saved in {ckpts}: start the coordinator and the replicas again to go on from there") \
+            from None
     sharded_checkpoint.wait_for_saves()
     digest = common.weights_sha256(placement.full_state_dict(run.stage, all_ranks=True))
     final = run_dir / "final"
-    hfc.save_hf_checkpoint(run.stage, str(final), config=config, layout=run.layout)
+    writes = manager is None or manager.writer   # (on replicas: once for the run, by the one the coordinator names)
+    if writes:
+        hfc.save_hf_checkpoint(run.stage, str(final), config=config, layout=run.layout)
     if ctx.rank == 0:
-        for name in tokenizer_files(args.model):   # the tokenizer's files beside the weights
-            shutil.copy(Path(args.model) / name, final / name)
-        if (Path(args.model) / "generation_config.json").exists():
-            shutil.copy(Path(args.model) / "generation_config.json", final / "generation_config.json")
-        _progress(run_dir, history)
-        return {"history": history, "sha256": digest, "final": str(final), "start": start}
+        if writes:
+            for name in tokenizer_files(args.model):   # the tokenizer's files beside the weights
+                shutil.copy(Path(args.model) / name, final / name)
+            if (Path(args.model) / "generation_config.json").exists():
+                shutil.copy(Path(args.model) / "generation_config.json", final / "generation_config.json")
+        _progress(home, history)
+        out = {"history": history, "sha256": digest, "final": str(final) if writes else None, "start": start}
+        if manager is not None:
+            if writes:   # the run's loss beside its membership timeline
+                _progress(run_dir, history)
+                if manager.history:
+                    draw_replica_timeline(args, manager.history, run_dir / "timeline.png")
+            out.update(replica=args.replica_id, step=manager.step, heals=manager.heals, commits=manager.commits,
+                       aborts=manager.aborts, writer=manager.writer)
+            if args.result:   # (the launcher's record of this replica)
+                common.save_file(args.result, lambda f: torch.save(out, f))
+        return out
     return None
+
+
+# ---- on replicas that survive a loss (14's ReplicaManager around the mesh) ----------------
+def batch_index(args, step: int) -> int:
+    """The corpus batch a step trains on: the step's own, or on replicas replica r's share
+    of it: batch step x --replicas + r (each replica its own batches, the same wherever and
+    whenever it runs)."""
+    return step * args.replicas + args.replica_id if args.join else step
+
+
+def replica_seed(args, step: int) -> int:
+    """The RNG's seed at a replica's step (dropout's masks): from the run's seed, the step
+    and the replica, so a replacement draws what the replica it replaces would have."""
+    return (args.seed * 1_000_003 + step) * 1_009 + args.replica_id
+
+
+def replica_settings(args, sizes) -> dict:
+    """What every replica of a run shares (the coordinator refuses one whose differ)."""
+    return {"model": args.fingerprint, "mesh": mesh_label(sizes, args.ep), "replicas": args.replicas,
+            **{k: getattr(args, k) for k in ("batch_size", "context_length", "accumulate", "steps", "lr", "min_lr",
+                                             "warmup_steps", "weight_decay", "clip", "seed", "dtype")}}
+
+
+def replica_manager(ctx, args, sizes, run, opt, start):
+    """This replica's manager: the coordinator at --join, its hello from step ``start``
+    (its own checkpoint's), every rank of the mesh holding its part (rank k of every
+    replica the same part: the same mesh)."""
+    say = (lambda line: print(line, flush=True)) if ctx.rank == 0 else None
+    manager = ft.ReplicaManager(run.module, opt, args.join, args.replica_id, timeout=args.timeout, step=start,
+                                incarnation=args.incarnation, settings=replica_settings(args, sizes),
+                                connect_wait=args.connect_wait, say=say)
+    ft.arm_hooks(manager, ctx)
+    return manager
+
+
+def quorum_words(manager) -> str:
+    got = sum(h["role"] == "joiner" for h in manager.heals)
+    return (f"quorum {manager.members or [manager.replica_id]} | this start: {manager.commits} committed, "
+            f"{manager.aborts} aborted, {got} heal(s) received, {len(manager.heals) - got} served")
+
+
+def draw_replica_timeline(args, history, path):
+    """The run's membership by committed step (14's timeline), from the coordinator's history."""
+    tl = ft.timeline({"history": history}, args.replicas)
+    ft.draw_timeline(tl, [], path, f"{args.replicas} replicas of {Path(args.model).name}: membership by committed "
+                                   f"step")
+    return tl
 
 
 # ---- --bench: beside torch's own on the same model and batches ---------------------------
@@ -1123,7 +1236,9 @@ def parser():
     p.add_argument("--clip", type=common.number(float, above=0), default=1.0, help="clip by the global norm")
     p.add_argument("--eval-every", type=common.COUNT, default=50, help="eval loss on the held-out sequences")
     p.add_argument("--log-every", type=common.COUNT, default=10, help="a progress line")
-    p.add_argument("--checkpoint-every", type=common.COUNT, default=100, help="a sharded checkpoint")
+    p.add_argument("--checkpoint-every", type=common.COUNT, default=None,
+                   help="a sharded checkpoint (default 100; on replicas with --faults 10: the replay goes from "
+                        "checkpoint to checkpoint)")
     p.add_argument("--checkpoint-async", action="store_true",
                    help="each checkpoint copied to host memory, then written while training goes on")
     p.add_argument("--run-dir", default=str(common.ROOT / "runs" / "13_train"),
@@ -1155,6 +1270,39 @@ def parser():
     p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
     p.add_argument("--bench-settings", choices=["both", "given"], default="both",
                    help="--bench: the model as given and one twice as wide and deep (both), or as given only")
+    r = p.add_argument_group("replicas that survive a loss (14's ReplicaManager around the mesh; docs/13)")
+    r.add_argument("--replicas", type=common.COUNT, default=1,
+                   help="data-parallel replicas of the mesh, each its own job: a lost one is left out of the next "
+                        "step and a replacement heals from a live peer (this command starts the coordinator and "
+                        "every replica; under torchrun: --coordinator, then one torchrun job a replica with --join)")
+    r.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="run as the ranks of one replica (one torchrun job a replica), joining the coordinator there")
+    r.add_argument("--replica-id", type=common.COUNT0, default=None, help="--join: this replica's number, below "
+                                                                          "--replicas (its batches)")
+    r.add_argument("--coordinator", action="store_true",
+                   help="run the coordinator alone (14's, with its flags: --host, --port, --run-dir, --min-replicas, "
+                        "--detect, --join-timeout, --log-every)")
+    r.add_argument("--detect", type=common.SECONDS, default=2.0,
+                   help="seconds without a beat that leave a replica out (the coordinator's)")
+    r.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
+                   help="seconds a quorum waits for a live replica that has not asked (the coordinator's)")
+    r.add_argument("--connect-wait", type=common.SECONDS, default=30.0,
+                   help="--join: seconds a replica tries to reach the coordinator before it gives up")
+    r.add_argument("--replay", default=None, metavar="RUN_DIR",
+                   help="with --model and --data (the rest from the run's record): replay the committed "
+                        "steps of a run on replicas (torchrun's: its coordinator's record.jsonl and the replicas' "
+                        "checkpoints in RUN_DIR) in one process, from checkpoint to checkpoint, against its final folder")
+    r.add_argument("--faults", action="store_true",
+                   help="--replicas 3 or more: the run goes through 14's failures (kill -9 of a replica, its heal's "
+                        "source killed midway, a SIGSTOP, two replicas killed at once at five points of a step) and "
+                        "stops 3 steps after them (--steps: at most), then every committed step is replayed in one "
+                        "process")
+    r.add_argument("--pace-ms", type=common.number(float, lo=0), default=None,
+                   help="on replicas: a step takes at least this long (default 0; 200 with --faults, so that a "
+                        "replacement, which starts in seconds, finds the run still going)")
+    p.add_argument("--incarnation", type=common.COUNT0, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-at", default=None, help=argparse.SUPPRESS)   # STEP:RANK: that rank kill -9s itself there
     p.add_argument("--room", type=int, default=None, help=argparse.SUPPRESS)   # bytes a rank has for the check
     add_measure_flags(p)
@@ -1211,6 +1359,7 @@ def check(args):
     elif args.world_size not in (None, world):
         raise common.UsageError(f"--world-size {args.world_size}, but the mesh {mesh_label(sizes)} is {world} ranks")
     args.world_size = world
+    check_replicas(args, world)
     n_gpus = common.gpu_count()
     args.backend = args.backend or ("nccl" if n_gpus >= world and args.device != "cpu" else "gloo")
     args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
@@ -1286,8 +1435,14 @@ def check(args):
         raise common.UsageError(str(e)) from None
     args.fingerprint = hashlib.sha256(json.dumps({k: v for k, v in config.items() if k != "transformers_version"},
                                                  sort_keys=True).encode()).hexdigest()[:16]
-    ckpts = run_dir / "checkpoints"
+    ckpts = (run_dir / f"replica-{args.replica_id}" if args.join else run_dir) / "checkpoints"
     latest = sharded_checkpoint.latest_checkpoint(str(ckpts)) if ckpts.exists() else None
+    if args.replicas > 1 and not args.join:   # (each replica's own checkpoint: its job looks)
+        latest = None
+        record = run_dir / "record.jsonl"
+        if record.is_file() and not args.replay and ft.read_record(record)[2] is not None:
+            raise common.UsageError(f"the run on replicas recorded in {record} is over (its final folder in "
+                                    f"{run_dir / 'final'}): give another --run-dir for another run")
     if latest:
         meta = json.loads((Path(latest) / "metadata.json").read_text())
         saved = (meta.get("extra") or {}).get("model")
@@ -1299,6 +1454,45 @@ def check(args):
             args.resume_from += (f": --steps {args.steps} already reached, nothing left to train (give more --steps, "
                                  f"or another --run-dir to start again)")
     return sizes, reader
+
+
+def check_replicas(args, world: int):
+    """--replicas, --join and --faults against each other and the ranks (one line, exit 2)."""
+    if args.replay is not None:
+        if args.join:
+            raise common.UsageError("--replay RUN_DIR and --join: a process replays a run or is a replica's rank")
+        args.replicas = max(args.replicas, 2)   # (the record's, below)
+        if not (Path(args.replay) / "record.jsonl").is_file():
+            raise common.UsageError(f"--replay {args.replay}: no record.jsonl there (the coordinator writes it in its "
+                                    f"--run-dir)")
+        args.run_dir, args.no_verify = args.replay, True
+        return
+    if args.join is None:
+        if args.replica_id is not None:
+            raise common.UsageError("--replica-id applies to --join (a replica's ranks)")
+        if args.replicas > 1 and common.under_torchrun():
+            raise common.UsageError(f"--replicas {args.replicas} under torchrun: a replica is a torchrun job of its "
+                                    f"own: start the coordinator (13_train.py --coordinator --run-dir R), then each "
+                                    f"replica with --join HOST:PORT --replica-id N")
+        if args.replicas > 1:   # (this command starts them all: their ranks share the machine)
+            common.check_ranks(args.replicas * world, args.backend or "gloo", f"--replicas {args.replicas} x the mesh "
+                                                                              f"{mesh_label({a: getattr(args, a) for a in AXES})}")
+    else:
+        ft.check_join(args)
+        args.no_verify = True   # (a replica's job: the run's replay checks its steps, --replay for torchrun's)
+        if args.replicas < 2:
+            raise common.UsageError("--join needs --replicas N: the run's number of replicas (2 or more; each "
+                                    "replica's batches are its share of the corpus's)")
+        if args.replica_id >= args.replicas:
+            raise common.UsageError(f"--replica-id {args.replica_id}: the run's replicas are 0 to {args.replicas - 1} "
+                                    f"(--replicas {args.replicas})")
+    if args.replicas > 1 and args.bench:
+        raise common.UsageError("--bench times one mesh: without --replicas (14's benchmark times the replicas)")
+    if args.faults and (args.join or args.replicas < 3):
+        raise common.UsageError("--faults: the run loses two replicas at once and needs a third to go on: --replicas "
+                                "3 or more, started by this command (not --join)")
+    args.pace_ms = args.pace_ms if args.pace_ms is not None else 200.0 if args.faults else 0.0
+    args.checkpoint_every = args.checkpoint_every or (10 if args.faults else 100)
 
 
 def check_mesh_fits(config: dict, sizes: dict, args):
@@ -1345,11 +1539,18 @@ def main(argv=None):
     given = sys.argv[1:] if argv is None else list(argv)
     if "--setup-memory" in given or "--hf-checkpoint" in given:
         return measure(given)
+    if "--coordinator" in given:   # the quorum service alone: 14's, its record in 13's run folder
+        return ft.main(given + ([] if "--run-dir" in given else ["--run-dir", str(common.ROOT / "runs" / NAME)]))
     args = parser().parse_args(argv)
     sizes, reader = check(args)
+    if args.join:
+        return run_replica(args, sizes)
+    if args.replay:
+        return replay_run(args, sizes)
     if common.is_reporter():
         train_n, held_n = (sum(s[k] for s in reader.sources) for k in ("train", "held"))
-        print(f"{args.model} on {mesh_label(sizes, args.ep)} ({args.world_size} x {args.backend}/{args.device}): "
+        on = f" x {args.replicas} replicas" if args.replicas > 1 else ""
+        print(f"{args.model} on {mesh_label(sizes, args.ep)}{on} ({args.world_size}{on} x {args.backend}/{args.device}): "
               f"{', '.join(args.data)}: {reader.tokens:,} tokens, {train_n:,} to train on, {held_n:,} held out "
               f"({args.eval_batches} evaluation batches of {args.batch_size} x {args.context_length})", flush=True)
     if common.is_reporter() and getattr(args, "resume_from", None):
@@ -1364,9 +1565,16 @@ def main(argv=None):
         else:
             common.check_verification({f"first {args.verify_steps} steps against one process": r},
                                       f"{NAME} on {mesh_label(sizes, args.ep)}")
+    if args.replicas > 1:
+        return run_replicas(args, sizes, given)
     result = common.launch(train, args, sizes)
     if not common.is_reporter():
         return
+    summarize(args, sizes, result, NAME)
+
+
+def summarize(args, sizes, result, name):
+    """The sample from the saved folder, the run's row and its files in --out."""
     evals = [r for r in result["history"] if "eval" in r]
     hist = [r for r in result["history"] if "loss" in r]
     text = sample(Path(result["final"]), args.prompt, args.sample_tokens)
@@ -1378,15 +1586,174 @@ def main(argv=None):
            "last eval": evals[-1]["eval"] if evals else None,
            "tokens/s": round(args.batch_size * args.context_length / (sum(r["seconds"] for r in hist) / len(hist)))
            if hist else None}
-    plot = Path(args.run_dir) / "loss.png"
-    if plot.exists():   # the loss plot beside the summary
-        common.save_file(Path(args.out) / f"{NAME}_loss.png", lambda f: f.write(plot.read_bytes()))
-    table = common.save_results(args.out, NAME, [row], {"model": args.model, "data": args.data,
+    for plot in ("loss", "timeline"):   # the loss plot (and on replicas their timeline) beside the summary
+        path = Path(args.run_dir) / f"{plot}.png"
+        if path.exists() and (plot == "loss" or args.replicas > 1):
+            common.save_file(Path(args.out) / f"{name}_{plot}.png", lambda f: f.write(path.read_bytes()))
+    if args.replicas > 1:
+        row = {"replicas": args.replicas, **row}
+    table = common.save_results(args.out, name, [row], {"model": args.model, "data": args.data,
                                                         "context": args.context_length, "batch": args.batch_size,
                                                         "device": args.device, "backend": args.backend,
-                                                        "world_size": args.world_size},
+                                                        "world_size": args.world_size, "replicas": args.replicas},
                                 title=TITLE, extra={"sample": text, "sha256": result["sha256"]})
-    print(f"\n{TITLE}\n{table}\n{common.wrote(args.out, f'{NAME}.json and .md')}", flush=True)
+    print(f"\n{TITLE}\n{table}\n{common.wrote(args.out, f'{name}.json and .md')}", flush=True)
+
+
+# ---- on replicas: this command's launcher, a replica's job, the replay ---------------------
+def run_replica(args, sizes):
+    """--join: this process is a rank of one replica (torchrun's, or the launcher's); its
+    first rank prints where the replica ended, or the one line of why it stopped."""
+    if not common.under_torchrun():   # (its ranks spawned here: whether anything answers, asked once first)
+        try:
+            ft.connect(args.join, args.connect_wait).close()
+        except ft.NotJoined as e:
+            raise common.UsageError(f"replica {args.replica_id}: {e}") from None
+    try:
+        out = common.launch(train, args, sizes)
+    except ft.ReplicaStopped as e:
+        return ft.stopped(e, __file__, args.replica_id)
+    if out is None:
+        return
+    got = [h for h in out["heals"] if h["role"] == "joiner"]
+    healed = "; healed from replica " + ", ".join(f"{h['peers'][0]} at step {h['step']}" for h in got) if got else ""
+    print(f"replica {args.replica_id}: done at step {out['step']}; this start committed {out['commits']} step(s) "
+          f"({out['aborts']} aborted{healed}; {len(out['heals']) - len(got)} heal(s) served); weights sha256 "
+          f"{out['sha256']}; the final folder {'written to ' + out['final'] if out['final'] else 'written by another replica'}",
+          flush=True)
+
+
+def run_replicas(args, sizes, given):
+    """--replicas N: the coordinator (here, its record in --run-dir) and N replicas of the
+    mesh, each its own job started again when a rank of it dies or it hangs (14's Launcher),
+    their lines printed as they come; with --faults, 14's failures on the way. Then (unless
+    --no-verify) every committed step replayed in one process, the membership timeline, and
+    the run's summary."""
+    n, run_dir = args.replicas, Path(args.run_dir)
+    record = run_dir / "record.jsonl"
+    phases = ft.verification_phases(n) if args.faults else []   # (the last: the run stops 3 steps after them)
+    extra = [] if "--no-verify" in given else ["--no-verify"]   # (the first steps were checked above)
+
+    def argv(r, incarnation, address, work):
+        return [*(g for g in given if g != "--faults"), "--join", address, "--replica-id", str(r), "--incarnation",
+                str(incarnation), "--parent", str(os.getpid()), "--result", str(work / f"replica-{r}.pt"),
+                "--pace-ms", str(args.pace_ms), "--checkpoint-every", str(args.checkpoint_every), *extra]
+    began = time.time()
+    say = lambda line: print(f"coordinator [{time.time() - began:7.1f} s] {line}", flush=True)   # noqa: E731
+    run = ft.run_scenario(args, n, args.world_size, phases, deadline=math.inf, work=run_dir / "replicas",
+                          script=__file__, argv=argv, record=record, say=say, echo=True)
+    tl = ft.timeline(run, n)
+    ft.print_timeline(tl, run["acted"])
+    if len(run["acted"]) < len(phases):   # (--steps ran out first)
+        raise common.LaunchError(f"--faults: only {len(run['acted'])} of the scenario's {len(phases) - 1} failures "
+                                 f"happened before --steps {args.steps} ran out (a replacement starts in seconds): "
+                                 f"give more --steps or a longer --pace-ms")
+    ft.draw_timeline(tl, run["acted"], run_dir / "timeline.png",
+                     f"{n} replicas of {Path(args.model).name} on {mesh_label(sizes, args.ep)}: membership by "
+                     f"committed step")
+    result = next((r for r in run["records"].values() if r.get("final")), None)
+    if result is None:
+        raise common.LaunchError(f"no replica wrote the final folder (records: {sorted(run['records'])})")
+    digests = {r: rec["sha256"] for r, rec in run["records"].items() if rec["step"] == result["step"]}
+    if not args.no_verify:
+        _, schedule, _ = ft.read_record(record)
+        done = ft.participation([{"step": s, "members": m, "commit": True} for s, m in schedule])
+        check = replay_replicas(args, done, Path(result["final"]))
+        check["ok"] = check["ok"] and len(set(digests.values())) == 1
+        common.check_verification({f"{len(done)} committed steps replayed in one process in {len(check['stretches'])} "
+                                   f"stretches from checkpoint to checkpoint, the last against the final folder "
+                                   f"({sum(tl['cells'][r].count('healed') for r in tl['cells'])} heals; the "
+                                   f"{len(digests)} replicas at the last step alike: {len(set(digests.values())) == 1})":
+                                   check}, f"{NAME} on {n} replicas of {mesh_label(sizes, args.ep)}")
+    summarize(args, sizes, result, NAME + "_replicas")
+
+
+def replay_run(args, sizes):
+    """--replay RUN_DIR: a run on replicas (torchrun's) replayed in one process from its
+    record and checkpoints, against its final folder."""
+    run_dir = Path(args.run_dir)
+    settings, schedule, final = ft.read_record(run_dir / "record.jsonl")
+    if settings and settings.get("model") != args.fingerprint:
+        raise common.UsageError(f"--replay {run_dir}: its run trained another model (its config differs from "
+                                f"{args.model}'s)")
+    for k, v in (settings or {}).items():   # (the run's hyperparameters, batches and seed: the record's)
+        if k not in ("model", "mesh"):
+            setattr(args, k, v)
+    if final is None or not (run_dir / "final" / "config.json").is_file():
+        raise common.UsageError(f"--replay {run_dir}: the run there has not ended (no final folder): replay it once its "
+                                f"replicas are done")
+    done = ft.participation([{"step": s, "members": m, "commit": True} for s, m in schedule])
+    check = replay_replicas(args, done, run_dir / "final")
+    common.check_verification({f"{len(done)} committed steps replayed in one process in {len(check['stretches'])} "
+                               f"stretches from checkpoint to checkpoint, the last against the final folder (written "
+                               f"by replica {final['replica']} at step {final['step']})": check},
+                              f"{NAME} replay of {run_dir}")
+
+
+def replay_replicas(args, schedule, final: Path) -> dict:
+    """The run's committed steps in one process: at each, the gradients of every member's
+    batch (batch step x --replicas + r, the replica's RNG seed), averaged, clipped by the
+    global norm, AdamW at the step's learning rate. From checkpoint to checkpoint (any
+    replica's: at a committed step every live replica holds the same state): each stretch
+    starts from the run's state at its first step (the folder's weights at step 0) and
+    ends compared with the run's state at its last (the next checkpoint; the final folder).
+    float32's reordering (the mesh's sums against one process's) grows chaotically over
+    many steps, fastest where one replica trains alone: 4e-5 after 150 steps of three
+    replicas here, 3e-2 after 150 with the failures, where stretches of 10 steps stay
+    within 2e-6; a wrong step moves weights by about the learning rate."""
+    import transformers
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
+    run_dir, one = Path(args.run_dir), argparse.Namespace(**vars(args))
+    saved = {}   # step: a checkpoint of it (the newest: a step redone after a rewind is saved again elsewhere)
+    for folder in run_dir.glob("replica-*/checkpoints/step-*"):
+        meta, step = folder / "metadata.json", int(folder.name.split("-")[1])
+        if meta.exists() and (step not in saved or meta.stat().st_mtime > (saved[step] / "metadata.json").stat().st_mtime):
+            saved[step] = folder
+    last = len(schedule)
+    anchors = [0] + sorted(k for k in saved if 0 < k < last) + [last]
+
+    def fresh():
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
+                                                                  dtype=torch.float32).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                        weight_decay=args.weight_decay)
+    worst, stretches = 0.0, []
+    for a, b in zip(anchors, anchors[1:]):
+        model, opt = fresh()
+        if a:
+            sharded_checkpoint.load_sharded(model, opt, str(saved[a]))
+        params = [p for p in model.parameters() if p.requires_grad]
+        for step, members in schedule[a:b]:
+            total = {}
+            for r in members:
+                one.replica_id = r
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(replica_seed(one, step))
+                x, y = (t.to(device) for t in data.batch_of(step * args.replicas + r))
+                with common.autocast(device, args.dtype):
+                    logits = model(input_ids=x, use_cache=False).logits
+                lm_loss(logits, y).backward()
+                for p in params:
+                    if p.grad is not None:
+                        total[p] = total[p] + p.grad if p in total else p.grad
+            for p in params:
+                p.grad = total[p] / len(members) if p in total else None
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args)
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+            opt.step()
+        if b < last:
+            got, _ = fresh()
+            sharded_checkpoint.load_sharded(got, None, str(saved[b]))
+        else:
+            got = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+        got, want = got.state_dict(), model.state_dict()
+        diff = max((got[k].float().cpu() - want[k].detach().cpu().float()).abs().max().item() for k in want if k in got)
+        stretches.append((a, b, diff))
+        worst = max(worst, diff)
+    tol = 1e-4 if args.dtype == "float32" else common.TOLERANCE["autocast"]["atol"] * 10
+    return {"max_diff": worst, "ok": worst < tol, "stretches": stretches}
 
 
 if __name__ == "__main__":

@@ -596,6 +596,7 @@ class ReplicaManager:
         self.faults, self.say, self.writer = [], say, False
         self.heal_hook, self.quorum_hook, self.heals, self.info = None, None, [], {}
         self.first, self.commits, self.aborts = None, 0, 0   # (this start's own counts)
+        self.history = None   # (the writer's first rank: the coordinator's history of the run, as it ends)
         host, port = coordinator.rsplit(":", 1)
         if bucket_mb is not None and self.size > 1:   # (before the hello: nothing to undo)
             raise ValueError(f"bucket_mb: the all-reduce runs during backward only where a replica is one rank "
@@ -791,6 +792,9 @@ class ReplicaManager:
             if self.rank == 0:
                 with contextlib.suppress(ReplicaStopped):
                     said = self._ask({"op": "done", "replica": self.replica_id, "step": self.step})
+            if self.rank == 0 and said and said.get("write"):   # the run's membership, for its timeline
+                with contextlib.suppress(ReplicaStopped):
+                    self.history = self._ask({"op": "status", "history": True})["history"]
             said = self._share(said) if self.size > 1 else said
             self.writer = bool(said and said.get("write"))
             self.close()
@@ -1047,6 +1051,13 @@ def act_out(faults, ctx, when=None):
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def arm_hooks(manager, ctx):
+    """The scenario's failures inside the manager: a heal's source killed midway
+    ("healkill"), a replica killed at the quorum, before its group is made."""
+    manager.heal_hook = lambda i, n: act_out(["kill"] if "healkill" in manager.faults and i == n // 2 else [], ctx)
+    manager.quorum_hook = lambda q: act_out(q["faults"], ctx, "quorum")
+
+
 def replica_settings(args) -> dict:
     """What every replica of a run must share (the coordinator refuses a replica whose differ;
     the replay rebuilds the run from them)."""
@@ -1072,8 +1083,7 @@ def replica_worker(ctx, args):
                              incarnation=args.incarnation,
                              bucket_mb=args.bucket_mb if ctx.world_size == 1 and overlaps(args) else None,
                              settings=replica_settings(args), connect_wait=args.connect_wait, say=say)
-    manager.heal_hook = lambda i, n: act_out(["kill"] if "healkill" in manager.faults and i == n // 2 else [], ctx)
-    manager.quorum_hook = lambda q: act_out(q["faults"], ctx, "quorum")
+    arm_hooks(manager, ctx)
     part = args.batch_size // ctx.world_size
     times, pace, loss, began_run = [], args.pace_ms / 1000, None, time.perf_counter()
     try:
@@ -1127,6 +1137,17 @@ def progress_line(manager, loss, seconds) -> str:
             f"received, {len(manager.heals) - got} served, {seconds:.0f} s")
 
 
+def stopped(e: ReplicaStopped, script, replica_id: int):
+    """A replica that stops without training on: one line from its first rank (in
+    torchrun's error file on every rank), and its exit code."""
+    line = f"{Path(script).name}: replica {replica_id}: {e}"
+    if common.is_reporter():
+        print(line, file=sys.stderr, flush=True)
+    if e.code:
+        common.torchrun_error_file(line)
+        sys.exit(e.code)
+
+
 def run_replica(args):
     """--join: this process is a rank of one replica (torchrun's, or the launcher's, which
     sets torchrun's variables); rank 0 writes --result where given, and prints its summary.
@@ -1138,13 +1159,7 @@ def run_replica(args):
     try:
         out = common.launch(replica_worker, args, world_size=args.replica_ranks)
     except ReplicaStopped as e:
-        line = f"{Path(SCRIPT).name}: replica {args.replica_id}: {e}"
-        if common.is_reporter():
-            print(line, file=sys.stderr, flush=True)
-        if e.code:
-            common.torchrun_error_file(line)
-            sys.exit(e.code)
-        return
+        return stopped(e, SCRIPT, args.replica_id)
     if out is None:
         return
     digest = common.weights_sha256(out["weights"])
@@ -1163,9 +1178,10 @@ def run_replica(args):
 FORKS = multiprocessing.get_context("forkserver")   # (torch imported once, in the server)
 
 
-def _rank_entry(env: dict, argv: list, log: str):
+def _rank_entry(env: dict, argv: list, log: str, script: str = SCRIPT):
     """A rank of a replica the launcher starts: torchrun's variables, one thread, its
-    output to the replica's log, then the script as --join runs it."""
+    output to the replica's log, then ``script`` (14, or 13's run on replicas) as --join
+    runs it."""
     os.environ.update(env)
     common._loopback_only(env.get("BACKEND", "gloo"))   # its sockets on loopback, as a spawned job's
     torch.set_num_threads(1)
@@ -1173,8 +1189,8 @@ def _rank_entry(env: dict, argv: list, log: str):
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
-    sys.argv = [SCRIPT, *argv]
-    common.run_main(lambda: main(argv))
+    sys.argv = [script, *argv]
+    common.run_main(lambda: common.load_script(script).main(argv))
 
 
 class Launcher:
@@ -1184,18 +1200,36 @@ class Launcher:
     torchrun. A replica whose rank dies is ended whole and, while the run goes on, started
     again (a new incarnation); one the coordinator has left out while its processes live
     (hung) is killed and started again; one that cannot start at all is an error. Nothing
-    is left running when it ends."""
+    is left running when it ends. ``script`` and ``argv(r, incarnation, address, work)``: what a
+    replica's ranks run (default: this script, with ``args``' flags); ``record``: the
+    coordinator's record (13's run keeps it in its run folder); ``say``: its lines;
+    ``echo``: the replicas' lines (theirs, not a dying rank's traceback) printed here as
+    they come; everything stays in their logs."""
 
-    def __init__(self, args, work: Path, replicas: int, ranks: int):
-        self.args, self.work, self.ranks = args, Path(work), ranks
+    def __init__(self, args, work: Path, replicas: int, ranks: int, script=SCRIPT, argv=None, record=None, say=None,
+                 echo=False):
+        self.args, self.work, self.ranks, self.script = args, Path(work), ranks, script
+        self.argv, self.echoed = argv or self._argv, ({} if echo else None)
+        self.echo_lines = ("replica ", f"{Path(script).name}: ")   # (what echo prints: the rest stays in the logs)
         self.procs, self.incarnation, self.finished, self.log, self.stores = {}, {}, set(), [], {}
         self.coordinator = Coordinator("127.0.0.1", 0, detect=args.detect, join_timeout=args.join_timeout,
-                                       min_replicas=replicas)   # (the first step waits for all; then 1: run_scenario)
-        self.address, self.t0 = self.coordinator.address, time.time()
+                                       min_replicas=replicas, record=record, say=say,
+                                       log_every=getattr(args, "log_every", 10))   # (the first step waits for all;
+        self.address, self.t0 = self.coordinator.address, time.time()                # then 1: run_scenario)
 
     def ask(self, msg) -> dict:
         """The coordinator's answer, as a replica would read it (through JSON)."""
         return json.loads(json.dumps(getattr(self.coordinator, "_" + msg["op"])(msg, None)))
+
+    def _argv(self, r, incarnation, address, work):
+        a = self.args
+        return ["--join", address, "--replica-id", str(r), "--incarnation", str(incarnation),
+                "--replica-ranks", str(self.ranks), "--inner", a.inner, "--model-size", a.model_size,
+                "--context-length", str(a.context_length), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
+                "--detect", str(a.detect), "--pace-ms", str(a.pace_ms), "--seed", str(a.seed), "--backend", a.backend,
+                "--device", a.device, "--timeout", str(a.timeout), "--parent", str(os.getpid()),
+                "--bucket-mb", str(a.bucket_mb), "--overlap", a.overlap, "--run-dir", str(work / "run"),
+                "--result", str(work / f"replica-{r}.pt")]
 
     def start(self, r):
         """Replica r's ranks, torchrun's variables set, their output to its log."""
@@ -1203,20 +1237,15 @@ class Launcher:
         a = self.args
         self.stores[r] = common.loopback_store(self.ranks, a.timeout)   # its rendezvous, as torchrun's agent's
         port = self.stores[r].port
-        argv = ["--join", self.address, "--replica-id", str(r), "--incarnation", str(self.incarnation[r]),
-                "--replica-ranks", str(self.ranks), "--inner", a.inner, "--model-size", a.model_size,
-                "--context-length", str(a.context_length), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
-                "--detect", str(a.detect), "--pace-ms", str(a.pace_ms), "--seed", str(a.seed), "--backend", a.backend,
-                "--device", a.device, "--timeout", str(a.timeout), "--parent", str(os.getpid()),
-                "--bucket-mb", str(a.bucket_mb), "--overlap", a.overlap, "--run-dir", str(self.work / "run"),
-                "--result", str(self.work / f"replica-{r}.pt")]
+        argv = self.argv(r, self.incarnation[r], self.address, self.work)
         log = str(self.work / f"replica-{r}.{self.incarnation[r]}.log")
         procs = []
         for rank in range(self.ranks):
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
                    "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "TORCHELASTIC_USE_AGENT_STORE": "True", "BACKEND": a.backend}
-            procs.append(FORKS.Process(target=common.script_call, args=(SCRIPT, "_rank_entry", env, argv, log)))
+            procs.append(FORKS.Process(target=common.script_call, args=(SCRIPT, "_rank_entry", env, argv, log,
+                                                                        self.script)))
             procs[-1].start()
         self.procs[r] = procs
         self.event(r, f"started (incarnation {self.incarnation[r]})")
@@ -1262,7 +1291,23 @@ class Launcher:
                 self.start(r)
         return sorted(self.finished)
 
+    def echo(self):
+        """What the replicas' ranks wrote since the last look, printed (``echo``)."""
+        if self.echoed is None:
+            return
+        for f in sorted(self.work.glob("replica-*.log")):
+            with open(f, "rb") as fh:
+                fh.seek(self.echoed.get(f, 0))
+                got = fh.read()
+            end = got.rfind(b"\n") + 1   # (whole lines only)
+            if end:
+                self.echoed[f] = self.echoed.get(f, 0) + end
+                sys.stdout.write("".join(ln for ln in got[:end].decode(errors="replace").splitlines(True)
+                                         if ln.startswith(self.echo_lines)))
+        sys.stdout.flush()
+
     def close(self):
+        self.echo()
         for r in self.procs:
             if r not in self.finished:
                 self.end(r)
@@ -1277,14 +1322,20 @@ class Launcher:
         return "\n".join(out)
 
 
-def run_scenario(args, replicas: int, ranks: int, phases, deadline: float) -> dict:
+def run_scenario(args, replicas: int, ranks: int, phases, deadline: float, work=None, **launcher) -> dict:
     """The run: the coordinator and ``replicas`` replicas of ``ranks`` ranks; ``phases`` a
     list of (condition(status, since), faults to arm, label): each phase's faults armed
     once its condition holds (the last one's: stop a few steps on). Returns every replica's
-    final record, the coordinator's history and events, the launcher's log and when each
-    phase acted."""
-    work = Path(tempfile.mkdtemp(prefix="ft-"))
-    job = Launcher(args, work, replicas, ranks)
+    final record (each writes it to WORK/replica-R.pt), the coordinator's history and
+    events, the launcher's log and when each phase acted. ``launcher``: the Launcher's
+    script, argv, record, say and echo; ``work``: where the logs and records go and stay
+    (default: a temporary folder, removed at the end)."""
+    keep = work is not None
+    work = Path(work) if keep else Path(tempfile.mkdtemp(prefix="ft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for f in work.glob("replica-*.pt") if keep else ():
+        f.unlink()
+    job = Launcher(args, work, replicas, ranks, **launcher)
     acted = []
     try:
         for r in range(replicas):
@@ -1293,6 +1344,7 @@ def run_scenario(args, replicas: int, ranks: int, phases, deadline: float) -> di
         while True:
             status = job.ask({"op": "status"})
             done = job.watch(status)
+            job.echo()
             if len(done) == replicas:
                 break
             last = status["last_commit"]
@@ -1315,12 +1367,14 @@ def run_scenario(args, replicas: int, ranks: int, phases, deadline: float) -> di
                                          + f"\n{job.tail()}")
             time.sleep(0.05)
         status = job.ask({"op": "status", "history": True})
-        records = {r: torch.load(work / f"replica-{r}.pt", weights_only=False) for r in range(replicas)}
+        records = {r: torch.load(work / f"replica-{r}.pt", weights_only=False) for r in range(replicas)
+                   if (work / f"replica-{r}.pt").exists() or not keep}
         return {"records": records, "history": status["history"], "events": status["events"], "log": job.log,
                 "acted": acted}
     finally:
         job.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def everyone(n):
@@ -1620,6 +1674,21 @@ def check_overlap(args):
                                 f"synchronization); use --replica-ranks 1")
 
 
+def check_join(args):
+    """--join HOST:PORT (a port, a host known here) and --replica-id, or one line (exit 2)."""
+    host, _, port = args.join.rpartition(":")
+    if not host or not port.isdigit():
+        raise common.UsageError(f"--join {args.join}: give the coordinator's HOST:PORT")
+    if not 1 <= int(port) <= 65535:
+        raise common.UsageError(f"--join {args.join}: a port is 1 to 65535")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise common.UsageError(f"--join {args.join}: the host {host!r} is not known here ({e.strerror})") from None
+    if args.replica_id is None:
+        raise common.UsageError("--join needs --replica-id: this replica's number (its data shard)")
+
+
 def check_args(args):
     """Everything refused before any process starts (UsageError: one line, exit 2)."""
     args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
@@ -1644,17 +1713,7 @@ def check_args(args):
         raise common.UsageError(f"--batch-size {args.batch_size} must divide by --replica-ranks {args.replica_ranks}: "
                                 f"each rank of a replica takes an equal part")
     if args.join is not None:
-        host, _, port = args.join.rpartition(":")
-        if not host or not port.isdigit():
-            raise common.UsageError(f"--join {args.join}: give the coordinator's HOST:PORT")
-        if not 1 <= int(port) <= 65535:
-            raise common.UsageError(f"--join {args.join}: a port is 1 to 65535")
-        try:
-            socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise common.UsageError(f"--join {args.join}: the host {host!r} is not known here ({e.strerror})") from None
-        if args.replica_id is None:
-            raise common.UsageError("--join needs --replica-id: this replica's number (its data shard)")
+        check_join(args)
         if common.under_torchrun():
             args.replica_ranks = int(os.environ["WORLD_SIZE"])
         check_overlap(args)

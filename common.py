@@ -66,7 +66,8 @@ DEFAULT_OUT = str(ROOT / "runs")
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 # Workers fork from a server that has imported torch once, instead of each importing it again;
 # torch._dynamo too, which the first optimizer a process builds imports (2 s a rank here)
-mp.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo"])
+PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo"]
+mp.set_forkserver_preload(PRELOAD)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 

@@ -2,10 +2,15 @@
 out. The folder is the script's own tiny Llama-style model (its byte-level BPE tokenizer
 trained on Python's help text), written once for the file; the runs are short (6 steps of
 8 sequences of 32 tokens), each through the command line as a user types it."""
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
+import socket
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -307,3 +312,121 @@ def test_the_measurements_take_their_own_flags(tmp_path):
     assert "unrecognized arguments: --pp 2" in refused("13_train.py", "--hf-checkpoint", "--pp", "2")
     assert "two measurements: give one" in refused("13_train.py", "--hf-checkpoint", "--setup-memory",
                                                    "--out", str(tmp_path))
+
+
+# ---- on replicas that survive a loss (14's manager around 13's mesh) ---------------------------
+def test_replicas_of_an_fsdp_mesh_go_through_14s_failures_and_every_step_replays_in_one_process(tiny, tmp_path):
+    """--replicas 3 of fsdp 2 (6 ranks) through 14's scenario (--faults): replica 1 killed
+    and its heal's source killed midway, a SIGSTOP, two replicas killed at once at five
+    points of a step. Each heal goes rank by rank within the mesh; the committed steps
+    replayed in one process (each member's batches) from checkpoint to checkpoint match the
+    run's checkpoints and its final folder; the replicas end alike; the folder is written
+    once; the timeline is drawn beside loss.png; the progress lines name the quorum."""
+    run = tmp_path / "run"
+    p = run_script("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--replicas", "3",
+                   "--faults", "--steps", "400", "--pace-ms", "150", "--context-length", "32", "--batch-size", "8",
+                   "--eval-every", "400", "--eval-batches", "1", "--log-every", "10", "--verify-steps", "1",
+                   "--sample-tokens", "2", "--run-dir", str(run), "--out", str(tmp_path / "out"), timeout=400)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    out = p.stdout
+    assert re.search(r"PASS  \d+ committed steps replayed in one process in \d+ stretches from checkpoint to "
+                     r"checkpoint, the last against the final folder \(\d+ heals; the 3 replicas at the last step "
+                     r"alike: True\)", out), out
+    assert "verify 13_train on 3 replicas of fsdp 2: PASS" in out
+    armed = re.findall(r"armed after step +\d+: (.*)", out)
+    assert len(armed) == 8 and armed[-1] == "stop" and armed[1] == "SIGSTOP replica 2", armed
+    rows = dict(re.findall(r"replica (\d)  ([#H.]+)", out))
+    assert len(rows) == 3 and all(r[-1] != "." for r in rows.values()) and sum(r.count("H") for r in rows.values()) >= 9
+    assert re.search(r"replica \d: step +\d+/400 \| loss [\d.]+ .* \| quorum \[[\d, ]+\] \| this start: \d+ committed",
+                     out), out
+    finals = re.findall(r"the final folder (written to \S+|written by another replica)", out)
+    assert sorted(finals)[:2] == ["written by another replica"] * 2 and finals.count(f"written to {run}/final") == 1
+    assert (run / "timeline.png").stat().st_size > 5000 and (run / "loss.png").exists()
+    assert (tmp_path / "out" / "13_train_replicas_timeline.png").exists()
+    commits = [json.loads(ln) for ln in (run / "record.jsonl").read_text().splitlines()]
+    steps = [e["commit"] for e in commits if "commit" in e]
+    assert steps == list(range(len(steps))) and any(len(e["members"]) == 1 for e in commits if "commit" in e)
+    assert "Traceback" not in out   # (a dying rank's stays in its replica's log)
+
+
+def test_replicas_under_torchrun_a_job_killed_whole_comes_back_healed_and_the_run_replays(tiny, tmp_path):
+    """The torchrun form: 13's coordinator alone, each replica a torchrun job of 2 ranks
+    (fsdp 2). Replica 1's job killed whole (kill -9 of its agent's process group and of its
+    ranks, each a session of its own): replica 0 trains on alone; the same command started
+    again heals from it rank by rank and both train on; the coordinator told to stop, one
+    replica writes the final folder; --replay RUN_DIR passes; nothing is left running."""
+    from test_14_fault_tolerant_dp import own_processes, start, status
+    tag, run = uuid.uuid4().hex, tmp_path / "run"
+    coord = start("13_train.py", "--coordinator", "--port", "0", "--run-dir", str(run),
+                  "--detect", "2", tag=tag, start_new_session=True)
+    address = coord.stdout.readline().split()[2]
+    flags = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--replicas", "2", "--steps", "400",
+             "--context-length", "32", "--batch-size", "8", "--eval-every", "400", "--eval-batches", "1",
+             "--checkpoint-every", "4", "--log-every", "4", "--pace-ms", "150", "--run-dir", str(run), "--out",
+             str(tmp_path / "out")]
+
+    def replica(r):
+        return start("-m", "torch.distributed.run", "--nproc-per-node", "2", "13_train.py", *flags, "--join", address,
+                     "--replica-id", str(r), tag=tag, start_new_session=True)
+
+    def reached(pred, within=120.0):
+        deadline = time.time() + within
+        while time.time() < deadline:
+            st = status(address)
+            if st["last_commit"] and pred(st):
+                return st["last_commit"]["step"]
+            time.sleep(0.2)
+        raise AssertionError(f"not reached in {within:.0f} s: {status(address)}")
+    try:
+        jobs = {r: replica(r) for r in (0, 1)}
+        step = reached(lambda st: st["last_commit"]["members"] == [0, 1])
+        victims = [pid for pid in own_processes(tag) if b"--replica-id\x001" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        os.killpg(jobs[1].pid, signal.SIGKILL)
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        jobs[1].communicate(timeout=60)
+        alone = reached(lambda st: st["last_commit"]["members"] == [0] and st["last_commit"]["step"] > step + 2)
+        jobs[1] = replica(1)
+        back = reached(lambda st: st["last_commit"]["members"] == [0, 1] and st["last_commit"]["step"] > alone + 3)
+        with socket.create_connection(address.rsplit(":", 1)) as s:   # the run ends 2 steps on
+            s.sendall((json.dumps({"op": "arm", "stop_at": back + 2}) + "\n").encode())
+            s.makefile("r").readline()
+        outs = {r: j.communicate(timeout=120) for r, j in jobs.items()}
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        said, _ = coord.communicate(timeout=60)
+    for r, (out, err) in outs.items():
+        assert jobs[r].returncode == 0, out[-2000:] + err[-3000:]
+    assert re.search(r"replica 1: done at step \d+; this start committed \d+ step\(s\) \(0 aborted; healed from "
+                     r"replica 0 at step \d+; 0 heal\(s\) served\)", outs[1][0]), outs[1][0]
+    assert "replica 1 heals from replica 0" in said and "replica 1 lost" in said, said
+    assert sum("written to" in out for out, _ in outs.values()) == 1 and (run / "final" / "config.json").exists()
+    p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--replay", str(run),
+                   "--out", str(tmp_path / "out"))
+    assert p.returncode == 0 and f"verify 13_train replay of {run}: PASS" in p.stdout, p.stdout + p.stderr
+    time.sleep(0.5)
+    assert own_processes(tag) == []
+
+
+def test_bad_input_on_replicas_is_one_line(tiny, tmp_path):
+    flags = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--run-dir", str(tmp_path / "run"),
+             "--out", str(tmp_path)]
+    assert "24 processes on" in refused("13_train.py", *flags, "--replicas", "3", "--tp", "2", "--pp", "2", "--fsdp", "2")
+    assert "give the coordinator's HOST:PORT" in refused("13_train.py", *flags, "--replicas", "2", "--join", "nohost",
+                                                         "--replica-id", "0")
+    assert "a port is 1 to 65535" in refused("13_train.py", *flags, "--replicas", "2", "--join", "127.0.0.1:99999",
+                                             "--replica-id", "0")
+    with socket.socket() as s:   # a port where nothing listens: a bounded wait, then one line
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert f"nothing answers at 127.0.0.1:{port}" in refused("13_train.py", *flags, "--replicas", "2", "--join",
+                                                            f"127.0.0.1:{port}", "--replica-id", "0",
+                                                            "--connect-wait", "0.5")
+    assert "the run's replicas are 0 to 1" in refused("13_train.py", *flags, "--replicas", "2", "--join",
+                                                      "127.0.0.1:1", "--replica-id", "2")
+    assert "--join needs --replicas N" in refused("13_train.py", *flags, "--join", "127.0.0.1:1", "--replica-id", "0")
+    assert "needs a third to go on" in refused("13_train.py", *flags, "--replicas", "2", "--faults")
+    assert "--replica-id applies to --join" in refused("13_train.py", *flags, "--replica-id", "0")
+    assert "without --replicas" in refused("13_train.py", *flags, "--replicas", "2", "--bench")
+    assert "no record.jsonl there" in refused("13_train.py", *flags, "--replay", str(tmp_path))
