@@ -1569,18 +1569,197 @@ def bench_row(args, n, run, ddp) -> dict:
             "rejoin_to_commit_s": round(healed["decided"] - back, 3)}
 
 
+# ---- torchft's Manager beside ours, on the same model and batches (make torchft-bench) -------
+# seconds: its gloo group's, its heal's (PGTransport) and its Manager's, as torchft's train_ddp.py
+# sets them on a CPU (a survivor waiting in an all-reduce on a lost peer waits out the first)
+TORCHFT_TIMEOUTS = (5, 10, 30)
+
+
+def torchft_missing() -> str | None:
+    """Why torchft cannot run here (None: it can)."""
+    os.environ.setdefault("RUST_LOG", "warn")   # (its servers' INFO lines: one a quorum request, every replica's)
+    if importlib.util.find_spec("torchft") is None:
+        return "torchft is not installed here (make torchft-bench installs it: requirements-torchft.txt)"
+    try:
+        import torchft  # noqa: F401
+    except Exception as e:   # (its opentelemetry dependencies, a torch it does not fit)
+        return f"torchft does not import here ({type(e).__name__}: {e})"
+    return None
+
+
+def _torchft_on_loopback():
+    """torchft's Manager binds its server on every interface (manager.py: ``bind=f"[::]:{port}"``);
+    the kit's rule is loopback: the same server class, handed 127.0.0.1 instead."""
+    import torchft.manager as tm
+    if getattr(tm.ManagerServer, "kit_loopback", False):
+        return
+    real = tm.ManagerServer
+
+    def server(*a, bind, **kw):
+        return real(*a, bind=bind.replace("[::]", "127.0.0.1"), **kw)
+    server.kit_loopback = True
+    tm.ManagerServer = server
+
+
+def torchft_replica(args, r: int, lighthouse: str, work: str):
+    """One replica of one rank under torchft's Manager: the gradients averaged over the
+    quorum by one manager.allreduce of them all after backward (as ours on a CPU), the
+    optimizer stepped only where should_commit says so, its quorum during the forward
+    (use_async_quorum, its default), a heal over the same gloo group (its PGTransport: its
+    HTTP transport listens on every interface). The kit's LM, AdamW, clipping and replica
+    r's batches, as ours. One JSON line a step to WORK/torchft-R.jsonl; it trains until
+    WORK/stop exists. (torchft 0.2.0's DistributedDataParallel fails once its manager has
+    seen an error: its comm hook asserts ``fut._fut``, which the _DummyWork allreduce returns
+    after an error lacks; a survivor's first step after a kill ended there.)"""
+    torch.set_num_threads(1)
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+    _torchft_on_loopback()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)   # (the replica's own)
+    model = common.build_lm(args.model_size, args.context_length, "cpu", args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    pg_s, transport_s, manager_s = TORCHFT_TIMEOUTS
+    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=pg_s))
+    transport, heal = PGTransport(pg, timeout=datetime.timedelta(seconds=transport_s), device=torch.device("cpu")), {}
+    receive = transport.recv_checkpoint
+
+    def timed(*a, **kw):   # (the heal's transfer, and its bytes)
+        began = time.perf_counter()
+        got = receive(*a, **kw)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(got) if torch.is_tensor(t)]
+        heal.update(s=time.perf_counter() - began, bytes=sum(t.numel() * t.element_size() for t in tensors))
+        return got
+    transport.recv_checkpoint = timed
+    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                                                              opt.load_state_dict(sd["optim"])),
+                      state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+                      replica_id=f"kit_{r}", rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+                      lighthouse_addr=lighthouse, hostname="127.0.0.1", checkpoint_transport=transport,
+                      timeout=datetime.timedelta(seconds=manager_s))
+    params = list(model.parameters())
+    work = Path(work)
+    with open(work / f"torchft-{r}.jsonl", "a") as log:
+        log.write(json.dumps({"hello": time.time()}) + "\n")
+        log.flush()
+        while not (work / "stop").exists():
+            began = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            manager.start_quorum()
+            step = manager.current_step()
+            x, y = shard_batch(args, r, step, "cpu")
+            model(x, y).backward()   # (its DistributedDataParallel: see the docstring)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            manager.allreduce(flat).wait()   # the average over the quorum's participants, in place
+            at = 0
+            for p in params:
+                p.grad = flat[at:at + p.numel()].view_as(p)
+                at += p.numel()
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+            committed = manager.should_commit()
+            if committed:
+                opt.step()
+            log.write(json.dumps({"t": time.time(), "step": step, "commit": committed, "n": manager.num_participants(),
+                                  "s": time.perf_counter() - began, **({"heal": dict(heal)} if heal else {})}) + "\n")
+            log.flush()
+            heal.clear()
+    manager.shutdown(wait=False)
+
+
+def _torchft_log(path) -> list:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
+
+
+def torchft_run(args, n: int, measured: int) -> dict:
+    """torchft's side of one benchmark row: its lighthouse here (on loopback; a replica
+    is lost after --detect without a heartbeat, as ours), ``n`` replicas of one rank; once
+    replica 0 has ``measured`` steps with all after BENCH_WARM, replica n-1 killed (kill -9),
+    then started again after 3 commits without it. Returns the step's median ms with all in,
+    kill -9 to the first commit without it, the newcomer's heal (s, bytes) and its hello to
+    its first commit."""
+    from torchft._torchft import LighthouseServer
+    work = Path(tempfile.mkdtemp(prefix="torchft-"))
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(args.join_timeout * 1000),
+                                  heartbeat_timeout_ms=int(args.detect * 1000))
+    address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    procs = {}
+
+    def start(r):
+        procs[r] = FORKS.Process(target=common.script_call, args=(SCRIPT, "_torchft_entry", args, r, address,
+                                                                  str(work)))
+        procs[r].start()
+
+    def wait_for(cond, what, within=None):
+        deadline = time.time() + (within or args.deadline)
+        while not cond():
+            for r, p in procs.items():
+                if p.exitcode not in (None, 0) and r != n - 1:
+                    log = work / f"torchft-{r}.log"
+                    raise common.LaunchError(f"torchft's replica {r} ended (exit {p.exitcode}) waiting for {what}:\n"
+                                             + "\n".join(log.read_text().splitlines()[-12:] if log.exists() else []))
+            if time.time() > deadline:
+                raise common.LaunchError(f"torchft's replicas: no {what} in {within or args.deadline:.0f} s")
+            time.sleep(0.05)
+    logs = lambda r: _torchft_log(work / f"torchft-{r}.jsonl")   # noqa: E731
+    try:
+        for r in range(n):
+            start(r)
+        full = lambda: [e for e in logs(0) if e.get("commit") and e.get("n") == n]   # noqa: E731
+        wait_for(lambda: len(full()) >= BENCH_WARM + measured, "steps with every replica")
+        steps = [e["s"] for e in full()[BENCH_WARM:BENCH_WARM + measured]]
+        killed = time.time()
+        os.kill(procs[n - 1].pid, signal.SIGKILL)
+        procs[n - 1].join()
+        after = lambda: [e for e in logs(0) if e.get("commit") and e.get("n") == n - 1 and e["t"] > killed]   # noqa
+        wait_for(lambda: len(after()) >= 3, "commit without the killed replica")
+        (work / f"torchft-{n - 1}.jsonl").unlink()
+        start(n - 1)
+        back = lambda: [e for e in logs(n - 1) if e.get("commit")]   # noqa: E731
+        wait_for(lambda: back(), "commit of the replica started again")
+        joiner = logs(n - 1)
+        healed = next((e["heal"] for e in joiner if "heal" in e), None)
+        return {"torchft_step_ms": round(statistics.median(steps) * 1000, 2),
+                "torchft_kill_to_commit_s": round(after()[0]["t"] - killed, 3),
+                "torchft_heal_s": round(healed["s"], 4) if healed else None,
+                "torchft_heal_MB": round(healed["bytes"] / 1e6, 2) if healed else None,
+                "torchft_rejoin_to_commit_s": round(back()[0]["t"] - joiner[0]["hello"], 3)}
+    finally:
+        (work / "stop").touch()
+        for p in procs.values():
+            p.join(30)
+            if p.exitcode is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+        lighthouse.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _torchft_entry(args, r, address, work):
+    """A torchft replica's process: one thread, its output (torchft's logging) to its log."""
+    fd = os.open(str(Path(work) / f"torchft-{r}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    common._loopback_only("gloo")
+    torchft_replica(args, r, address, work)
+
+
 def benchmark(args):
     rows, settings = [], {"model_size": args.model_size, "context_length": args.context_length,
                           "batch_size": args.batch_size, "detect_s": args.detect, "bench_steps": args.bench_steps,
                           "backend": "gloo", "device": args.device, "world_size": list(args.bench_replicas)}
-    print(f"benchmark: SKIP torchft's Manager: not yet run beside ours (torchft "
-          f"{'is' if importlib.util.find_spec('torchft') else 'is not'} installed here); ours and torch DDP only",
-          flush=True)
+    missing = torchft_missing()
+    if missing:
+        print(f"benchmark: SKIP torchft's Manager: {missing}; ours and torch DDP only", flush=True)
     fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0})   # (one rank a replica: --inner unused)
     for n in args.bench_replicas:
         run = run_scenario(fast, n, 1, bench_phases(n, args.bench_steps), deadline=args.deadline)
         ddp = common.launch(ddp_steps, fast, BENCH_WARM + args.bench_steps, world_size=n)
         rows.append(bench_row(args, n, run, statistics.median(ddp[BENCH_WARM:]) * 1000))
+        if not missing:
+            rows[-1].update(torchft_run(fast, n, args.bench_steps))
+            rows[-1]["torchft_vs_ddp"] = round(rows[-1]["torchft_step_ms"] / rows[-1]["torch_ddp_step_ms"], 3)
         table = common.save_results(args.out, NAME, rows, settings, title=BENCH_TITLE, note=BENCH_NOTE)
         print(f"\n{BENCH_TITLE}\n{table}", flush=True)
     print(common.wrote(args.out, f"{NAME}.json and .md"), flush=True)
@@ -1594,7 +1773,13 @@ BENCH_NOTE = ("ours_step_ms: replica 0's step with every replica in (the quorum,
               "quorum that handed replica n-1 its kill -9 to the next committed step (the others' detection, an "
               "aborted attempt and a new quorum); heal_s: the replacement's transfer from its live peer (weights, "
               "AdamW's state, the step; heal_MB), rejoin_to_commit_s: from its hello to its first committed step. "
-              "Each replica count is its own run.")
+              "Each replica count is its own run. torchft_*: torchft's Manager (make torchft-bench installs it) on the "
+              "same model and batches, each replica one process, its lighthouse here on loopback (--detect its "
+              "heartbeat timeout, --join-timeout its join timeout), its timeouts those of its train_ddp.py on a CPU "
+              "(gloo 5 s, heal 10 s, Manager 30 s); the gradients averaged by one manager.allreduce after backward "
+              "(as ours on a CPU), the optimizer stepped where should_commit says so, a heal over its gloo group "
+              "(PGTransport); kill_to_commit_s from the kill -9 to the first step committed without the victim, "
+              "heal_s its recv_checkpoint, rejoin from the restarted replica's first line before its loop.")
 
 
 # ---- flags, checks, main --------------------------------------------------------------------

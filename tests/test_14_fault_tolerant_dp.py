@@ -527,3 +527,22 @@ def test_a_run_past_its_deadline_ends_with_each_replicas_log(monkeypatch):
     assert "0 steps:\n  replica 0  \n  replica 1  \n" in str(e.value)   # where it stood: nothing committed yet
     for r in (0, 1):
         assert f"--- replica-{r}.1.log\nreplica {r}: waiting in its all-reduce" in str(e.value)
+
+
+def test_torchft_beside_ours_binds_its_manager_server_on_loopback_and_says_when_it_is_missing(monkeypatch):
+    """torchft's Manager binds its server on every interface ([::]:PORT); the benchmark hands
+    the same class 127.0.0.1 instead (once, however often asked). Without torchft the
+    benchmark's SKIP line says how to install it (the tests do not need it)."""
+    import types
+    made = []
+    fake = types.ModuleType("torchft.manager")
+    fake.ManagerServer = lambda **kw: made.append(kw) or kw
+    monkeypatch.setitem(sys.modules, "torchft", types.ModuleType("torchft"))
+    monkeypatch.setitem(sys.modules, "torchft.manager", fake)
+    sys.modules["torchft"].manager = fake
+    ft._torchft_on_loopback()
+    ft._torchft_on_loopback()
+    fake.ManagerServer(replica_id="kit_0", bind="[::]:0", world_size=1)
+    assert made == [{"replica_id": "kit_0", "bind": "127.0.0.1:0", "world_size": 1}]
+    monkeypatch.setattr(ft.importlib.util, "find_spec", lambda name: None)
+    assert "make torchft-bench installs it" in ft.torchft_missing()
