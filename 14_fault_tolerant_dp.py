@@ -1615,7 +1615,7 @@ def torchft_replica(args, r: int, lighthouse: str, work: str):
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
     _torchft_on_loopback()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)   # (the replica's own)
+    store = common.loopback_store(1, 60.0)   # (the replica's own; TCPStore's server alone listens everywhere)
     model = common.build_lm(args.model_size, args.context_length, "cpu", args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     pg_s, transport_s, manager_s = TORCHFT_TIMEOUTS
