@@ -36,8 +36,8 @@ each replica its own fixed data shard) and compares: every replica's weights bit
 alike, and the replay's. It prints the membership timeline (replicas x steps: stepped,
 healed, out) and draws it. The benchmark (--replicas 2, 3 and 4, one rank each) times a step
 without failures beside torch DDP over the same ranks (the quorum's cost), the time from a
-kill to the next committed step, and the heal (torchft's Manager is not yet beside it: a SKIP
-line says so).
+kill to the next committed step, and the heal, each beside torchft's Manager on the same
+model and batches where torchft is installed (make torchft-bench; else a SKIP line says so).
 Writes <out>/14_fault_tolerant_dp.{json,md} (the benchmark), 14_timeline.{json,png}.
 """
 import os
