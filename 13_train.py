@@ -1282,12 +1282,7 @@ def parser():
     r.add_argument("--coordinator", action="store_true",
                    help="run the coordinator alone (14's, with its flags: --host, --port, --run-dir, --min-replicas, "
                         "--detect, --join-timeout, --log-every)")
-    r.add_argument("--detect", type=common.SECONDS, default=2.0,
-                   help="seconds without a beat that leave a replica out (the coordinator's)")
-    r.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
-                   help="seconds a quorum waits for a live replica that has not asked (the coordinator's)")
-    r.add_argument("--connect-wait", type=common.SECONDS, default=30.0,
-                   help="--join: seconds a replica tries to reach the coordinator before it gives up")
+    ft.add_waits(r)
     r.add_argument("--replay", default=None, metavar="RUN_DIR",
                    help="with --model and --data (the rest from the run's record): replay the committed "
                         "steps of a run on replicas (torchrun's: its coordinator's record.jsonl and the replicas' "

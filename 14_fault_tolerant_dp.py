@@ -1794,10 +1794,7 @@ def parser():
     p.add_argument("--batch-size", type=common.COUNT, default=8, help="a replica's batch, split over its ranks")
     p.add_argument("--steps", type=common.COUNT, default=1000,
                    help="the steps a replica trains at most (the verification's scenario stops it sooner)")
-    p.add_argument("--detect", type=common.SECONDS, default=2.0,
-                   help="seconds without a beat that leave a replica out (every member waiting on it then stops)")
-    p.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
-                   help="seconds a quorum waits for a live replica that has not asked (a hung one that still beats)")
+    add_waits(p)
     p.add_argument("--pace-ms", type=common.number(float, lo=0), default=None,
                    help="a step takes at least this long (default: 200 in the verification, where the nano LM's "
                         "step takes a few ms: a replacement, back in about 0.15 s here, and a hung replica, "
@@ -1841,8 +1838,6 @@ def parser():
                         "(final/weights.pt); --replay reads it")
     p.add_argument("--log-every", type=common.COUNT, default=10,
                    help="--join and --coordinator: a progress line every this many committed steps")
-    p.add_argument("--connect-wait", type=common.SECONDS, default=30.0,
-                   help="--join: seconds a replica tries to reach the coordinator before it gives up")
     p.add_argument("--replay", default=None, metavar="RUN_DIR",
                    help="replay a torchrun run's committed steps in one process from its record (RUN_DIR/record.jsonl) "
                         "and compare with its final weights (RUN_DIR/final/weights.pt)")
@@ -1850,6 +1845,16 @@ def parser():
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def add_waits(p):
+    """The coordinator's and a replica's waits (14's flags, and 13's on replicas)."""
+    p.add_argument("--detect", type=common.SECONDS, default=2.0,
+                   help="seconds without a beat that leave a replica out (every member waiting on it then stops)")
+    p.add_argument("--join-timeout", type=common.SECONDS, default=10.0,
+                   help="seconds a quorum waits for a live replica that has not asked (a hung one that still beats)")
+    p.add_argument("--connect-wait", type=common.SECONDS, default=30.0,
+                   help="--join: seconds a replica tries to reach the coordinator before it gives up")
 
 
 def check_overlap(args):
