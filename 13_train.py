@@ -1544,8 +1544,9 @@ def main(argv=None):
         return replay_run(args, sizes)
     if common.is_reporter():
         train_n, held_n = (sum(s[k] for s in reader.sources) for k in ("train", "held"))
-        on = f" x {args.replicas} replicas" if args.replicas > 1 else ""
-        print(f"{args.model} on {mesh_label(sizes, args.ep)}{on} ({args.world_size}{on} x {args.backend}/{args.device}): "
+        ranks = (f"{args.replicas} replicas of {args.world_size} rank(s), " if args.replicas > 1
+                 else f"{args.world_size} x ")
+        print(f"{args.model} on {mesh_label(sizes, args.ep)} ({ranks}{args.backend}/{args.device}): "
               f"{', '.join(args.data)}: {reader.tokens:,} tokens, {train_n:,} to train on, {held_n:,} held out "
               f"({args.eval_batches} evaluation batches of {args.batch_size} x {args.context_length})", flush=True)
     if common.is_reporter() and getattr(args, "resume_from", None):
