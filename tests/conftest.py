@@ -243,7 +243,8 @@ def is_loopback(address: str) -> bool:
 # end. The stall jobs and 14's replicas mostly wait: the other worker computes beside them
 # (14 after two computing files, so that it is not beside the stall jobs with both waiting:
 # a fresh clone took 611 s with it second, 609 s with it fourth, within the machine's noise)
-FIRST = ("test_stalls.py", "test_compiled.py", "test_10_nd_parallel.py", "test_14_fault_tolerant_dp.py", "test_gpu.py", "test_09_pipeline.py",
+FIRST = ("test_stalls.py", "test_compiled.py", "test_10_nd_parallel.py", "test_14_fault_tolerant_dp.py", "test_13_train.py",
+         "test_gpu.py", "test_09_pipeline.py",
          "test_07_fsdp.py", "test_05_bucketed.py", "test_06_sharded.py", "test_02_naive.py", "test_08_tensor_parallel.py",
          "test_hf_models.py", "test_12_expert_parallel.py", "test_11_context_parallel.py")
 
