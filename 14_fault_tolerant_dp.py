@@ -929,7 +929,7 @@ class ReplicaManager:
     def _digest(tensors, step) -> str:
         h = hashlib.sha256(str(step).encode())
         for t in tensors:
-            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))   # (no copy)
         return h.hexdigest()
 
     def _send_obj(self, obj, dst):
