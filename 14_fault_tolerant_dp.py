@@ -1688,7 +1688,7 @@ def torchft_run(args, n: int, measured: int) -> dict:
 
     def start(r):
         procs[r] = FORKS.Process(target=common.script_call, args=(SCRIPT, "_torchft_entry", args, r, address,
-                                                                  str(work)))
+                                                                  str(work), os.getpid()))
         procs[r].start()
 
     def wait_for(cond, what, within=None):
@@ -1736,8 +1736,10 @@ def torchft_run(args, n: int, measured: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _torchft_entry(args, r, address, work):
-    """A torchft replica's process: one thread, its output (torchft's logging) to its log."""
+def _torchft_entry(args, r, address, work, parent):
+    """A torchft replica's process: one thread, its output (torchft's logging) to its log;
+    it ends with the benchmark's process, however that ends."""
+    common._watch_parent(parent)
     fd = os.open(str(Path(work) / f"torchft-{r}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
