@@ -1600,6 +1600,8 @@ def summarize(args, sizes, result, name):
 def run_replica(args, sizes):
     """--join: this process is a rank of one replica (torchrun's, or the launcher's); its
     first rank prints where the replica ended, or the one line of why it stopped."""
+    if args.parent:
+        common._watch_parent(args.parent)   # the launcher gone: so is this replica
     if not common.under_torchrun():   # (its ranks spawned here: whether anything answers, asked once first)
         try:
             ft.connect(args.join, args.connect_wait).close()
@@ -1611,12 +1613,8 @@ def run_replica(args, sizes):
         return ft.stopped(e, __file__, args.replica_id)
     if out is None:
         return
-    got = [h for h in out["heals"] if h["role"] == "joiner"]
-    healed = "; healed from replica " + ", ".join(f"{h['peers'][0]} at step {h['step']}" for h in got) if got else ""
-    print(f"replica {args.replica_id}: done at step {out['step']}; this start committed {out['commits']} step(s) "
-          f"({out['aborts']} aborted{healed}; {len(out['heals']) - len(got)} heal(s) served); weights sha256 "
-          f"{out['sha256']}; the final folder {'written to ' + out['final'] if out['final'] else 'written by another replica'}",
-          flush=True)
+    print(f"{ft.done_line(args.replica_id, out)}; weights sha256 {out['sha256']}; the final folder "
+          f"{'written to ' + out['final'] if out['final'] else 'written by another replica'}", flush=True)
 
 
 def run_replicas(args, sizes, given):

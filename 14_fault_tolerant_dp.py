@@ -1165,13 +1165,18 @@ def run_replica(args):
     digest = common.weights_sha256(out["weights"])
     if args.result:
         common.save_file(args.result, lambda f: torch.save(out, f))
+    where = f"written to {out['final']}" if out["final"] else "written by another replica" if args.run_dir else "not saved"
+    print(f"{done_line(args.replica_id, out)}; final weights sha256 {digest}, {where}", flush=True)
+
+
+def done_line(replica_id: int, out: dict) -> str:
+    """A replica's end, from its first rank's record: the step, this start's commits (from
+    its first committed step, where the record has it), aborts, heals received and served."""
     got = [h for h in out["heals"] if h["role"] == "joiner"]
     healed = "; healed from replica " + ", ".join(f"{h['peers'][0]} at step {h['step']}" for h in got) if got else ""
-    where = f"written to {out['final']}" if out["final"] else "written by another replica" if args.run_dir else "not saved"
-    print(f"replica {args.replica_id}: done at step {out['step']}; this start committed {out['commits']} step(s)"
-          f"{' from step %d' % out['from'] if out['commits'] else ''} ({out['aborts']} aborted{healed}; "
-          f"{len(out['heals']) - len(got)} heal(s) served); "
-          f"final weights sha256 {digest}, {where}", flush=True)
+    since = f" from step {out['from']}" if out.get("from") is not None and out["commits"] else ""
+    return (f"replica {replica_id}: done at step {out['step']}; this start committed {out['commits']} step(s){since} "
+            f"({out['aborts']} aborted{healed}; {len(out['heals']) - len(got)} heal(s) served)")
 
 
 # ---- the launcher: the coordinator and each replica's ranks as processes of their own ------
