@@ -1684,7 +1684,7 @@ def torchft_run(args, n: int, measured: int) -> dict:
     then started again after 3 commits without it. Returns the step's median ms with all in,
     kill -9 to the first commit without it, the newcomer's heal (s, bytes) and its hello to
     its first commit."""
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer   # (its documented home)
     work = Path(tempfile.mkdtemp(prefix="torchft-"))
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(args.join_timeout * 1000),
                                   heartbeat_timeout_ms=int(args.detect * 1000))
