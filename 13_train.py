@@ -46,6 +46,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -536,7 +537,8 @@ def train(ctx, args, sizes):
             if step % args.eval_every == 0 or step == args.steps:
                 last_eval = row["eval"] = evaluate()
             history.append(row)
-            speaks = manager is None or args.replica_id == min(row["replicas"])   # (on replicas: the quorum's first)
+            speaks = manager is None or getattr(manager, "speaks", args.replica_id == min(row["replicas"]))
+                                                                                    # (on replicas: the quorum's first)
             if ctx.rank == 0 and speaks and (step % args.log_every == 0 or step == args.steps or "eval" in row):
                 elapsed = time.perf_counter() - began
                 tok_s = tokens_per_step * done / stepping   # tokens/s: as the summary's (docs/13)
@@ -613,6 +615,14 @@ def replica_manager(ctx, args, sizes, run, opt, start):
     """This replica's manager: the coordinator at --join, its hello from step ``start``
     (its own checkpoint's), every rank of the mesh holding its part (rank k of every
     replica the same part: the same mesh)."""
+    if args.torchft:   # torchft's Manager on each rank (the benchmark's side, or a torchrun job of the user's)
+        home = Path(args.run_dir) / f"replica-{args.replica_id}"
+        manager = ft.TorchftReplica(run.module, opt, args.join, args.replica_id, ctx.rank, ctx.world_size,
+                                    log=home / f"torchft-{ctx.rank}.jsonl", stop=Path(args.run_dir) / "stop")
+        if start:   # (its step, as our checkpoint has it)
+            manager.manager.load_state_dict({"step": start, "batches_committed": start * args.replicas})
+            manager.step = start
+        return manager
     say = (lambda line: print(line, flush=True)) if ctx.rank == 0 else None
     manager = ft.ReplicaManager(run.module, opt, args.join, args.replica_id, timeout=args.timeout, step=start,
                                 incarnation=args.incarnation, settings=replica_settings(args, sizes),
@@ -1266,7 +1276,9 @@ def parser():
     p.add_argument("--bench", action="store_true",
                    help="instead of training: ours beside torch's own (FSDP2, with torch's TP where the mesh has tp; "
                         "torch.distributed.checkpoint) on the model and on one twice as wide and deep, steps "
-                        "alternating: step time, tokens/s, each rank's step peak, a checkpoint save")
+                        "alternating: step time, tokens/s, each rank's step peak, a checkpoint save; with --replicas "
+                        "N: the replicas' step, a kill -9, its heal and rejoin, ours beside torchft's Manager and "
+                        "beside the same mesh as one job")
     p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
     p.add_argument("--bench-settings", choices=["both", "given"], default="both",
                    help="--bench: the model as given and one twice as wide and deep (both), or as given only")
@@ -1279,6 +1291,9 @@ def parser():
                    help="run as the ranks of one replica (one torchrun job a replica), joining the coordinator there")
     r.add_argument("--replica-id", type=common.COUNT0, default=None, help="--join: this replica's number, below "
                                                                           "--replicas (its batches)")
+    r.add_argument("--torchft", action="store_true",
+                   help="--join: HOST:PORT is torchft's lighthouse, and this replica runs under torchft's Manager (a "
+                        "Manager on each rank, as torchtitan runs it; --bench on replicas runs it beside ours)")
     r.add_argument("--coordinator", action="store_true",
                    help="run the coordinator alone (14's, with its flags: --host, --port, --run-dir, --min-replicas, "
                         "--detect, --join-timeout, --log-every)")
@@ -1481,8 +1496,12 @@ def check_replicas(args, world: int):
         if args.replica_id >= args.replicas:
             raise common.UsageError(f"--replica-id {args.replica_id}: the run's replicas are 0 to {args.replicas - 1} "
                                     f"(--replicas {args.replicas})")
-    if args.replicas > 1 and args.bench:
-        raise common.UsageError("--bench times one mesh: without --replicas (14's benchmark times the replicas)")
+    if args.bench and (args.join or args.faults):
+        raise common.UsageError(f"--bench {'--join' if args.join else '--faults'}: the benchmark starts its replicas "
+                                f"itself, and kills one (--bench --replicas N)")
+    if args.torchft and not args.join:
+        raise common.UsageError("--torchft applies to --join (a replica's ranks, HOST:PORT torchft's lighthouse); "
+                                "--bench --replicas N runs torchft beside ours")
     if args.faults and (args.join or args.replicas < 3):
         raise common.UsageError("--faults: the run loses two replicas at once and needs a third to go on: --replicas "
                                 "3 or more, started by this command (not --join)")
@@ -1551,6 +1570,8 @@ def main(argv=None):
               f"({args.eval_batches} evaluation batches of {args.batch_size} x {args.context_length})", flush=True)
     if common.is_reporter() and getattr(args, "resume_from", None):
         print(args.resume_from, flush=True)
+    if args.bench and args.replicas > 1:
+        return bench_replicas(args, sizes, given)
     if args.bench:
         report_bench(args, sizes)
         return
@@ -1602,7 +1623,8 @@ def run_replica(args, sizes):
     first rank prints where the replica ended, or the one line of why it stopped."""
     if args.parent:
         common._watch_parent(args.parent)   # the launcher gone: so is this replica
-    if not common.under_torchrun():   # (its ranks spawned here: whether anything answers, asked once first)
+    if not common.under_torchrun() and not args.torchft:   # (its ranks spawned here: whether anything answers,
+                                                            # asked once first)
         try:
             ft.connect(args.join, args.connect_wait).close()
         except ft.NotJoined as e:
@@ -1626,12 +1648,7 @@ def run_replicas(args, sizes, given):
     n, run_dir = args.replicas, Path(args.run_dir)
     record = run_dir / "record.jsonl"
     phases = ft.verification_phases(n) if args.faults else []   # (the last: the run stops 3 steps after them)
-    extra = [] if "--no-verify" in given else ["--no-verify"]   # (the first steps were checked above)
-
-    def argv(r, incarnation, address, work):
-        return [*(g for g in given if g != "--faults"), "--join", address, "--replica-id", str(r), "--incarnation",
-                str(incarnation), "--parent", str(os.getpid()), "--result", str(work / f"replica-{r}.pt"),
-                "--pace-ms", str(args.pace_ms), "--checkpoint-every", str(args.checkpoint_every), *extra]
+    argv = replica_argv(args, given)
     began = time.time()
     say = lambda line: print(f"coordinator [{time.time() - began:7.1f} s] {line}", flush=True)   # noqa: E731
     run = ft.run_scenario(args, n, args.world_size, phases, deadline=math.inf, work=run_dir / "replicas",
@@ -1657,9 +1674,184 @@ def run_replicas(args, sizes, given):
         common.check_verification({f"{len(done)} committed steps replayed in one process in {len(check['stretches'])} "
                                    f"stretches from checkpoint to checkpoint, the last against the final folder "
                                    f"({sum(tl['cells'][r].count('healed') for r in tl['cells'])} heals; the "
-                                   f"{len(digests)} replicas at the last step alike: {len(set(digests.values())) == 1})":
+                                   f"{len(digests)} replicas at the last step alike: {len(set(digests.values())) == 1})"
+                                   f"{replay_words(check)}":
                                    check}, f"{NAME} on {n} replicas of {mesh_label(sizes, args.ep)}")
     summarize(args, sizes, result, NAME + "_replicas")
+
+
+def replica_argv(args, given, *extra):
+    """What a replica's ranks run (the launcher's argv(r, incarnation, address, work)): this
+    command's flags less the launcher's own, then the replica's (``extra``: more, last)."""
+    own, skip, kept = {"--faults", "--bench"}, {"--bench-steps", "--bench-settings"}, []
+    it = iter(given)
+    for g in it:
+        if g in skip:
+            next(it, None)
+        elif g not in own and g.split("=")[0] not in skip:
+            kept.append(g)
+
+    def argv(r, incarnation, address, work):
+        return [*kept, "--join", address, "--replica-id", str(r), "--incarnation", str(incarnation), "--parent",
+                str(os.getpid()), "--result", str(work / f"replica-{r}.pt"), "--pace-ms", str(args.pace_ms),
+                "--checkpoint-every", str(args.checkpoint_every), "--no-verify", *extra]
+    return argv
+
+
+# ---- --bench on replicas: ours beside torchft's Manager and beside the mesh as one job -----
+def plain_steps(ctx, args, sizes):
+    """The replicas' mesh as one job (its dp times --replicas, the replicas' batches at once):
+    train()'s step without a quorum, the slowest rank's seconds a step."""
+    data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
+    run = on_mesh(ctx, args, sizes, args.model)
+    opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=args.weight_decay)
+    times = []
+    for i in range(ft.BENCH_WARM + args.bench_steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        x, y = (t.to(ctx.device) for t in data.batch_of(i, run.rows(args.batch_size)))
+        run.mean_over_mesh(run.train_step(x, y, args.accumulate, shared=True))
+        placement.clip_grad_norm_(run.stage, args.clip)
+        opt.step()
+        common.sync(ctx.device)
+        times.append(time.perf_counter() - t0)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, times)
+    return [max(t[i] for t in everyone) for i in range(len(times))][ft.BENCH_WARM:]
+
+
+def all_in_times(record: dict, n: int) -> list:
+    """A replica's step seconds where every replica was in, from its record's history."""
+    return [row["seconds"] for row in record["history"] if "seconds" in row and len(row.get("replicas", ())) == n]
+
+
+def torchft_replicas(args, sizes, given, base: Path) -> dict:
+    """torchft's side: its lighthouse here (on loopback; --detect its heartbeat timeout,
+    --join-timeout its join timeout), --replicas jobs of the mesh, each rank under its own
+    Manager (--join LIGHTHOUSE --torchft); once replica 0 has BENCH_WARM + --bench-steps
+    steps with every replica in, replica n-1's last rank killed (kill -9), its job ended and
+    started again at once, as our launcher does; then a stop two steps on."""
+    from torchft.coordination import LighthouseServer
+    n, run_dir, work = args.replicas, base / "torchft", base / "torchft" / "replicas"
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(args.join_timeout * 1000),
+                                  heartbeat_timeout_ms=int(args.detect * 1000))
+    address = "127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    work.mkdir(parents=True, exist_ok=True)
+    job = ft.Launcher(args, work, n, args.world_size, script=__file__, address=address,
+                      argv=replica_argv(args, given, "--run-dir", str(run_dir), "--steps", str(args.steps), "--torchft"))
+    logs = lambda r, k=0: ft._torchft_log(run_dir / f"replica-{r}" / f"torchft-{k}.jsonl")   # noqa: E731
+    commits = lambda r, after=0.0, k=0: [e for e in logs(r, k) if e.get("commit") and e["t"] > after]   # noqa: E731
+
+    def wait_for(cond, what):
+        deadline = time.time() + REPLICAS_BENCH_DEADLINE
+        while not cond():
+            for r, procs in job.procs.items():
+                if any(p.exitcode not in (None, 0) for p in procs) and not (r == n - 1 and not restarted):
+                    raise common.LaunchError(f"torchft's replica {r} ended (exit codes {[p.exitcode for p in procs]}) "
+                                             f"waiting for {what}:\n{job.tail(12)}")
+            if time.time() > deadline:
+                raise common.LaunchError(f"torchft's replicas: no {what} in {REPLICAS_BENCH_DEADLINE:.0f} s:\n{job.tail(12)}")
+            time.sleep(0.05)
+    restarted = True
+    try:
+        for r in range(n):
+            job.start(r)
+        wait_for(lambda: sum(e["n"] == n for e in commits(0)) >= ft.BENCH_WARM + args.bench_steps,
+                 "steps with every replica")
+        restarted, victim = False, job.procs[n - 1][-1]
+        killed = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        job.end(n - 1, "killed")   # (the rest of its job, as our launcher ends a replica whose rank died)
+        for k in range(args.world_size):
+            (run_dir / f"replica-{n - 1}" / f"torchft-{k}.jsonl").unlink(missing_ok=True)
+        job.start(n - 1)
+        restarted = True
+        wait_for(lambda: commits(0, killed) and commits(n - 1), "a commit of the replica started again")
+        joiner = [logs(n - 1, k) for k in range(args.world_size)]
+        heals = [e["heal"] for log in joiner for e in log if "heal" in e]
+        (run_dir / "stop").write_text(str(max(e["step"] for e in logs(0) if "step" in e) + 3))
+        for r in range(n):
+            for p in job.procs[r]:
+                p.join(max(1.0, REPLICAS_BENCH_DEADLINE - (time.time() - killed)))
+        if any(p.exitcode != 0 for procs in job.procs.values() for p in procs):
+            raise common.LaunchError(f"torchft's replicas did not end at the stop:\n{job.tail(12)}")
+        times = all_in_times(torch.load(work / "replica-0.pt", weights_only=False), n)
+        rank0 = next((e["heal"] for e in joiner[0] if "heal" in e), None)
+        return {"torchft_step_ms": round(statistics.median(times[ft.BENCH_WARM:ft.BENCH_WARM + args.bench_steps])
+                                         * 1000, 2),
+                "torchft_kill_to_commit_s": round(commits(0, killed)[0]["t"] - killed, 3),
+                "torchft_heal_s": round(max(h["s"] for h in heals), 4) if heals else None,
+                "torchft_heal_MB": round(rank0["bytes"] / 1e6, 2) if rank0 else None,
+                "torchft_rejoin_to_commit_s": round(commits(n - 1)[0]["t"] - joiner[0][0]["hello"], 3)}
+    finally:
+        job.close()
+        lighthouse.shutdown()
+
+
+def bench_replicas(args, sizes, given):
+    """--bench --replicas N: on the model and mesh given, N replicas of it three ways, each
+    its own run on the same batches: the mesh as one job (its dp x N: no fault tolerance),
+    ours (the coordinator, 14's ReplicaManager) and torchft's Manager (where torchft is
+    installed: make torchft-bench); for each, the step with every replica in (after
+    BENCH_WARM), and for the two that survive a loss: kill -9 of replica N-1's last rank to
+    the next committed step, the replacement's heal (seconds, a rank's MB) and its hello to
+    its first committed step. A row each, <out>/13_train_replicas_bench.{json,md}."""
+    n, base = args.replicas, Path(args.run_dir) / "bench-replicas"
+    shutil.rmtree(base, ignore_errors=True)
+    args.pace_ms, args.checkpoint_every, args.steps = 0.0, 10**6, 10**6   # (the scenario stops the run)
+    missing = ft.torchft_missing()
+    if missing:
+        print(f"benchmark: SKIP torchft's Manager: {missing}; ours and the mesh as one job only", flush=True)
+    one = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size * n, "world_size": args.world_size * n})
+    plain = statistics.median(common.launch(plain_steps, one, {**sizes, "dp": sizes["dp"] * n})) * 1000
+    print(f"benchmark: the mesh as one job ({mesh_label({**sizes, 'dp': sizes['dp'] * n}, args.ep)}): "
+          f"{plain:.1f} ms a step", flush=True)
+    run = ft.run_scenario(args, n, args.world_size, ft.bench_phases(n, args.bench_steps), deadline=REPLICAS_BENCH_DEADLINE,
+                          work=base / "ours" / "replicas", script=__file__, record=base / "ours" / "record.jsonl",
+                          argv=replica_argv(args, given, "--run-dir", str(base / "ours"), "--steps", str(args.steps)))
+    got = ft.bench_row(args, n, {**run, "records": {0: {"times": all_in_times(run["records"][0], n)}}}, plain)
+    mesh = mesh_label(sizes, args.ep)
+    one_job = mesh_label({**sizes, "dp": sizes["dp"] * n}, args.ep)
+    rows = [{"method": "one job", "step_ms": round(plain, 2),
+             "vs_one_job": 1.0, **dict.fromkeys(("kill_to_commit_s", "heal_s", "heal_MB", "rejoin_to_commit_s"), "")},
+            {"method": "ours", "step_ms": got["ours_step_ms"], "vs_one_job": got["vs_ddp"],
+             **{k: got[k] for k in ("kill_to_commit_s", "heal_s", "heal_MB", "rejoin_to_commit_s")}}]
+    print(f"benchmark: ours: {got['ours_step_ms']} ms a step, kill -9 to a commit {got['kill_to_commit_s']} s, "
+          f"heal {got['heal_s']} s", flush=True)
+    if not missing:
+        theirs = torchft_replicas(args, sizes, given, base)
+        rows.append({"method": "torchft", "step_ms": theirs["torchft_step_ms"],
+                     "vs_one_job": round(theirs["torchft_step_ms"] / plain, 3),
+                     **{k: theirs["torchft_" + k] for k in ("kill_to_commit_s", "heal_s", "heal_MB",
+                                                             "rejoin_to_commit_s")}})
+    settings = {"model": args.model, "mesh": mesh, "replicas": n, "one_job": one_job, "batch": args.batch_size,
+                "context": args.context_length, "bench_steps": args.bench_steps, "detect_s": args.detect,
+                "device": args.device, "backend": args.backend}
+    title = (f"13's run on {n} replicas of {mesh} that survive a loss: ours beside torchft's Manager and beside one "
+             f"job ({one_job})")
+    table = common.save_results(args.out, f"{NAME}_replicas_bench", rows, settings, title=title,
+                                note=REPLICAS_BENCH_NOTE)
+    print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{NAME}_replicas_bench.json and .md')}", flush=True)
+    if common.is_reporter():
+        shutil.rmtree(base, ignore_errors=True)
+
+
+REPLICAS_BENCH_DEADLINE = 600.0   # seconds each of the benchmark's waits may take before it ends the run
+REPLICAS_BENCH_NOTE = (
+    "Three runs of the same model and mesh, each replica on its own batches (batch i x N + r at step i, as the run on "
+    "replicas trains). step_ms: one job: the replicas' mesh as one job, its dp times N (no fault tolerance: a step's "
+    "floor), the slowest rank's; ours: replica 0's step with every replica in (the quorum, forward and backward on "
+    "its mesh, each rank's all-reduce with the same rank of the others, the vote, clip, AdamW); torchft: the same "
+    "under torchft's Manager on each rank (its quorum beside the forward, manager.allreduce of the rank's gradients, "
+    "should_commit); the median of --bench-steps after 5 warm-up; vs_one_job: over the one job's. "
+    "kill_to_commit_s: from the kill -9 of replica N-1's last rank (ours: from the quorum that handed it out) to the "
+    "next committed step; heal_s: the replacement's slowest rank's transfer from its peer (its slices of the weights "
+    "and AdamW's state; heal_MB: rank 0's); rejoin_to_commit_s: from the replacement's hello (before its quorum "
+    "manager starts) to its first committed step (torchft's replacement sits out the step it heals in). torchft: its "
+    "lighthouse here on loopback, --detect its heartbeat timeout, --join-timeout its join timeout, its timeouts those "
+    "of 14's benchmark (gloo 5 s, heal 10 s, Manager 30 s).")
 
 
 def replay_run(args, sizes):
@@ -1680,8 +1872,20 @@ def replay_run(args, sizes):
     check = replay_replicas(args, done, run_dir / "final")
     common.check_verification({f"{len(done)} committed steps replayed in one process in {len(check['stretches'])} "
                                f"stretches from checkpoint to checkpoint, the last against the final folder (written "
-                               f"by replica {final['replica']} at step {final['step']})": check},
+                               f"by replica {final['replica']} at step {final['step']}){replay_words(check)}": check},
                               f"{NAME} replay of {run_dir}")
+
+
+REPLAY_NUDGE, REPLAY_FLOORS = 1e-7, 8   # the floor's twin: weights x (1 + about 1e-7); a stretch passes within 8
+
+
+def replay_words(check) -> str:
+    """The replay's stretches past float32's horizon, in words (empty where none)."""
+    if not check["beyond"]:
+        return ""
+    spans = ", ".join(f"steps {a}-{b} (floor {f:.1e})" for a, b, f in check["beyond"])
+    return (f"; past float32's horizon, judged within {REPLAY_FLOORS} floors of a twin nudged by {REPLAY_NUDGE:g}: "
+            f"{spans} (a checkpoint more often, --checkpoint-every, checks such a stretch within 1e-4)")
 
 
 def replay_replicas(args, schedule, final: Path) -> dict:
@@ -1694,7 +1898,12 @@ def replay_replicas(args, schedule, final: Path) -> dict:
     float32's reordering (the mesh's sums against one process's) grows chaotically over
     many steps, fastest where one replica trains alone: 4e-5 after 150 steps of three
     replicas here, 3e-2 after 150 with the failures, where stretches of 10 steps stay
-    within 2e-6; a wrong step moves weights by about the learning rate."""
+    within 2e-6; a wrong step moves weights by about the learning rate. A stretch 1e-4
+    apart or more is replayed again from weights nudged by float32's rounding
+    (REPLAY_NUDGE): how far the nudged twin ends from the replay is the stretch's floor. A
+    stretch whose floor is below 1e-4 had a wrong step; one past float32's horizon (its
+    floor above) passes within REPLAY_FLOORS floors, and the result names it ("beyond":
+    checked only that far)."""
     import transformers
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
@@ -1712,12 +1921,17 @@ def replay_replicas(args, schedule, final: Path) -> dict:
                                                                   dtype=torch.float32).to(device)
         return model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                         weight_decay=args.weight_decay)
-    worst, stretches = 0.0, []
-    for a, b in zip(anchors, anchors[1:]):
+
+    def stretch(a, b, nudge=0.0):   # the run's steps a to b in one process, from its state at a
         model, opt = fresh()
         if a:
             sharded_checkpoint.load_sharded(model, opt, str(saved[a]))
         params = [p for p in model.parameters() if p.requires_grad]
+        if nudge:   # each weight moved by about float32's rounding (the twin that measures the stretch's floor)
+            g = torch.Generator().manual_seed(a)
+            with torch.no_grad():
+                for p in params:
+                    p.add_(torch.randn(p.shape, generator=g).to(p.device) * nudge * p.abs().mean())
         for step, members in schedule[a:b]:
             total = {}
             for r in members:
@@ -1737,17 +1951,28 @@ def replay_replicas(args, schedule, final: Path) -> dict:
                 g["lr"] = lr_at(step, args)
             torch.nn.utils.clip_grad_norm_(params, args.clip)
             opt.step()
+        return {k: v.detach().cpu().float() for k, v in model.state_dict().items()}
+
+    def apart(got, want):
+        return max((got[k].float().cpu() - want[k]).abs().max().item() for k in want if k in got)
+    tol = 1e-4 if args.dtype == "float32" else common.TOLERANCE["autocast"]["atol"] * 10
+    worst, stretches, ok, beyond = 0.0, [], True, []
+    for a, b in zip(anchors, anchors[1:]):
+        want = stretch(a, b)
         if b < last:
             got, _ = fresh()
             sharded_checkpoint.load_sharded(got, None, str(saved[b]))
         else:
             got = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-        got, want = got.state_dict(), model.state_dict()
-        diff = max((got[k].float().cpu() - want[k].detach().cpu().float()).abs().max().item() for k in want if k in got)
-        stretches.append((a, b, diff))
+        diff = apart(got.state_dict(), want)
+        floor = None
+        if diff >= tol:   # past float32's horizon, or a wrong step: the stretch's own floor tells which
+            floor = apart(stretch(a, b, nudge=REPLAY_NUDGE), want)
+            ok = ok and floor >= tol and diff <= REPLAY_FLOORS * floor
+            beyond.append((a, b, floor))
+        stretches.append((a, b, diff, floor))
         worst = max(worst, diff)
-    tol = 1e-4 if args.dtype == "float32" else common.TOLERANCE["autocast"]["atol"] * 10
-    return {"max_diff": worst, "ok": worst < tol, "stretches": stretches}
+    return {"max_diff": worst, "ok": ok, "stretches": stretches, "beyond": beyond}
 
 
 if __name__ == "__main__":

@@ -1173,7 +1173,8 @@ def done_line(replica_id: int, out: dict) -> str:
     """A replica's end, from its first rank's record: the step, this start's commits (from
     its first committed step, where the record has it), aborts, heals received and served."""
     got = [h for h in out["heals"] if h["role"] == "joiner"]
-    healed = "; healed from replica " + ", ".join(f"{h['peers'][0]} at step {h['step']}" for h in got) if got else ""
+    healed = "; healed from " + ", ".join(f"{'a peer' if h['peers'][0] is None else 'replica ' + str(h['peers'][0])} "
+                                          f"at step {h['step']}" for h in got) if got else ""   # (torchft: a peer)
     since = f" from step {out['from']}" if out.get("from") is not None and out["commits"] else ""
     return (f"replica {replica_id}: done at step {out['step']}; this start committed {out['commits']} step(s){since} "
             f"({out['aborts']} aborted{healed}; {len(out['heals']) - len(got)} heal(s) served)")
@@ -1209,18 +1210,20 @@ class Launcher:
     replica's ranks run (default: this script, with ``args``' flags); ``record``: the
     coordinator's record (13's run keeps it in its run folder); ``say``: its lines;
     ``echo``: the replicas' lines (theirs, not a dying rank's traceback) printed here as
-    they come; everything stays in their logs."""
+    they come; everything stays in their logs. ``address``: another service the replicas
+    join (13's benchmark: torchft's lighthouse); no coordinator is started then, and
+    watch() does not apply."""
 
     def __init__(self, args, work: Path, replicas: int, ranks: int, script=SCRIPT, argv=None, record=None, say=None,
-                 echo=False):
+                 echo=False, address=None):
         self.args, self.work, self.ranks, self.script = args, Path(work), ranks, script
         self.argv, self.echoed = argv or self._argv, ({} if echo else None)
         self.echo_lines = ("replica ", f"{Path(script).name}: ")   # (what echo prints: the rest stays in the logs)
         self.procs, self.incarnation, self.finished, self.log, self.stores = {}, {}, set(), [], {}
-        self.coordinator = Coordinator("127.0.0.1", 0, detect=args.detect, join_timeout=args.join_timeout,
-                                       min_replicas=replicas, record=record, say=say,
-                                       log_every=getattr(args, "log_every", 10))   # (the first step waits for all;
-        self.address, self.t0 = self.coordinator.address, time.time()                # then 1: run_scenario)
+        self.coordinator = None if address else Coordinator(
+            "127.0.0.1", 0, detect=args.detect, join_timeout=args.join_timeout, min_replicas=replicas, record=record,
+            say=say, log_every=getattr(args, "log_every", 10))   # (the first step waits for all; then 1: run_scenario)
+        self.address, self.t0 = address or self.coordinator.address, time.time()
 
     def ask(self, msg) -> dict:
         """The coordinator's answer, as a replica would read it (through JSON)."""
@@ -1316,7 +1319,8 @@ class Launcher:
         for r in self.procs:
             if r not in self.finished:
                 self.end(r)
-        self.coordinator.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
 
     def tail(self, lines=15) -> str:
         out = []
@@ -1669,6 +1673,111 @@ def torchft_replica(args, r: int, lighthouse: str, work: str):
             log.flush()
             heal.clear()
     manager.shutdown(wait=False)
+
+
+class TorchftReplica:
+    """torchft's Manager behind ReplicaManager's calls (start_step, all_reduce_gradients,
+    should_commit), for a loop written for ours: 13's benchmark runs its replicas of a mesh
+    under it, on every rank of each. As torchtitan runs torchft: a Manager on each rank of a
+    replica (``rank``, ``world_size``: the replica's; its ranks meet in their job's store,
+    MASTER_ADDR and MASTER_PORT), rank k of every replica averaging its gradients with rank k
+    of the others (manager.allreduce of this rank's gradients, one flat tensor), a heal
+    carrying this rank's tensors from rank k of a live peer (PGTransport over its gloo
+    group: no rank holds the whole model). ``lighthouse``: HOST:PORT of torchft's
+    LighthouseServer. Unlike ours, torchft's quorum runs beside the forward
+    (use_async_quorum) and a replica that heals sits out that step (its gradients count as
+    zeros; the average is over the others). ``log``: each rank's JSON line a step (time,
+    step, committed, participants, this start's heal: seconds and bytes); ``stop``: a file
+    whose step, once it exists, ends the run there (start_step returns False)."""
+
+    def __init__(self, module, optimizer, lighthouse: str, replica_id: int, rank: int, world_size: int,
+                 timeouts=TORCHFT_TIMEOUTS, log=None, stop=None):
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+        _torchft_on_loopback()
+        self.module, self.optimizer, self.replica_id, self.rank = module, optimizer, replica_id, rank
+        self.log, self.stop, self.faults, self.writer, self.history = log, stop, [], replica_id == 0, None
+        self.members, self.heals, self.commits, self.aborts, self.step, self.heal = [], [], 0, 0, 0, {}
+        self.speaks = False
+        if log is not None:   # (its hello: from here to its first commit, as ours from its hello)
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(json.dumps({"hello": time.time()}) + "\n")
+        pg_s, transport_s, manager_s = timeouts
+        pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=pg_s))
+        transport = PGTransport(pg, timeout=datetime.timedelta(seconds=transport_s), device=torch.device("cpu"))
+        receive = transport.recv_checkpoint
+
+        def timed(*a, **kw):   # (the heal's transfer, and its bytes)
+            began = time.perf_counter()
+            got = receive(*a, **kw)
+            tensors = [t for t in torch.utils._pytree.tree_leaves(got) if torch.is_tensor(t)]
+            self.heal = {"s": time.perf_counter() - began, "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+            return got
+        transport.recv_checkpoint = timed
+        self.manager = Manager(pg=pg, min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
+                               replica_id=f"kit_{replica_id}", rank=rank, world_size=world_size,
+                               store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                               lighthouse_addr=f"http://{lighthouse}", hostname="127.0.0.1",
+                               checkpoint_transport=transport, timeout=datetime.timedelta(seconds=manager_s))
+
+    def _state(self):   # this rank's tensors (on the host: gloo's send takes CPU tensors only)
+        host = lambda t: t.detach().cpu()   # noqa: E731
+        return {"params": [host(p) for p in self.module.parameters()], "buffers": [host(b) for b in self.module.buffers()],
+                "optim": torch.utils._pytree.tree_map(lambda v: host(v) if torch.is_tensor(v) else v,
+                                                      self.optimizer.state_dict())}
+
+    def _load(self, sd):
+        with torch.no_grad():
+            for t, v in zip([*self.module.parameters(), *self.module.buffers()], sd["params"] + sd["buffers"]):
+                t.copy_(v)
+        self.optimizer.load_state_dict(sd["optim"])   # (its tensors go where the parameters are)
+
+    def start_step(self, steps=None) -> bool:
+        end = int(self.stop.read_text() or 0) if self.stop is not None and self.stop.exists() else None
+        if (steps is not None and self.manager.current_step() >= steps) or \
+                (end is not None and self.manager.current_step() >= end):
+            self.close()
+            return False
+        self.began = time.perf_counter()
+        self.manager.start_quorum()
+        self.step = self.manager.current_step()
+        return True
+
+    def all_reduce_gradients(self) -> bool:
+        """Each gradient this rank holds averaged over the quorum (a flag each: one no
+        participant has stays None); the outcome is should_commit's."""
+        params = list(self.module.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(
+            [float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)])
+        self.manager.allreduce(flat).wait()   # (the average over the participants, in place)
+        had, at = flat[-len(params):].tolist(), 0
+        for p, h in zip(params, had):
+            p.grad = flat[at:at + p.numel()].view_as(p) if h else None
+            at += p.numel()
+        self.members = list(range(self.manager.num_participants()))   # (torchft says how many, not which)
+        self.speaks = self.manager.participating_rank() == 0   # (the progress line: the quorum's first)
+        return True
+
+    def should_commit(self, ok: bool = True) -> bool:
+        committed = self.manager.should_commit()
+        self.commits, self.aborts = self.commits + committed, self.aborts + (not committed)
+        if self.heal:
+            self.heals.append({"role": "joiner", "peers": [None], "step": self.step, **self.heal})   # (torchft's choice)
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"t": time.time(), "step": self.step, "commit": committed, "n": len(self.members),
+                                    "s": time.perf_counter() - self.began, **({"heal": self.heal} if self.heal else {})})
+                        + "\n")
+        self.heal = {}
+        self.step = self.manager.current_step()
+        return committed
+
+    def close(self):
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
 
 
 def _torchft_log(path) -> list:

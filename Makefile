@@ -27,9 +27,9 @@
 # make 14   replicas that survive a loss (in `all`): 3 replicas of 2 ranks through a kill -9, a kill during a
 #            heal, a SIGSTOP and two lost at once, replayed in one process; then a step beside torch DDP,
 #            a kill and a heal at 2, 3 and 4 replicas (about 30 s)
-# make torchft-bench 14's benchmark with torchft's Manager beside ours on the same model and batches
-#            (installs torchft 0.2.0 from requirements-torchft.txt into .venv; results/14_torchft/;
-#            about 2 minutes; not in `all`)
+# make torchft-bench 14's benchmark with torchft's Manager beside ours on the same model and batches,
+#            then 13's run on 3 replicas of fsdp 2, ours beside torchft's (installs torchft 0.2.0 from
+#            requirements-torchft.txt into .venv; results/14_torchft/; about 3 minutes; not in `all`)
 # make train 13's default run: its own tiny Llama-style model (a byte-level BPE tokenizer trained on
 #            Python's help text) trained on that text on fsdp 2, checked against one process first,
 #            saved as a Hugging Face folder (runs/13_train/final) with a sample, the summary in
@@ -200,15 +200,17 @@ cp-sweep: $(STAMP)
 	$(PY) 14_fault_tolerant_dp.py --out results
 
 # 14's benchmark with torchft's Manager beside ours (torchft installed from requirements-torchft.txt
-# into .venv first; its lighthouse and servers on loopback): results/14_torchft/
+# into .venv first; its lighthouse and servers on loopback): results/14_torchft/; then 13's run on
+# 3 replicas of fsdp 2 (its own tiny model and text), ours beside torchft's Manager on each rank
 TORCHFT_STAMP := $(VENV)/.installed-torchft
-$(TORCHFT_STAMP): requirements-torchft.txt $(STAMP)
+$(TORCHFT_STAMP): requirements-torchft.txt $(TEST_STAMP)
 	$(PY) -m pip install --no-compile -r requirements-torchft.txt
 	$(COMPILE)
 	touch $(TORCHFT_STAMP)
 
 torchft-bench: $(TORCHFT_STAMP)
 	$(PY) 14_fault_tolerant_dp.py --no-verify --out results/14_torchft
+	$(PY) 13_train.py --replicas 3 --fsdp 2 --bench --run-dir runs/13_torchft --out results/14_torchft
 
 # ---- GPU measurements (README, "GPU runs"). On a machine with one GPU and torch installed:
 #   make gpu-check PY=python3              # first: kernels, a measured table, every smoke job (8 min)

@@ -406,6 +406,16 @@ def test_replicas_under_torchrun_a_job_killed_whole_comes_back_healed_and_the_ru
     p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--replay", str(run),
                    "--out", str(tmp_path / "out"))
     assert p.returncode == 0 and f"verify 13_train replay of {run}: PASS" in p.stdout, p.stdout + p.stderr
+    assert "past float32's horizon" not in p.stdout   # (stretches of 4 steps: each within 1e-4 of the run)
+    # the control: the record says one step had replica 0 alone where both took part; its stretch,
+    # replayed again from nudged weights, ends near the replay (float32 did not move it), so it fails
+    lines = (run / "record.jsonl").read_text().splitlines()
+    k = next(i for i, ln in enumerate(lines) if '"members": [0, 1]' in ln and json.loads(ln).get("commit", 0) > 5)
+    lines[k] = lines[k].replace('"members": [0, 1]', '"members": [0]')
+    (run / "record.jsonl").write_text("\n".join(lines) + "\n")
+    p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--replay", str(run),
+                   "--out", str(tmp_path / "out"))
+    assert p.returncode != 0 and f"verify 13_train replay of {run}: FAIL" in p.stdout, p.stdout + p.stderr
     time.sleep(0.5)
     assert own_processes(tag) == []
 
@@ -429,5 +439,7 @@ def test_bad_input_on_replicas_is_one_line(tiny, tmp_path):
     assert "--join needs --replicas N" in refused("13_train.py", *flags, "--join", "127.0.0.1:1", "--replica-id", "0")
     assert "needs a third to go on" in refused("13_train.py", *flags, "--replicas", "2", "--faults")
     assert "--replica-id applies to --join" in refused("13_train.py", *flags, "--replica-id", "0")
-    assert "without --replicas" in refused("13_train.py", *flags, "--replicas", "2", "--bench")
+    assert "--bench --faults: the benchmark starts its replicas itself" in refused(
+        "13_train.py", *flags, "--replicas", "3", "--bench", "--faults")
+    assert "--torchft applies to --join" in refused("13_train.py", *flags, "--replicas", "2", "--torchft")
     assert "no record.jsonl there" in refused("13_train.py", *flags, "--replay", str(tmp_path))

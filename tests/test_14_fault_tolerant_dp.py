@@ -546,3 +546,111 @@ def test_torchft_beside_ours_binds_its_manager_server_on_loopback_and_says_when_
     assert made == [{"replica_id": "kit_0", "bind": "127.0.0.1:0", "world_size": 1}]
     monkeypatch.setattr(ft.importlib.util, "find_spec", lambda name: None)
     assert "make torchft-bench installs it" in ft.torchft_missing()
+
+
+def _fake_torchft(monkeypatch, peer_grads, made):
+    """torchft's modules as TorchftReplica uses them: a Manager whose allreduce averages this
+    rank's flat gradients with a peer's (``peer_grads``: the peer's, None where it has none),
+    a transport whose recv_checkpoint returns what it is handed."""
+    import types
+
+    class Work:
+        def wait(self):
+            return True
+
+    class Manager:
+        def __init__(self, **kw):
+            made.update(kw)
+            self.kw, self.step, self.calls = kw, 0, []
+
+        def start_quorum(self):
+            self.calls.append("start_quorum")
+
+        def current_step(self):
+            return self.step
+
+        def allreduce(self, flat):
+            peer = torch.cat([(g if g is not None else torch.zeros(n)).reshape(-1) for g, n in peer_grads]
+                             + [torch.tensor([float(g is not None) for g, _ in peer_grads])])
+            flat.add_(peer).div_(2)
+            return Work()
+
+        def num_participants(self):
+            return 2
+
+        def participating_rank(self):
+            return 1
+
+        def should_commit(self):
+            self.step += 1
+            return True
+
+        def shutdown(self, wait=True):
+            self.calls.append("shutdown")
+
+    class Transport:
+        def __init__(self, pg, timeout, device):
+            self.pg = pg
+
+        def recv_checkpoint(self, state):
+            return state
+    mods = {name: types.ModuleType(name) for name in ("torchft", "torchft.manager", "torchft.checkpointing",
+                                                       "torchft.checkpointing.pg_transport")}
+    mods["torchft"].Manager, mods["torchft"].ProcessGroupGloo = Manager, lambda timeout: ("gloo", timeout)
+    mods["torchft.manager"].ManagerServer = lambda **kw: kw
+    mods["torchft.checkpointing.pg_transport"].PGTransport = Transport
+    for name, m in mods.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    mods["torchft"].manager = mods["torchft.manager"]
+
+
+def test_torchft_replica_drives_torchfts_manager_as_13s_loop_drives_ours(monkeypatch, tmp_path):
+    """TorchftReplica (13's replicas under torchft's Manager): a Manager on this rank with the
+    replica's rank and size, its job's store and the lighthouse; each step its quorum, the
+    rank's gradients averaged over the participants in one flat all-reduce (a parameter no
+    participant has keeps None; one only the peer has gets half of it), the commit counted
+    and logged; a heal's state is this rank's tensors and AdamW's, loaded in place; the
+    run's stop file ends it at its step, the Manager shut down."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    peer_grads = [(torch.ones(2, 3), 6), (torch.ones(2), 2), (torch.full((2, 2), 4.0), 4), (None, 2),
+                  (None, 2), (None, 1)]
+    made = {}
+    _fake_torchft(monkeypatch, peer_grads, made)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "4321")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    log, stop = tmp_path / "torchft-1.jsonl", tmp_path / "stop"
+    m = ft.TorchftReplica(model, opt, "127.0.0.1:29510", 1, rank=1, world_size=2, log=log, stop=stop)
+    assert {k: made[k] for k in ("replica_id", "rank", "world_size", "store_addr", "store_port", "lighthouse_addr")} \
+        == {"replica_id": "kit_1", "rank": 1, "world_size": 2, "store_addr": "127.0.0.1", "store_port": 4321,
+            "lighthouse_addr": "http://127.0.0.1:29510"}
+    assert m.start_step(10) and m.step == 0 and m.manager.calls == ["start_quorum"]
+    model[0](torch.ones(1, 3)).sum().backward()   # layer 0 only: 1 and 2 get no gradient here
+    mine = model[0].weight.grad.clone()
+    assert m.all_reduce_gradients() and m.members == [0, 1] and not m.speaks
+    torch.testing.assert_close(model[0].weight.grad, (mine + 1) / 2)
+    torch.testing.assert_close(model[1].weight.grad, torch.full((2, 2), 2.0))   # the peer's alone, halved
+    assert model[1].bias.grad is None and model[2].weight.grad is None   # nobody's: None, as in one process
+    assert m.should_commit(True) and m.step == 1 and m.commits == 1
+    opt.step()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert "hello" in lines[0] and lines[1]["step"] == 0 and lines[1]["commit"] and lines[1]["n"] == 2
+    # a heal: a peer's state (its own weights and AdamW state) through the transport, loaded here
+    peer = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    popt = torch.optim.AdamW(peer.parameters(), lr=0.1)
+    peer(torch.ones(1, 3)).sum().backward()
+    popt.step()
+    other = ft.TorchftReplica(peer, popt, "127.0.0.1:29510", 0, rank=1, world_size=2)
+    sent = other._state()
+    got = m.manager.kw["checkpoint_transport"].recv_checkpoint(sent)   # (the Manager's own, on a heal)
+    m.manager.kw["load_state_dict"](got)
+    for a, b in zip(model.parameters(), peer.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.equal(opt.state[a]["exp_avg"], popt.state[b]["exp_avg"])
+               for a, b in zip(model.parameters(), peer.parameters()) if b in popt.state)
+    assert m.start_step(10) and m.should_commit(True)
+    assert m.heals[0]["role"] == "joiner" and m.heals[0]["bytes"] == sum(
+        t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(sent) if torch.is_tensor(t))
+    stop.write_text("2")
+    assert not m.start_step(10) and m.manager is None   # at the stop's step: shut down
