@@ -1761,6 +1761,10 @@ class TorchftReplica:
         return True
 
     def should_commit(self, ok: bool = True) -> bool:
+        """torchft's vote over every rank of every participant: False where any failed
+        (``ok`` False: this rank's part did, as ours is told)."""
+        if not ok:
+            self.manager.report_error(RuntimeError(f"replica {self.replica_id}, rank {self.rank}: its step failed"))
         committed = self.manager.should_commit()
         self.commits, self.aborts = self.commits + committed, self.aborts + (not committed)
         if self.heal:

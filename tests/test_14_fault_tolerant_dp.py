@@ -581,7 +581,13 @@ def _fake_torchft(monkeypatch, peer_grads, made):
         def participating_rank(self):
             return 1
 
+        def report_error(self, e):
+            self.calls.append(f"report_error: {e}")
+
         def should_commit(self):
+            if any(c.startswith("report_error") for c in self.calls):
+                self.calls = [c for c in self.calls if not c.startswith("report_error")]
+                return False
             self.step += 1
             return True
 
@@ -610,7 +616,8 @@ def test_torchft_replica_drives_torchfts_manager_as_13s_loop_drives_ours(monkeyp
     rank's gradients averaged over the participants in one flat all-reduce (a parameter no
     participant has keeps None; one only the peer has gets half of it), the commit counted
     and logged; a heal's state is this rank's tensors and AdamW's, loaded in place; the
-    run's stop file ends it at its step, the Manager shut down."""
+    part that failed is reported to torchft and the step not committed; the run's stop file
+    ends it at its step, the Manager shut down."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     peer_grads = [(torch.ones(2, 3), 6), (torch.ones(2), 2), (torch.full((2, 2), 4.0), 4), (None, 2),
@@ -652,5 +659,6 @@ def test_torchft_replica_drives_torchfts_manager_as_13s_loop_drives_ours(monkeyp
     assert m.start_step(10) and m.should_commit(True)
     assert m.heals[0]["role"] == "joiner" and m.heals[0]["bytes"] == sum(
         t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(sent) if torch.is_tensor(t))
+    assert m.start_step(10) and not m.should_commit(False) and m.step == 2 and m.aborts == 1   # a failed part: no commit
     stop.write_text("2")
     assert not m.start_step(10) and m.manager is None   # at the stop's step: shut down
