@@ -1611,41 +1611,22 @@ def _torchft_on_loopback():
 
 
 def torchft_replica(args, r: int, lighthouse: str, work: str):
-    """One replica of one rank under torchft's Manager: the gradients averaged over the
-    quorum by one manager.allreduce of them all after backward (as ours on a CPU), the
-    optimizer stepped only where should_commit says so, its quorum during the forward
-    (use_async_quorum, its default), a heal over the same gloo group (its PGTransport: its
-    HTTP transport listens on every interface). The kit's LM, AdamW, clipping and replica
-    r's batches, as ours. One JSON line a step to WORK/torchft-R.jsonl; it trains until
+    """One replica of one rank under torchft's Manager (TorchftReplica, below): the
+    gradients averaged over the quorum by one manager.allreduce of them all after backward
+    (as ours on a CPU), the optimizer stepped only where should_commit says so, its quorum
+    during the forward (use_async_quorum, its default), a heal over the same gloo group (its
+    PGTransport: its HTTP transport listens on every interface). The kit's LM, AdamW,
+    clipping and replica r's batches, as ours. One JSON line a step to WORK/torchft-R.jsonl
+    (its "s": the whole step, the optimizer's included, as ours is timed); it trains until
     WORK/stop exists. (torchft 0.2.0's DistributedDataParallel fails once its manager has
     seen an error: its comm hook asserts ``fut._fut``, which the _DummyWork allreduce returns
     after an error lacks; a survivor's first step after a kill ended there.)"""
     torch.set_num_threads(1)
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.checkpointing.pg_transport import PGTransport
-    _torchft_on_loopback()
     store = common.loopback_store(1, 60.0)   # (the replica's own; TCPStore's server alone listens everywhere)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     model = common.build_lm(args.model_size, args.context_length, "cpu", args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    pg_s, transport_s, manager_s = TORCHFT_TIMEOUTS
-    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=pg_s))
-    transport, heal = PGTransport(pg, timeout=datetime.timedelta(seconds=transport_s), device=torch.device("cpu")), {}
-    receive = transport.recv_checkpoint
-
-    def timed(*a, **kw):   # (the heal's transfer, and its bytes)
-        began = time.perf_counter()
-        got = receive(*a, **kw)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(got) if torch.is_tensor(t)]
-        heal.update(s=time.perf_counter() - began, bytes=sum(t.numel() * t.element_size() for t in tensors))
-        return got
-    transport.recv_checkpoint = timed
-    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
-                                                                              opt.load_state_dict(sd["optim"])),
-                      state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
-                      replica_id=f"kit_{r}", rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
-                      lighthouse_addr=lighthouse, hostname="127.0.0.1", checkpoint_transport=transport,
-                      timeout=datetime.timedelta(seconds=manager_s))
-    params = list(model.parameters())
+    manager = TorchftReplica(model, opt, lighthouse, r, rank=0, world_size=1)
     work = Path(work)
     with open(work / f"torchft-{r}.jsonl", "a") as log:
         log.write(json.dumps({"hello": time.time()}) + "\n")
@@ -1653,26 +1634,16 @@ def torchft_replica(args, r: int, lighthouse: str, work: str):
         while not (work / "stop").exists():
             began = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            manager.start_quorum()
-            step = manager.current_step()
-            x, y = shard_batch(args, r, step, "cpu")
+            manager.start_step()
+            x, y = shard_batch(args, r, manager.step, "cpu")
             model(x, y).backward()   # (its DistributedDataParallel: see the docstring)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            manager.allreduce(flat).wait()   # the average over the quorum's participants, in place
-            at = 0
-            for p in params:
-                p.grad = flat[at:at + p.numel()].view_as(p)
-                at += p.numel()
-            torch.nn.utils.clip_grad_norm_(params, CLIP)
-            committed = manager.should_commit()
-            if committed:
+            manager.all_reduce_gradients()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            if manager.should_commit():
                 opt.step()
-            log.write(json.dumps({"t": time.time(), "step": step, "commit": committed, "n": manager.num_participants(),
-                                  "s": time.perf_counter() - began, **({"heal": dict(heal)} if heal else {})}) + "\n")
+            log.write(json.dumps({**manager.last, "s": time.perf_counter() - began}) + "\n")
             log.flush()
-            heal.clear()
-    manager.shutdown(wait=False)
+    manager.close()
 
 
 class TorchftReplica:
@@ -1686,9 +1657,10 @@ class TorchftReplica:
     group: no rank holds the whole model). ``lighthouse``: HOST:PORT of torchft's
     LighthouseServer. Unlike ours, torchft's quorum runs beside the forward
     (use_async_quorum) and a replica that heals sits out that step (its gradients count as
-    zeros; the average is over the others). ``log``: each rank's JSON line a step (time,
-    step, committed, participants, this start's heal: seconds and bytes); ``stop``: a file
-    whose step, once it exists, ends the run there (start_step returns False)."""
+    zeros; the average is over the others). ``last``: the last step's (time, step,
+    committed, participants, seconds from start_step, this start's heal: seconds and bytes),
+    written as a JSON line to ``log`` where given; ``stop``: a file whose step, once it
+    exists, ends the run there (start_step returns False)."""
 
     def __init__(self, module, optimizer, lighthouse: str, replica_id: int, rank: int, world_size: int,
                  timeouts=TORCHFT_TIMEOUTS, log=None, stop=None):
@@ -1769,11 +1741,11 @@ class TorchftReplica:
         self.commits, self.aborts = self.commits + committed, self.aborts + (not committed)
         if self.heal:
             self.heals.append({"role": "joiner", "peers": [None], "step": self.step, **self.heal})   # (torchft's choice)
+        self.last = {"t": time.time(), "step": self.step, "commit": committed, "n": len(self.members),
+                     "s": time.perf_counter() - self.began, **({"heal": self.heal} if self.heal else {})}
         if self.log is not None:
             with open(self.log, "a") as f:
-                f.write(json.dumps({"t": time.time(), "step": self.step, "commit": committed, "n": len(self.members),
-                                    "s": time.perf_counter() - self.began, **({"heal": self.heal} if self.heal else {})})
-                        + "\n")
+                f.write(json.dumps(self.last) + "\n")
         self.heal = {}
         self.step = self.manager.current_step()
         return committed
@@ -1801,7 +1773,7 @@ def torchft_run(args, n: int, measured: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="torchft-"))
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(args.join_timeout * 1000),
                                   heartbeat_timeout_ms=int(args.detect * 1000))
-    address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    address = "127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
     procs = {}
 
     def start(r):
