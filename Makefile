@@ -29,7 +29,7 @@
 #            a kill and a heal at 2, 3 and 4 replicas (about 30 s)
 # make torchft-bench 14's benchmark with torchft's Manager beside ours on the same model and batches,
 #            then 13's run on 3 replicas of fsdp 2, ours beside torchft's (installs torchft 0.2.0 from
-#            requirements-torchft.txt into .venv; results/14_torchft/; about 3 minutes; not in `all`)
+#            requirements-torchft.txt into .venv; results/14_torchft/; about 2 minutes; not in `all`)
 # make train 13's default run: its own tiny Llama-style model (a byte-level BPE tokenizer trained on
 #            Python's help text) trained on that text on fsdp 2, checked against one process first,
 #            saved as a Hugging Face folder (runs/13_train/final) with a sample, the summary in
