@@ -1829,8 +1829,8 @@ def bench_replicas(args, sizes, given):
     settings = {"model": args.model, "mesh": mesh, "replicas": n, "one_job": one_job, "batch": args.batch_size,
                 "context": args.context_length, "bench_steps": args.bench_steps, "detect_s": args.detect,
                 "device": args.device, "backend": args.backend}
-    title = (f"13's run on {n} replicas of {mesh} that survive a loss: ours beside torchft's Manager and beside one "
-             f"job ({one_job})")
+    title = (f"13's run on {n} replicas of {mesh} that survive a loss: ours beside "
+             f"{'' if missing else 'torchft' + chr(39) + 's Manager and beside '}one job ({one_job})")
     table = common.save_results(args.out, f"{NAME}_replicas_bench", rows, settings, title=title,
                                 note=REPLICAS_BENCH_NOTE)
     print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{NAME}_replicas_bench.json and .md')}", flush=True)

@@ -420,6 +420,27 @@ def test_replicas_under_torchrun_a_job_killed_whole_comes_back_healed_and_the_ru
     assert own_processes(tag) == []
 
 
+def test_bench_on_replicas_sets_ours_beside_one_job_and_torchft_or_says_why_not(tiny, tmp_path):
+    """--bench --replicas 2 (one rank each): the mesh as one job (dp 2) and ours, each a row:
+    the step, and ours through a kill -9 of replica 1 (to the next commit, the heal's bytes,
+    the replacement's hello to its first commit); torchft's row where it is installed, else a
+    SKIP line that says how to install it; its run folders removed."""
+    import importlib.util
+    run, out = tmp_path / "run", tmp_path / "out"
+    p = run_script("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--replicas", "2",
+                   "--fsdp", "1", "--bench", "--bench-steps", "1", "--context-length", "32", "--batch-size", "4",
+                   "--run-dir", str(run), "--out", str(out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads((out / "13_train_replicas_bench.json").read_text())["rows"]}
+    has = importlib.util.find_spec("torchft") is not None
+    assert list(rows) == ["one job", "ours"] + ["torchft"] * has
+    assert has or "SKIP torchft's Manager: torchft is not installed here (make torchft-bench installs it" in p.stdout
+    for name in list(rows)[1:]:
+        r = rows[name]
+        assert r["step_ms"] > 0 and 0 < r["kill_to_commit_s"] < 60 and r["heal_MB"] > 1 and r["rejoin_to_commit_s"] > 0
+    assert rows["one job"]["vs_one_job"] == 1.0 and not (run / "bench-replicas").exists()
+
+
 def test_bad_input_on_replicas_is_one_line(tiny, tmp_path):
     flags = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--run-dir", str(tmp_path / "run"),
              "--out", str(tmp_path)]
