@@ -1667,8 +1667,7 @@ def run_replicas(args, sizes, given):
         raise common.LaunchError(f"no replica wrote the final folder (records: {sorted(run['records'])})")
     digests = {r: rec["sha256"] for r, rec in run["records"].items() if rec["step"] == result["step"]}
     if not args.no_verify:
-        _, schedule, _ = ft.read_record(record)
-        done = ft.participation([{"step": s, "members": m, "commit": True} for s, m in schedule])
+        _, done, _ = ft.committed_steps(record)
         check = replay_replicas(args, done, Path(result["final"]))
         check["ok"] = check["ok"] and len(set(digests.values())) == 1
         common.check_verification({f"{len(done)} committed steps replayed in one process in {len(check['stretches'])} "
@@ -1858,7 +1857,7 @@ def replay_run(args, sizes):
     """--replay RUN_DIR: a run on replicas (torchrun's) replayed in one process from its
     record and checkpoints, against its final folder."""
     run_dir = Path(args.run_dir)
-    settings, schedule, final = ft.read_record(run_dir / "record.jsonl")
+    settings, done, final = ft.committed_steps(run_dir / "record.jsonl")
     if settings and settings.get("model") != args.fingerprint:
         raise common.UsageError(f"--replay {run_dir}: its run trained another model (its config differs from "
                                 f"{args.model}'s)")
@@ -1868,7 +1867,6 @@ def replay_run(args, sizes):
     if final is None or not (run_dir / "final" / "config.json").is_file():
         raise common.UsageError(f"--replay {run_dir}: the run there has not ended (no final folder): replay it once its "
                                 f"replicas are done")
-    done = ft.participation([{"step": s, "members": m, "commit": True} for s, m in schedule])
     check = replay_replicas(args, done, run_dir / "final")
     common.check_verification({f"{len(done)} committed steps replayed in one process in {len(check['stretches'])} "
                                f"stretches from checkpoint to checkpoint, the last against the final folder (written "

@@ -2078,15 +2078,21 @@ def read_record(path) -> tuple:
     return settings, schedule, final
 
 
+def committed_steps(path) -> tuple:
+    """read_record's settings and final entry, and (step, members) of every committed step
+    that stands, checked to be 0, 1, 2, ... (what a replay replays)."""
+    settings, schedule, final = read_record(path)
+    return settings, participation([{"step": s, "members": m, "commit": True} for s, m in schedule]), final
+
+
 def replay_run(args):
     """--replay RUN_DIR: the committed steps of a torchrun run replayed in one process, and
     compared with the final weights written there."""
     folder = Path(args.replay)
-    settings, schedule, final = read_record(folder / "record.jsonl")
+    settings, done, final = committed_steps(folder / "record.jsonl")
     if settings is None or final is None or not (folder / "final" / "weights.pt").is_file():
         raise common.UsageError(f"--replay {folder}: the run there has not ended (no final weights): replay it once its "
                                 f"replicas are done")
-    done = participation([{"step": s, "members": m, "commit": True} for s, m in schedule])
     run = argparse.Namespace(**{**vars(args), **settings})
     print(f"replaying {len(done)} committed steps of the run in {folder} in one process ({settings['model_size']} LM, "
           f"replicas' batches of {settings['batch_size']} x {settings['context_length']})", flush=True)
