@@ -757,7 +757,7 @@ class Pipeline:
         the model's order (its input received from the chunk before, its output sent to the
         chunk after as a Python object), the generator states kept as they were; then every
         rank learns every boundary. A stated activation_shape (and dtype) that disagrees is
-        a ValueError on every rank. Costs one forward of a micro-batch per chunk, once."""
+        a ValueError on every rank. Costs one eager forward of a micro-batch per chunk, once."""
         if self.io is not None:
             return
         x0 = None
@@ -767,7 +767,9 @@ class Pipeline:
         device = next(self.module.parameters()).device
         total, found = self.n_stages * self.chunks, {}
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        # eager, even where the stage's layers are compiled: the probe wants shapes, and a
+        # compiled layer would compile a second graph for a forward without autograd
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             for v in range(total - 1):
                 if v % self.n_stages != self.stage:
                     continue

@@ -98,10 +98,12 @@ def classes(ctx, args):
             raise RuntimeError(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         res["seconds"] = time.perf_counter() - began
         res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]   # compiled so far (not eager)
+        if name == "PipelineStage":   # graphs the shape probe compiled: none (it runs eager)
+            res["probe_graphs"] = probe_graphs[0]
         everyone = [None] * W
         dist.all_gather_object(everyone, res)
         out[name] = next(x for x in everyone if x)
-    refs, wants = {}, {}
+    refs, wants, probe_graphs = {}, {}, [None]
     mine = lambda t: t.chunk(W)[r]   # noqa: E731
     case("DDPBucketed", lambda: ddp.DDPBucketed(compiled_layers(copy.deepcopy(base)), 1),
          lambda m, x, y: llama.loss_fn(m(mine(x)), mine(y)).backward(),
@@ -121,6 +123,9 @@ def classes(ctx, args):
         for layer in stage.layers.values():
             layer.compile()
         stage.pipe = pp.Pipeline(stage, W, llama.loss_fn, "1f1b")
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        stage.pipe.infer(data[0][0] if stage.pipe.first else None)   # (the first step's shape probe, called first)
+        probe_graphs[0] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         return stage
     case("PipelineStage", stage_of, lambda m, x, y: m.pipe.step(x if m.pipe.first else None, y if m.pipe.last else None),
          lambda m: pp.clip_grad_norm_(m, MAX_NORM), lambda m: pp.full_state_dict(m, all_ranks=True))
