@@ -187,7 +187,13 @@ class FSDP(nn.Module):
 
     # -- forward and backward -------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._seen, self._kind = [], repr(sorted(kwargs.items()))
+        # the kind: the keywords' names, and the values that are plain constants (a stage's chunk=j);
+        # a tensor's or an object's value is not part of it (a tensor's repr read it, on a GPU a sync,
+        # and every batch's input_ids=x was a kind of its own: no prefetch of the first unit, a
+        # recompilation a step under torch.compile, a record a step)
+        self._seen = []
+        self._kind = tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__)
+                                  for k, v in kwargs.items()))
         out = self.module(*args, **kwargs)
         self._orders[self._kind] = self._seen
         return out

@@ -117,6 +117,7 @@ import hf_checkpoint as hfc
 import placement
 import result_files
 import sharded_checkpoint
+import step_profile
 
 ft = common.load_script(common.ROOT / "14_fault_tolerant_dp.py")   # replicas that survive a loss
 nd = common.load_script(common.ROOT / "10_nd_parallel.py")   # the mesh, and the scripts it composes:
@@ -659,11 +660,12 @@ def torch_skip(sizes: dict, plan) -> str | None:
     return None
 
 
-def torch_composition(ctx, folder, sizes, plan, recompute=False):
+def torch_composition(ctx, folder, sizes, plan, recompute=False, compile_layers=False):
     """The same model as transformers loads it (whole, on every rank), torch's TP over tp by
     ``plan`` (column -> ColwiseParallel, row -> RowwiseParallel), then FSDP2's fully_shard on
     each decoder layer and the root over the data ranks (``recompute``: the model's own
-    gradient checkpointing first, as ours)."""
+    gradient checkpointing first, as ours; ``compile_layers``: each decoder layer through
+    torch.compile before its fully_shard, as torchtitan does, FSDP2's hooks around it)."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -681,9 +683,11 @@ def torch_composition(ctx, folder, sizes, plan, recompute=False):
             for key, style in styles.items():
                 if placement.path_matches(name, key):
                     parallelize_module(m, mesh["tp"], style)
-    for m in model.modules():
-        if type(m).__name__ in (model._no_split_modules or ()):
-            fully_shard(m, mesh=mesh["data"])
+    # (the layers found first: fully_shard gives each a class of its own, FSDPLlamaDecoderLayer)
+    for m in [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]:
+        if compile_layers:
+            m.compile()
+        fully_shard(m, mesh=mesh["data"])
     fully_shard(model, mesh=mesh["data"])
     return model
 
@@ -715,31 +719,33 @@ def bench_method(ctx, args, sizes, folder, method, plan):
         run = on_mesh(ctx, args, sizes, folder, plan or None)
         opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr)
 
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            run.train_step(x, y, 1)
-            placement.clip_grad_norm_(run.stage, args.clip)
-            opt.step()
+        def step(x, y, phase=step_profile.no_phase):
+            with phase("forward + backward"):
+                opt.zero_grad(set_to_none=True)
+                run.train_step(x, y, 1)
+            with phase("clip"):
+                placement.clip_grad_norm_(run.stage, args.clip)
+            with phase("optimizer"):
+                opt.step()
         return step, run.stage, opt
-    model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute)
-    if args.compile:   # each decoder layer, as ours (FSDP2's hooks around each compiled layer)
-        for m in model.modules():
-            if type(m).__name__ in (model._no_split_modules or ()):
-                m.compile()
+    model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute, compile_layers=args.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     mesh = nd.Mesh(sizes)
     replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
 
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
-        with common.autocast(ctx.device, args.dtype):   # (as ours: the loss in float32 from the logits)
-            logits = model(input_ids=x, use_cache=False).logits
-        loss = lm_loss(logits, y)
-        del logits   # (as ours: autograd keeps what backward needs)
-        loss.backward()
-        torch_clip(model.parameters(), args.clip)
-        opt.step()
+    def step(x, y, phase=step_profile.no_phase):
+        with phase("forward + backward"):
+            opt.zero_grad(set_to_none=True)
+            x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
+            with common.autocast(ctx.device, args.dtype):   # (as ours: the loss in float32 from the logits)
+                logits = model(input_ids=x, use_cache=False).logits
+            loss = lm_loss(logits, y)
+            del logits   # (as ours: autograd keeps what backward needs)
+            loss.backward()
+        with phase("clip"):
+            torch_clip(model.parameters(), args.clip)
+        with phase("optimizer"):
+            opt.step()
     return step, model, opt
 
 
@@ -747,13 +753,15 @@ def bench_plan(args, sizes, folder) -> dict:
     return read_plan(args.plan) or (tp.model_plan(build_on_meta(folder))[0] if sizes["tp"] > 1 else {})
 
 
-def bench_steps(ctx, args, sizes, folder):
+def bench_steps(ctx, args, sizes, folder, tag="given"):
     """Ours and torch's on ``folder``'s model: each rank's peak of live tensor bytes during a
     step (each method's third, under 07's StepPeak); their steps alternating on the same
-    batches (--bench-steps after 2 warm-up, the slowest rank's time); each method's
-    checkpoint save (ours: save_sharded; torch's: torch.distributed.checkpoint.save), three
-    each, alternating. {"times": {method: [seconds]}, "saves": ..., "peaks": {method: [MiB
-    a rank]}}."""
+    batches (--bench-steps after 2 warm-up, the slowest rank's time); with --profile, one
+    more step each under torch.profiler (step_profile; rank 0's Chrome trace to --run-dir's
+    profile/, named by ``tag``); each method's checkpoint save (ours: save_sharded; torch's:
+    torch.distributed.checkpoint.save), three each, alternating. {"times": {method:
+    [seconds]}, "saves": ..., "peaks": {method: [MiB a rank]}, "profiles": {method: [a
+    rank's summary]}}."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
@@ -777,6 +785,14 @@ def bench_steps(ctx, args, sizes, folder):
             common.sync(ctx.device)
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
+    profiles = {}
+    if args.profile:   # (a batch of its own, after the timed ones)
+        x, y = (t.to(ctx.device) for t in data.batch_of(2 + args.bench_steps))
+        (Path(args.run_dir) / "profile").mkdir(parents=True, exist_ok=True)
+        for name in ("ours", "torch"):
+            dist.barrier()
+            trace = Path(args.run_dir) / "profile" / f"{NAME}_profile_{tag}_{name}.json.gz" if ctx.rank == 0 else None
+            profiles[name] = step_profile.profile_step(lambda phase: steps[name](x, y, phase), ctx.device, trace)
     saves = {"ours": [], "torch": []}
     where = Path(args.run_dir) / "bench-checkpoints"
     for k in range(3):
@@ -791,11 +807,12 @@ def bench_steps(ctx, args, sizes, folder):
             dist.barrier()
             saves[name].append(time.perf_counter() - t0)
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, (times, peaks))
-    slowest = {n: [max(r[n][i] for r, _ in everyone) for i in range(args.bench_steps)] for n in times}
+    dist.all_gather_object(everyone, (times, peaks, profiles))
+    slowest = {n: [max(r[n][i] for r, _, _ in everyone) for i in range(args.bench_steps)] for n in times}
     if ctx.rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return {"times": slowest, "saves": saves, "peaks": {n: [p[n] for _, p in everyone] for n in peaks}}
+    return {"times": slowest, "saves": saves, "peaks": {n: [p[n] for _, p, _ in everyone] for n in peaks},
+            "profiles": {n: [f[n] for _, _, f in everyone] for n in profiles}}
 
 
 def larger_model(args, run_dir: Path) -> Path:
@@ -830,23 +847,23 @@ def report_bench(args, sizes):
     if why:
         print(f"  SKIP  torch's composition on {mesh_label(sizes)}: {why}", flush=True)
         return
-    rows = []
+    rows, profiles = [], {}
     peak = nd.peak_flops(torch.device(args.device), dtype=args.dtype)   # (the device's: MFU where it is known)
-    settings = [("as given", Path(args.model))]
+    settings = [("as given", Path(args.model), "given")]
     if args.bench_settings == "both":
-        settings.append(("2x wide, 2x deep", larger_model(args, Path(args.run_dir))))
-    for setting, folder in settings:
-        r = common.launch(bench_steps, args, sizes, str(folder))
+        settings.append(("2x wide, 2x deep", larger_model(args, Path(args.run_dir)), "larger"))
+    extra = " + compile" * args.compile + " + recompute" * args.recompute
+    labels = {"ours": "ours (13's mesh)" + extra, "torch": "torch FSDP2" + (" + TP" if sizes["tp"] > 1 else "") + extra}
+    for setting, folder, tag in settings:
+        r = common.launch(bench_steps, args, sizes, str(folder), tag)
+        profiles[setting] = r["profiles"]
         peaks = r["peaks"]
         tokens = args.batch_size * args.context_length
         flops = train_flops_per_token(build_on_meta(folder), args.context_length)
         ratios = [a / b for a, b in zip(r["times"]["ours"], r["times"]["torch"])]
         for method in ("ours", "torch"):
             t = statistics.median(r["times"][method])
-            extra = " + compile" * args.compile + " + recompute" * args.recompute
-            rows.append({"setting": setting, "method": {"ours": "ours (13's mesh)" + extra,
-                                                        "torch": "torch FSDP2" + (" + TP" if sizes["tp"] > 1 else "")
-                                                        + extra}[method],
+            rows.append({"setting": setting, "method": labels[method],
                          "step_ms": t * 1e3, "tokens_per_s": round(tokens / t),
                          "mfu": f"{flops * tokens / t / peak / args.world_size:.1%}" if peak else "",
                          "vs_torch": f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
@@ -871,6 +888,43 @@ def report_bench(args, sizes):
     print(f"\n{title} ({args.world_size} x {args.backend}/{args.device}, {args.batch_size} x {args.context_length} "
           f"tokens a step; median of {args.bench_steps} steps, alternating)\n{table}\n"
           f"{common.wrote(args.out, f'{NAME}_bench.json and .md')}", flush=True)
+    if args.profile:
+        report_profile(args, sizes, profiles, labels)
+
+
+PROFILE_TABLES = (("gaps", "The device's longest idle stretches, and what the host ran then",
+                   ["setting", "method", "at_ms", "gap_ms", "phase", "host_in"]),
+                  ("categories", "The busy time by kind of work", ["setting", "method", "category", "ms", "share"]),
+                  ("kernels", "The costliest kernels (a CPU's: operators)",
+                   ["setting", "method", "name", "category", "calls", "ms"]))
+
+
+def report_profile(args, sizes, profiles, labels):
+    """--profile: rank 0's profiled step of each method (step_profile's summary) as tables:
+    each phase's wall and device-busy time, the longest idle stretches, the busy time by
+    kind, the costliest kernels; every rank's summary in the JSON."""
+    def rows(key, n=None):   # (rank 0's, the first n of each)
+        return [{"setting": setting, "method": labels[m], **r} for setting, by in profiles.items()
+                for m in ("ours", "torch") for r in by[m][0][key][:n]]
+    busy = "the GPU running a kernel, a copy or a fill" if args.device == "cuda" else \
+        "the step's thread inside an operator (a CPU's)"
+    title = f"Where a step's time goes on {mesh_label(sizes)}: one profiled step a method, rank 0"
+    table = common.save_results(
+        args.out, f"{NAME}_profile", rows("phases"),
+        {"model": args.model, "mesh": mesh_label(sizes), "batch": args.batch_size, "context": args.context_length,
+         "device": args.device, "dtype": args.dtype, "compile": args.compile, "recompute": args.recompute},
+        headers=["setting", "method", "phase", "wall_ms", "busy_ms", "idle_ms", "busy"], title=title,
+        extra={"ranks": profiles}, sections=[(head, rows(key), cols) for key, head, cols in PROFILE_TABLES],
+        note=f"busy: {busy} (step_profile.py); the phases are apart by a device sync, the step run under "
+             f"torch.profiler (slower than the timed steps); rank 0's Chrome traces: {NAME}_profile_*.json.gz "
+             f"(Perfetto opens them)")
+    for trace in sorted((Path(args.run_dir) / "profile").glob(f"{NAME}_profile_*.json.gz")):
+        common.save_file(Path(args.out) / trace.name, lambda f: f.write(trace.read_bytes()))
+        trace.unlink()
+    gaps = common.fit_width(rows("gaps", 4), PROFILE_TABLES[0][2])
+    print(f"\n{title}\n{table}\n\n{PROFILE_TABLES[0][1]} (the 4 longest each)\n{gaps}\n"
+          f"{common.wrote(args.out, f'{NAME}_profile.json and .md (and the kinds of work, the costliest kernels)')}",
+          flush=True)
 
 
 # ---- --setup-memory: each rank's peak host memory while it sets a model up ---------------
@@ -1282,6 +1336,11 @@ def parser():
     p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
     p.add_argument("--bench-settings", choices=["both", "given"], default="both",
                    help="--bench: the model as given and one twice as wide and deep (both), or as given only")
+    p.add_argument("--profile", action="store_true",
+                   help="--bench: one more step of each method under torch.profiler: where its time goes (each "
+                        "phase's wall and device-busy time, the device's longest idle stretches and what the host ran "
+                        "then, the busy time by kind of work, the costliest kernels) in <out>/13_train_profile."
+                        "{json,md}, rank 0's Chrome traces beside it")
     r = p.add_argument_group("replicas that survive a loss (14's ReplicaManager around the mesh; docs/13)")
     r.add_argument("--replicas", type=common.COUNT, default=1,
                    help="data-parallel replicas of the mesh, each its own job: a lost one is left out of the next "
@@ -1369,6 +1428,9 @@ def check(args):
     elif args.world_size not in (None, world):
         raise common.UsageError(f"--world-size {args.world_size}, but the mesh {mesh_label(sizes)} is {world} ranks")
     args.world_size = world
+    if args.profile and (not args.bench or args.replicas > 1):
+        raise common.UsageError("--profile profiles --bench's steps on one job: add --bench" if not args.bench else
+                                "--profile with --replicas: it profiles --bench's steps on one job (no --replicas)")
     check_replicas(args, world)
     n_gpus = common.gpu_count()
     args.backend = args.backend or ("nccl" if n_gpus >= world and args.device != "cpu" else "gloo")

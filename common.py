@@ -1632,18 +1632,21 @@ def fit_width(rows: list[dict], headers: list[str] | None = None, width: int = T
 
 
 def save_results(out_dir, name: str, rows: list[dict], settings: dict, *, headers=None, title="",
-                 extra: dict | None = None, note: str = "") -> str:
-    """Write <out>/<name>.json (everything) and <name>.md (the whole table), each
-    atomically; return the table for printing (split where it is wider than TABLE_WIDTH)."""
+                 extra: dict | None = None, note: str = "", sections=()) -> str:
+    """Write <out>/<name>.json (everything) and <name>.md (the whole table, then each of
+    ``sections``, (heading, rows, headers), a table under its heading), each atomically;
+    return the table for printing (split where it is wider than TABLE_WIDTH)."""
     out = Path(out_dir)
     info = machine_info(settings.get("device"))
     table = markdown_table(rows, headers) if rows else "(no rows)"
     doc = {"name": name, "title": title, "settings": settings, "machine": info, "rows": rows,
-           "time": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {})}
+           "time": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {}),
+           **({"sections": [{"heading": h, "rows": r} for h, r, _ in sections]} if sections else {})}
     save_file(out / f"{name}.json", lambda f: f.write(json.dumps(doc, indent=1, default=str).encode()))
     md = (f"# {title or name}\n\nMachine: {info['device']}, torch {info['torch']}, "
-          f"{doc['time']}.\nSettings: {json.dumps(settings, default=str)}\n\n{table}\n")
-    save_file(out / f"{name}.md", lambda f: f.write((md + (f"\n{note}\n" if note else "")).encode()))
+          f"{doc['time']}.\nSettings: {json.dumps(settings, default=str)}\n\n{table}\n" + (f"\n{note}\n" if note else "")
+          + "".join(f"\n## {h}\n\n{markdown_table(r, c) if r else '(no rows)'}\n" for h, r, c in sections))
+    save_file(out / f"{name}.md", lambda f: f.write(md.encode()))
     return fit_width(rows, headers) if rows else table
 
 

@@ -70,6 +70,24 @@ def test_one_gather_per_unit_prefetched_ahead_in_forward_and_backward(one_rank):
     assert ev.count("gather") == 1 + 2 * 3 and ev.count("reduce_scatter") == 4   # the root stays whole
 
 
+def test_a_forward_given_its_tensors_by_keyword_keeps_one_record_of_the_units_order(one_rank):
+    """model(idx=x, targets=y), as transformers' models are called (input_ids=x), a new batch
+    each step: one forward kind, as positional tensors give (its record had been keyed by the
+    tensors' repr, a new kind a batch: a record a step, and a recompilation a step under
+    torch.compile); plain values such as a stage's chunk=j still tell kinds apart."""
+    torch.manual_seed(0)
+    model = fsdp.FSDP(common.TransformerLM(32, 64, 3, 4, context_length=16))
+    for seed in range(3):
+        x, y = common.lm_batch(2, 16, seed, seed, "cpu")
+        model(idx=x, targets=y).backward()
+        model.finish_gradient_synchronization()
+    assert len(model._orders) == 1 and list(model._orders) == [(("idx", "Tensor"), ("targets", "Tensor"))]
+    assert len(model._orders[next(iter(model._orders))]) == 3   # the three blocks, in order
+    with torch.no_grad():
+        model(x, targets=None)
+    assert (("targets", None),) in model._orders and len(model._orders) == 2
+
+
 def test_units_default_to_what_the_model_says_must_stay_whole(one_rank):
     """A model naming its whole-kept layers (transformers' _no_split_modules) gets them as
     units wherever they sit (here in an nn.Sequential, which the ModuleList default never

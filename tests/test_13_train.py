@@ -225,19 +225,48 @@ def test_bench_sets_ours_beside_fsdp2_and_dcp_or_says_why_not(tiny, tmp_path):
     """--bench at fsdp 2: ours and torch's FSDP2 (fully_shard by decoder layers) on the same
     batches, steps alternating, at the model as given and one twice as wide and deep: a row
     each with step time, tokens/s, each rank's step peak and a checkpoint save (ours and
-    torch.distributed.checkpoint's); and a mesh torch's side cannot take here (pp) is a SKIP
+    torch.distributed.checkpoint's); with --profile, one more step each under torch.profiler:
+    each phase's wall and busy time, the idle stretches, the kinds of work, every rank's
+    summary, rank 0's traces in --out; and a mesh torch's side cannot take here (pp) is a SKIP
     line with its reason, the script not failing."""
     base = ["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--context-length", "32", "--batch-size",
             "8", "--bench", "--bench-steps", "2", "--out", str(tmp_path), "--run-dir", str(tmp_path / "run")]
-    p = run_inline("13_train.py", *base)
+    p = run_inline("13_train.py", *base, "--profile")
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((tmp_path / "13_train_bench.json").read_text())["rows"]
     assert all(r["mfu"] == "" for r in rows)   # (no peak known for a CPU: blank, not a guess)
     assert [(r["setting"], r["method"]) for r in rows] == [
         (s, m) for s in ("as given", "2x wide, 2x deep") for m in ("ours (13's mesh)", "torch FSDP2")]
     assert all(r["step_ms"] > 0 and r["save_ms"] > 0 and len(r["peak_MB"].split(" / ")) == 2 for r in rows)
+    prof = json.loads((tmp_path / "13_train_profile.json").read_text())
+    phases = ["whole step", "forward + backward", "clip", "optimizer"]
+    assert [(r["setting"], r["method"], r["phase"]) for r in prof["rows"]] == [
+        (s, m, ph) for s in ("as given", "2x wide, 2x deep") for m in ("ours (13's mesh)", "torch FSDP2") for ph in phases]
+    assert all(0 < r["busy_ms"] <= r["wall_ms"] for r in prof["rows"])
+    assert [len(prof["ranks"][s][m]) for s in prof["ranks"] for m in ("ours", "torch")] == [2] * 4   # every rank's
+    kinds = {r["category"] for sec in prof["sections"] if sec["heading"].startswith("The busy") for r in sec["rows"]}
+    assert {"matmul", "communication"} <= kinds
+    assert "The device's longest idle stretches" in p.stdout
+    assert sorted(f.name for f in tmp_path.glob("13_train_profile_*.json.gz")) == [
+        f"13_train_profile_{s}_{m}.json.gz" for s in ("given", "larger") for m in ("ours", "torch")]
+    assert not list((tmp_path / "run" / "profile").iterdir())
     skipped = run_inline("13_train.py", *base, "--pp", "2")
     assert skipped.returncode == 0 and "SKIP  torch's composition on pp 2" in skipped.stdout, skipped.stdout
+
+
+def test_torchs_side_compiles_each_decoder_layer_it_shards(tiny, one_rank):
+    """--bench --compile: torch's FSDP2 side compiles each decoder layer, as ours (found by
+    the model's _no_split_modules before fully_shard renames their class: none had been,
+    its rows eager under "+ compile")."""
+    import torch
+    train = load("13_train")
+    ctx = kit.Ctx(0, 1, 0, "gloo", torch.device("cpu"))
+    sizes = dict.fromkeys(train.AXES, 1)
+    model = train.torch_composition(ctx, tiny / "model", sizes, {}, compile_layers=True)
+    layers = [m for m in model.modules() if type(m).__name__.startswith("FSDPLlamaDecoderLayer")]
+    assert len(layers) == 4 and all(m._compiled_call_impl is not None for m in layers)   # (Module.compile's)
+    eager = train.torch_composition(ctx, tiny / "model", sizes, {})
+    assert not any(m._compiled_call_impl is not None for m in eager.modules())
 
 
 def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_path):
@@ -463,4 +492,6 @@ def test_bad_input_on_replicas_is_one_line(tiny, tmp_path):
     assert "--bench --faults: the benchmark starts its replicas itself" in refused(
         "13_train.py", *flags, "--replicas", "3", "--bench", "--faults")
     assert "--torchft applies to --join" in refused("13_train.py", *flags, "--replicas", "2", "--torchft")
+    assert "--profile profiles --bench's steps on one job: add --bench" in refused("13_train.py", *flags, "--profile")
+    assert "--profile with --replicas" in refused("13_train.py", *flags, "--replicas", "2", "--bench", "--profile")
     assert "no record.jsonl there" in refused("13_train.py", *flags, "--replay", str(tmp_path))

@@ -21,8 +21,9 @@ MAIN_CLASS = {"sharded optimizers": "ShardedGradientOptimizer", "tensor-parallel
               "fault-tolerant replicas": "ReplicaManager"}
 # (script or library file, region name; None: the whole file is the copy)
 REGIONS = {**CLASSES, "01_allreduce_bench": "point-to-point", "placement": None, "sharded_checkpoint": None,
-           "hf_checkpoint": None}
-LIBRARY_MAIN = {"placement": "Placement", "sharded_checkpoint": "save_sharded", "hf_checkpoint": "save_hf_checkpoint"}
+           "hf_checkpoint": None, "step_profile": None}
+LIBRARY_MAIN = {"placement": "Placement", "sharded_checkpoint": "save_sharded", "hf_checkpoint": "save_hf_checkpoint",
+                "step_profile": "profile_step"}
 ALSO = {"hf_checkpoint": ("transformers",)}   # a library file's packages beyond torch, named in its docstring
 
 

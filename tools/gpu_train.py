@@ -6,15 +6,20 @@ initial weights, seeded; nothing downloaded) and written as save_pretrained writ
 --bench on one rank then times ours (13's mesh) beside torch's FSDP2 on the same model and
 batches, both with every decoder layer through torch.compile, steps alternating: each
 one's step time, tokens/s, MFU (the training FLOPs a token of docs/13 over the device's bf16
-dense peak) and its peak memory at its third step. The best of --compile and --recompute
-that fits: --compile first; where it runs out of memory, --compile --recompute.
+dense peak) and its peak memory at its third step; then one more step each under
+torch.profiler (13's --profile: each phase's wall and GPU-busy time, the GPU's longest idle
+stretches and what the host ran then, the busy time by kind of work, the costliest kernels,
+rank 0's Chrome traces). The best of --compile and --recompute that fits: --compile first;
+where it runs out of memory, --compile --recompute.
 
     make gpu-train PY=python3                                    # on the lent GPU: results/gpu/train
     make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry  # the dry run on a CPU (a tiny model)
 
 Every try is time-boxed (--box seconds) and keeps its log; <out>/SUMMARY.md lists each try's
-command, exit status and seconds, and the table of the one that ran (13_train_bench.md
-beside it). Exit status 1 where no try ran to its table.
+command, exit status and seconds, and the tables of the one that ran (13_train_bench.md and
+13_train_profile.md beside it). The model (4.4 GB at 1b), the text, its token cache and the
+run folder go to --work, out of <out>, which stays small enough to carry back whole. Exit
+status 1 where no try ran to its table.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,22 +101,24 @@ def main(argv=None):
     p.add_argument("--size", choices=list(SIZES), default="1b")
     p.add_argument("--python", default=sys.executable, help="the python that runs 13")
     p.add_argument("--out", default=str(ROOT / "results" / "gpu" / "train"))
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "kit-gpu-train"),
+                   help="the model folder, the text, its token cache and the run folder (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="measured steps a method (default: the size's)")
     p.add_argument("--box", type=float, default=420.0, help="seconds a try may take")
     args = p.parse_args(argv)
-    spec, out = SIZES[args.size], Path(args.out)
+    spec, out, work = SIZES[args.size], Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
-    folder = out / f"model-{args.size}"
+    folder = work / f"model-{args.size}"
     began = time.time()
     if not (folder / "config.json").exists():
         n = write_model(folder, args.size, args.device)
         print(f"gpu-train: wrote a {n / 1e9:.2f} B-parameter Llama-shaped model to {folder} in "
               f"{time.time() - began:.0f} s", flush=True)
-    base = [args.python, "13_train.py", "--model", str(folder), "--data", str(out / "pydoc_topics.txt"),
-            "--data-cache", str(out / "data"), "--bench", "--bench-settings", "given",
+    base = [args.python, "13_train.py", "--model", str(folder), "--data", str(work / "pydoc_topics.txt"),
+            "--data-cache", str(work / "data"), "--bench", "--profile", "--bench-settings", "given",
             "--bench-steps", str(args.steps or spec["steps"]), "--dtype", "bf16", "--fsdp", "1",
             "--context-length", str(spec["context"]), "--batch-size", str(spec["batch"]), "--device", args.device,
-            "--backend", "nccl" if args.device == "cuda" else "gloo", "--run-dir", str(out / "run")]
+            "--backend", "nccl" if args.device == "cuda" else "gloo", "--run-dir", str(work / "run")]
     rows = []
     for name, levers in (("compile", ["--compile"]), ("compile+recompute", ["--compile", "--recompute"])):
         log = out / f"{name}.log"
@@ -123,10 +131,12 @@ def main(argv=None):
         if code == 0 or not oom:
             break
     table = next(((out / r["try"] / "13_train_bench.md") for r in rows if r["exit"] == 0), None)
+    profile = table.with_name("13_train_profile.md") if table else None
     lines = ["# make gpu-train", "", f"Model: {folder} ({args.size}); 13's --bench, one rank, bf16 autocast.", "",
              "| try | exit | seconds | out of memory |", "|---|---|---|---|"]
     lines += [f"| {r['try']} | {r['exit']} | {r['seconds']} | {r['out_of_memory']} |" for r in rows]
     lines += ["", table.read_text() if table else "No try ran to its table: see each log."]
+    lines += ["", profile.read_text()] if profile and profile.exists() else []
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     (out / "SUMMARY.json").write_text(json.dumps({"rows": rows, "size": args.size, "device": args.device}, indent=1))
     print(f"gpu-train: wrote {out / 'SUMMARY.md'}", flush=True)
