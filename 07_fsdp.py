@@ -169,10 +169,14 @@ class FSDP(nn.Module):
         self._units = [_Unit(self, members[u], uses, names, whole, u) for u in units + [None] if members[u]]
         self._root = next((u for u in self._units if u.module is None), None)
         self._where = {id(p): (unit, info) for unit in self._units for p, info in zip(unit.params, unit.infos)}
+        # The hooks run eager under torch.compile (a graph break each side of a compiled unit, as
+        # FSDP2's): a compiled layer's call runs its hooks, and traced, their bookkeeping (which
+        # unit, the order so far, each parameter's shape) became guards: a graph per layer's
+        # place, past dynamo's limit of 8 at 9 layers, and recompiled while the order was learned
         for unit in self._units:
             target = unit.module if unit.module is not None else module
-            target.register_forward_pre_hook(self._pre_forward(unit))
-            target.register_forward_hook(self._post_forward(unit))
+            target.register_forward_pre_hook(torch.compiler.disable(self._pre_forward(unit)))
+            target.register_forward_hook(torch.compiler.disable(self._post_forward(unit)))
         # non-root units in forward order, per kind of forward (its keyword arguments: a
         # pipeline stage of several chunks runs ``module(x, chunk=j)``, each its own units)
         self._orders, self._seen, self._kind = {}, [], None
