@@ -792,7 +792,10 @@ def bench_steps(ctx, args, sizes, folder, tag="given"):
         for name in ("ours", "torch"):
             dist.barrier()
             trace = Path(args.run_dir) / "profile" / f"{NAME}_profile_{tag}_{name}.json.gz" if ctx.rank == 0 else None
-            profiles[name] = step_profile.profile_step(lambda phase: steps[name](x, y, phase), ctx.device, trace)
+            try:   # (a summary or a trace that fails leaves the timed rows standing)
+                profiles[name] = step_profile.profile_step(lambda phase: steps[name](x, y, phase), ctx.device, trace)
+            except Exception as e:
+                profiles[name] = {"error": f"{type(e).__name__}: {e}"}
     saves = {"ours": [], "torch": []}
     where = Path(args.run_dir) / "bench-checkpoints"
     for k in range(3):
@@ -905,7 +908,9 @@ def report_profile(args, sizes, profiles, labels):
     kind, the costliest kernels; every rank's summary in the JSON."""
     def rows(key, n=None):   # (rank 0's, the first n of each)
         return [{"setting": setting, "method": labels[m], **r} for setting, by in profiles.items()
-                for m in ("ours", "torch") for r in by[m][0][key][:n]]
+                for m in ("ours", "torch") for r in by[m][0].get(key, [])[:n]]
+    failed = [f"  the profile of {labels[m]} ({setting}) failed on rank 0: {by[m][0]['error']}"
+              for setting, by in profiles.items() for m in ("ours", "torch") if "error" in by[m][0]]
     busy = "the GPU running a kernel, a copy or a fill" if args.device == "cuda" else \
         "the step's thread inside an operator (a CPU's)"
     title = f"Where a step's time goes on {mesh_label(sizes)}: one profiled step a method, rank 0"
@@ -922,7 +927,7 @@ def report_profile(args, sizes, profiles, labels):
         common.save_file(Path(args.out) / trace.name, lambda f: f.write(trace.read_bytes()))
         trace.unlink()
     gaps = common.fit_width(rows("gaps", 4), PROFILE_TABLES[0][2])
-    print(f"\n{title}\n{table}\n\n{PROFILE_TABLES[0][1]} (the 4 longest each)\n{gaps}\n"
+    print("\n".join(failed) + f"\n{title}\n{table}\n\n{PROFILE_TABLES[0][1]} (the 4 longest each)\n{gaps}\n"
           f"{common.wrote(args.out, f'{NAME}_profile.json and .md (and the kinds of work, the costliest kernels)')}",
           flush=True)
 
