@@ -798,7 +798,7 @@ def bench_steps(ctx, args, sizes, folder, tag="given"):
                 profiles[name] = {"error": f"{type(e).__name__}: {e}"}
     saves = {"ours": [], "torch": []}
     where = Path(args.run_dir) / "bench-checkpoints"
-    for k in range(3):
+    for k in range(args.bench_saves):   # (each removed once timed: at 1 B parameters a save is 13 GB)
         for name in (("ours", "torch") if k % 2 == 0 else ("torch", "ours")):
             dist.barrier()
             t0 = time.perf_counter()
@@ -806,9 +806,11 @@ def bench_steps(ctx, args, sizes, folder, tag="given"):
                 sharded_checkpoint.save_sharded(stage, opt, str(where / "ours"), k)
             else:
                 msd, osd = get_state_dict(theirs, topt)
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(where / f"torch-{k}"))
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(where / "torch"))
             dist.barrier()
             saves[name].append(time.perf_counter() - t0)
+            if ctx.rank == 0:
+                shutil.rmtree(where, ignore_errors=True)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, (times, peaks, profiles))
     slowest = {n: [max(r[n][i] for r, _, _ in everyone) for i in range(args.bench_steps)] for n in times}
@@ -872,7 +874,8 @@ def report_bench(args, sizes):
                          "vs_torch": f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
                          if method == "ours" else "",
                          "peak_MB": " / ".join(f"{p:.1f}" for p in peaks[method]) if peaks[method][0] is not None
-                         else "", "save_ms": statistics.median(r["saves"][method]) * 1e3})
+                         else "", "save_ms": statistics.median(r["saves"][method]) * 1e3 if r["saves"][method]
+                         else ""})
     title = f"13's training step beside torch's own on {mesh_label(sizes)}" + (f", {args.dtype} autocast"
                                                                                 if args.dtype != "float32" else "")
     table = common.save_results(args.out, f"{NAME}_bench", rows, {"model": args.model, "mesh": mesh_label(sizes),
@@ -1339,6 +1342,8 @@ def parser():
                         "N: the replicas' step, a kill -9, its heal and rejoin, ours beside torchft's Manager and "
                         "beside the same mesh as one job")
     p.add_argument("--bench-steps", type=common.COUNT, default=8, help="--bench: measured steps a method")
+    p.add_argument("--bench-saves", type=common.COUNT0, default=3,
+                   help="--bench: checkpoint saves timed a method, each removed once timed (0: none)")
     p.add_argument("--bench-settings", choices=["both", "given"], default="both",
                    help="--bench: the model as given and one twice as wide and deep (both), or as given only")
     p.add_argument("--profile", action="store_true",
@@ -1749,7 +1754,7 @@ def run_replicas(args, sizes, given):
 def replica_argv(args, given, *extra):
     """What a replica's ranks run (the launcher's argv(r, incarnation, address, work)): this
     command's flags less the launcher's own, then the replica's (``extra``: more, last)."""
-    own, skip, kept = {"--faults", "--bench"}, {"--bench-steps", "--bench-settings"}, []
+    own, skip, kept = {"--faults", "--bench"}, {"--bench-steps", "--bench-settings", "--bench-saves"}, []
     it = iter(given)
     for g in it:
         if g in skip:

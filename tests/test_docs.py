@@ -111,3 +111,8 @@ def test_make_all_shows_progress_keeps_going_after_a_failure_and_summarizes(tmp_
     assert doc.read_text().startswith("<!-- headline:03 -->verified: FAIL")
     report.run_all(["02"], fake_make(tmp_path, []), results, [doc])   # the next run knows how long 02 took
     assert "[1/1] 02_naive_ddp (about 1 min on this machine's last run)" in capsys.readouterr().out
+
+
+def test_a_wall_time_rounds_to_whole_seconds_before_it_splits_into_minutes():
+    assert [report.minutes(s) for s in (0.4, 59.6, 539.6, 600.0, 61.2)] == [
+        "0 min 00 s", "1 min 00 s", "9 min 00 s", "10 min 00 s", "1 min 01 s"]

@@ -176,8 +176,9 @@ def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):
 
 def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_path):
     """make gpu-train's tries, 13 played by a script: --compile runs out of memory, then
-    --compile --recompute writes its table; the summary lists both tries and the table.
-    Where no try runs out of memory, it stops at the first (its failure, exit 1)."""
+    --compile --recompute writes its tables (--profile's too); the summary lists both tries
+    and the tables; the model stays in --work, out of the folder carried back. Where no try
+    runs out of memory, it stops at the first (its failure, exit 1)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import gpu_train
     fake = tmp_path / "fake13.py"
@@ -186,21 +187,24 @@ def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_
         "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
         "if '--recompute' not in sys.argv:\n"
         "    print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB'); sys.exit(1)\n"
-        "out.mkdir(parents=True); (out / '13_train_bench.md').write_text('| the table |')\n")
-    model = tmp_path / "out" / "model-tiny"
+        "out.mkdir(parents=True); (out / '13_train_bench.md').write_text('| the table |')\n"
+        "if '--profile' in sys.argv: (out / '13_train_profile.md').write_text('| the profile |')\n")
+    model = tmp_path / "work" / "model-tiny"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")   # (written already: the fake needs no weights)
     runner = tmp_path / "python"
     runner.write_text(f"#!/bin/sh\nshift\nexec {sys.executable} {fake} \"$@\"\n")
     runner.chmod(0o755)
+    work = ["--work", str(tmp_path / "work")]
     assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner),
-                           "--out", str(tmp_path / "out")]) == 0
+                           "--out", str(tmp_path / "out"), *work]) == 0
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
     assert "| compile | 1 |" in summary and "| True |" in summary and "| compile+recompute | 0 |" in summary
-    assert summary.rstrip().endswith("| the table |")
+    assert "| the table |\n\n| the profile |" in summary
+    assert not list((tmp_path / "out").glob("model*"))
     fake.write_text("import sys; print('a bug'); sys.exit(1)\n")
     assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner),
-                           "--out", str(tmp_path / "out")]) == 1
+                           "--out", str(tmp_path / "out"), *work]) == 1
     rows = json.loads((tmp_path / "out" / "SUMMARY.json").read_text())["rows"]
     assert [r["try"] for r in rows] == ["compile"] and not rows[0]["out_of_memory"]
 

@@ -9,8 +9,9 @@ one's step time, tokens/s, MFU (the training FLOPs a token of docs/13 over the d
 dense peak) and its peak memory at its third step; then one more step each under
 torch.profiler (13's --profile: each phase's wall and GPU-busy time, the GPU's longest idle
 stretches and what the host ran then, the busy time by kind of work, the costliest kernels,
-rank 0's Chrome traces). The best of --compile and --recompute that fits: --compile first;
-where it runs out of memory, --compile --recompute.
+rank 0's Chrome traces); and one checkpoint save each (13 GB at 1b, removed once timed).
+The best of --compile and --recompute that fits: --compile first; where it runs out of
+memory, --compile --recompute.
 
     make gpu-train PY=python3                                    # on the lent GPU: results/gpu/train
     make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry  # the dry run on a CPU (a tiny model)
@@ -115,7 +116,7 @@ def main(argv=None):
         print(f"gpu-train: wrote a {n / 1e9:.2f} B-parameter Llama-shaped model to {folder} in "
               f"{time.time() - began:.0f} s", flush=True)
     base = [args.python, "13_train.py", "--model", str(folder), "--data", str(work / "pydoc_topics.txt"),
-            "--data-cache", str(work / "data"), "--bench", "--profile", "--bench-settings", "given",
+            "--data-cache", str(work / "data"), "--bench", "--profile", "--bench-settings", "given", "--bench-saves", "1",
             "--bench-steps", str(args.steps or spec["steps"]), "--dtype", "bf16", "--fsdp", "1",
             "--context-length", str(spec["context"]), "--batch-size", str(spec["batch"]), "--device", args.device,
             "--backend", "nccl" if args.device == "cuda" else "gloo", "--run-dir", str(work / "run")]

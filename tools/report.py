@@ -325,7 +325,8 @@ def summary_table(summary: dict, results: Path = RESULTS) -> str:
 
 
 def minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+    whole = round(seconds)   # (rounded first: 539.6 s is 9 min 00 s, not 8 min 60 s)
+    return f"{whole // 60} min {whole % 60:02d} s"
 
 
 def machine_label() -> str:
