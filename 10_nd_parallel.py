@@ -324,7 +324,7 @@ class ParallelLM:
         the placement record's clip_grad_norm_ over the mesh's ranks (every axis recorded
         how it laid out each parameter)."""
         total = placement.clip_grad_norm_(self.stage, max_norm, process_group=self.mesh.group())
-        self.last_norm = total.item()
+        self.last_norm = total   # (a tensor: read as a number, it would wait for the device every step)
         return total
 
     # -- whole tensors by name: verification and checkpoints ---------------------------------
@@ -518,7 +518,7 @@ def verify_mesh(ctx, args, shape, levers=Levers(), checkpoint=None, meta=False):
             model.load_full_checkpoint(torch.load(path, weights_only=True), opt)
             sharded = common.sharded_matches(model.stage, opt, sharded_checkpoint.latest_checkpoint(path + ".sharded"))
         loss = train_step(model, opt, model.part((x, y)), common.StepClock(ctx.device))
-        norms.append((model.last_norm, norm))
+        norms.append((model.last_norm.item(), norm))
         if fp32 is not None:   # the global batch's loss: the last stages' parts, averaged over the replicas
             total = torch.tensor([loss if loss is not None else 0.0], device=ctx.device)
             dist.all_reduce(total)
