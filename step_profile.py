@@ -22,6 +22,7 @@ library only: copy the file.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -42,6 +43,23 @@ MAX_GAPS, MAX_KERNELS = 8, 12
 def category(name: str) -> str:
     low = name.lower()
     return next((cat for cat, words in CATEGORIES if any(w in low for w in words)), "other")
+
+
+def short_name(name: str, width: int = 70) -> str:
+    """A CUDA kernel's name as a table shows it: without "void", its argument list (which
+    repeats its template's) and namespaces, cut in the middle where still too long
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>,
+    ...>(int, ...)" -> "vectorized_elementwise_kernel<4, CUDAFunctor_add<float>, ...>")."""
+    s = name[5:] if name.startswith("void ") else name
+    if s.endswith(")") and (s != name or "<" in s):   # a C++ argument list (not "Memcpy HtoD (Pageable -> Device)")
+        depth = 0
+        for i in range(len(s) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(s[i], 0)
+            if depth == 0:
+                s = s[:i] if i > 0 else s
+                break
+    s = re.sub(r"\(anonymous namespace\)::|\b[A-Za-z_]\w*::", "", s).strip()
+    return s if len(s) <= width else s[:width // 2 - 2] + "..." + s[-(width - width // 2 - 1):]
 
 
 def _sync(device):
@@ -162,7 +180,7 @@ def summarize(events, phase_names, gpu: bool) -> dict:
     total = sum(per_cat.values()) or 1.0
     categories = [{"category": c, "ms": round(ms, 3), "share": f"{ms / total:.0%}"}
                   for c, ms in sorted(per_cat.items(), key=lambda kv: -kv[1])]
-    kernels = [{"name": n if len(n) <= 70 else n[:67] + "...", "category": cat, "calls": c, "ms": round(ms, 3)}
+    kernels = [{"name": short_name(n) if gpu else n, "category": cat, "calls": c, "ms": round(ms, 3)}
                for n, (c, ms, cat) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:MAX_KERNELS]]
     return {"device": "gpu" if gpu else "cpu", "phases": phases, "gaps": gaps,
             "idle_over_100us": sum(1 for g in idle if g[0] >= 100), "categories": categories, "kernels": kernels}

@@ -92,3 +92,13 @@ def test_a_gpu_step_counts_the_device_busy_and_names_what_held_the_host_in_its_g
     ("triton_per_fused_add_mul_0", "compiled kernels"), ("aten::gelu", "other")])
 def test_kernels_and_operators_are_told_apart_by_kind(name, kind):
     assert step_profile.category(name) == kind
+
+
+def test_a_kernels_long_cpp_name_is_shown_short():
+    add = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
+           "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<float>, at::detail::Array<char*, 3>)")
+    assert step_profile.short_name(add) == "vectorized_elementwise_kernel<4, ...ctor_add<float>, Array<char*, 3> >"
+    assert step_profile.short_name("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == \
+        "ncclDevKernel_AllGather_RING_LL"
+    assert step_profile.short_name("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD (Pageable -> Device)"
+    assert step_profile.short_name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
