@@ -336,6 +336,8 @@ gpu-smoke: $(GPU_DEPS)
 # batches: tokens/s, MFU, peak memory (tools/gpu_train.py; GPU_OUT/train). Dry run on a CPU:
 #   make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry
 TRAIN_SIZE ?= 1b
+TRAIN_BOX  ?= 420
 .PHONY: gpu-train
 gpu-train: $(GPU_DEPS)
-	@$(PY) tools/gpu_train.py --device $(GPU_DEV) --size $(TRAIN_SIZE) --python $(PY) --out $(GPU_OUT)/train
+	@$(PY) tools/gpu_train.py --device $(GPU_DEV) --size $(TRAIN_SIZE) --python $(PY) --box $(TRAIN_BOX) \
+	    --out $(GPU_OUT)/train
