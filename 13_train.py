@@ -929,7 +929,7 @@ def report_profile(args, sizes, profiles, labels):
     for trace in sorted((Path(args.run_dir) / "profile").glob(f"{NAME}_profile_*.json.gz")):
         common.save_file(Path(args.out) / trace.name, lambda f: f.write(trace.read_bytes()))
         trace.unlink()
-    gaps = common.fit_width(rows("gaps", 4), PROFILE_TABLES[0][2])
+    gaps = common.fit_width(rows("gaps", 4), PROFILE_TABLES[0][2][len(profiles) == 1:])   # (one setting: no column)
     print("\n".join(failed) + f"\n{title}\n{table}\n\n{PROFILE_TABLES[0][1]} (the 4 longest each)\n{gaps}\n"
           f"{common.wrote(args.out, f'{NAME}_profile.json and .md (and the kinds of work, the costliest kernels)')}",
           flush=True)
