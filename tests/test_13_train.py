@@ -478,12 +478,12 @@ def test_bad_input_on_replicas_is_one_line(tiny, tmp_path):
                                                          "--replica-id", "0")
     assert "a port is 1 to 65535" in refused("13_train.py", *flags, "--replicas", "2", "--join", "127.0.0.1:99999",
                                              "--replica-id", "0")
-    with socket.socket() as s:   # a port where nothing listens: a bounded wait, then one line
-        s.bind(("127.0.0.1", 0))
+    with socket.socket() as s:   # a port where nothing listens (held bound, no other socket takes it): a bounded
+        s.bind(("127.0.0.1", 0))  # wait, then one line
         port = s.getsockname()[1]
-    assert f"nothing answers at 127.0.0.1:{port}" in refused("13_train.py", *flags, "--replicas", "2", "--join",
-                                                            f"127.0.0.1:{port}", "--replica-id", "0",
-                                                            "--connect-wait", "0.5")
+        assert f"nothing answers at 127.0.0.1:{port}" in refused("13_train.py", *flags, "--replicas", "2", "--join",
+                                                                f"127.0.0.1:{port}", "--replica-id", "0",
+                                                                "--connect-wait", "0.5")
     assert "the run's replicas are 0 to 1" in refused("13_train.py", *flags, "--replicas", "2", "--join",
                                                       "127.0.0.1:1", "--replica-id", "2")
     assert "--join needs --replicas N" in refused("13_train.py", *flags, "--join", "127.0.0.1:1", "--replica-id", "0")

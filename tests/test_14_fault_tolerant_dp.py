@@ -378,9 +378,12 @@ def test_torchrun_replicas_driven_from_outside_take_over_end_in_one_line_resume_
     run (its record), the same commands train to the end, one replica writes the final
     weights, and the record replayed in one process gives them. Nothing is left running."""
     tag, run = uuid.uuid4().hex, tmp_path / "run"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the coordinator's port, held bound (not listening: a connection is refused) until the
+    # coordinator starts there; closed at once, another test's socket could take it meanwhile
+    # (seen once: the early replica below reached some other job's port, reset by its peer)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
     address = f"127.0.0.1:{port}"
     args = ["--detect", "2", "--run-dir", str(run), "--pace-ms", "250", "--log-every", "5"]
 
@@ -388,8 +391,11 @@ def test_torchrun_replicas_driven_from_outside_take_over_end_in_one_line_resume_
         return start("-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "14_fault_tolerant_dp.py", "--join",
                      address, "--replica-id", str(r), "--steps", str(steps), *args, *extra, tag=tag,
                      start_new_session=True)
-    early = replica(0, 100, "--connect-wait", "1", ranks=1)   # nothing listens there yet
-    out, err = early.communicate(timeout=120)
+    try:
+        early = replica(0, 100, "--connect-wait", "1", ranks=1)   # nothing listens there yet
+        out, err = early.communicate(timeout=120)
+    finally:
+        held.close()
     assert early.returncode != 0 and ours(err) == [
         f"14_fault_tolerant_dp.py: replica 0: nothing answers at {address} (Connection refused; tried for 1 s): start "
         f"the coordinator there first, or check --join"], err
