@@ -513,6 +513,7 @@ class FlightRecorder:
         self._names = weakref.WeakKeyDictionary()   # group -> its name (held, a group would keep its threads)
         self.unsettled = []   # --check-collectives: async collectives whose comparison is not settled yet
         self.entered, self.completed, self.stopped = 0, 0, threading.Event()
+        self._calls_seen = None   # (entered, completed) at the last state: whether the rank moved since
         self.main = threading.main_thread()
         self.watch = None   # under torchrun: this rank's StallWatch (the first rank still beating reports)
         self._publish(stack=False)
@@ -700,7 +701,7 @@ class FlightRecorder:
         # CPython 3.11 (a frame object read while its thread pops it: SIGSEGV in f_back, rare;
         # twice in the suite's CI runs, each a rank's death in these looks, 33 a second a rank)
         calls = (self.entered, self.completed)
-        moved, self._calls_seen = calls != getattr(self, "_calls_seen", None), calls
+        moved, self._calls_seen = calls != self._calls_seen, calls
         looked = stack and not blocked and not moved
         lines = _stack(self.main.ident) if looked else []
         frames = self._frames() if looked else None
