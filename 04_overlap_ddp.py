@@ -108,12 +108,18 @@ class DDPIndividualParameters(nn.Module):
         for i in range(self._next, len(order)):
             p = order[i]
             self._launch(i, p.grad if p.grad is not None else torch.zeros_like(p))
-        has_grad = torch.tensor([float(p.grad is not None) for p in order], device=order[0].device)
+        has_grad = torch.ones(len(order), device=order[0].device)   # (made there: no copy from the host)
+        missing = [i for i, p in enumerate(order) if p.grad is None]
+        for i in missing:
+            has_grad[i] = 0.0
         flags = dist.all_reduce(has_grad, group=self.process_group, async_op=True)
         for work, _, _ in self._pending:
             work.wait()
         flags.wait()
-        for (_, i, buf), n in zip(sorted(self._pending, key=lambda t: t[1]), has_grad.tolist()):
+        # every rank sends its flags; only one that lacked a gradient reads the sums back
+        # (a copy to the host, which waits for the device: none in the usual step)
+        sums = has_grad.tolist() if missing else [1] * len(order)
+        for (_, i, buf), n in zip(sorted(self._pending, key=lambda t: t[1]), sums):
             p = order[i]
             if p.grad is None and n > 0:
                 p.grad = buf  # another rank had a gradient: take the average

@@ -406,6 +406,7 @@ class _GradBucket:
                 self._piece_grad[p] = (j, self.grad[s - lo:e - lo])   # its gradient's view, made once
         self.buffer, self.work = None, None
         self.remaining, self._seen = len(params), [False] * len(params)   # _seen: the gradients given
+        self.sure = False   # whether this rank gave every gradient since clear(): then every rank's sum has them
 
     def add(self, j, grad):
         """Move parameter j's gradient in (one copy; the bucket is divided by world_size as
@@ -428,6 +429,7 @@ class _GradBucket:
             self.buffer = torch.zeros(self.k * self.world_size, dtype=self.grad.dtype, device=self.grad.device)
         if self.world_size > 1:   # average by dividing before the sum: once, the whole bucket
             self.buffer.div_(self.world_size)
+        self.sure = self.sure or all(self._seen)   # (every flag above 0 then: nothing to read back)
         given = self.all_given.clone() if all(self._seen) else \
             torch.tensor(self._seen, dtype=self.flags.dtype, device=self.flags.device)   # (a copy from the host)
         out = torch.empty_like(self.grad)
@@ -447,8 +449,10 @@ class _GradBucket:
     def expose_gradients(self):
         """Each piece's gradient: a view of the summed slice, or None if no rank gave p one
         (and it had none kept by zero_grad(set_to_none=False)). The flags are read once
-        (one copy to the host a bucket, not one a parameter)."""
-        flags = self.flags.tolist()
+        (one copy to the host a bucket, not one a parameter), and only where this rank did not
+        give every one: the copy waits for the device, which then idles until the host
+        queues the optimizer's work."""
+        flags = [1] * len(self.params) if self.sure else self.flags.tolist()
         for p, piece in self.pieces.items():
             j, view = self._piece_grad[p]
             piece.grad = view if flags[j] > 0 or piece.grad is not None else None
@@ -460,6 +464,7 @@ class _GradBucket:
     def clear(self, set_to_none=True):
         self.grad.zero_()
         self.flags.zero_()
+        self.sure = False
         for piece in self.pieces.values() if set_to_none else ():
             piece.grad = None
 # ---- end copy: sharded optimizers ----

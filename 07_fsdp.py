@@ -302,8 +302,13 @@ class FSDP(nn.Module):
             self._reducing.wait_reduction()
             self._reducing = None
         pending = [u for u in self._units if u.reduced is not None]
-        flags = torch.cat([u.reduced[1] for u in pending]).tolist() if pending else []   # one sync for all
+        unsure = [u for u in pending if not u.had_all]   # (a unit where this rank had every gradient has a
+        #                                                  sum above 0 each: nothing to read, no sync)
+        flags = torch.cat([u.reduced[1] for u in unsure]).tolist() if unsure else []   # one sync for all
         for unit in pending:
+            if unit.had_all:
+                unit.assign_grads([1] * len(unit.params))
+                continue
             unit.assign_grads(flags[:len(unit.params)])
             flags = flags[len(unit.params):]
         for unit in self._units:
@@ -433,6 +438,7 @@ class _Unit:
         self._make_full()
         self.is_whole, self.gathered, self.work = self.size == 0, None, None
         self.pending, self.works, self.reduced, self.lent, self.staged = None, [], None, False, None
+        self.had_all = False        # whether this rank had a gradient for each trainable parameter
 
     def _make_full(self):
         """The whole parameters: one tensor each for the unit's life, whose storage is filled
@@ -546,7 +552,11 @@ class _Unit:
         no whole-size copy of them in between. ``launch`` False: only copied in; launch()
         issues the collectives later, once autograd has dropped the gradients."""
         ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.reduce_dtype, "device": self.device}
-        had = torch.tensor([float(g is not None) for g in grads], **kw)
+        had = torch.ones(n, **kw)      # (made on the device: a tensor copied from the host waits for it)
+        for i, g in enumerate(grads):
+            if g is None:
+                had[i] = 0.0
+        self.had_all = all(g is not None or not p.requires_grad for g, p in zip(grads, self.params))
         send = whole = None
         if self.size:                  # this rank's shards, then the flags
             send = torch.empty(ws, self.size + n, **kw)

@@ -326,13 +326,19 @@ class OnMesh:
     def mean_over_mesh(self, loss) -> float:
         """The global batch's loss: the mean over the data replicas of the losses their last
         stages computed (every rank calls it)."""
-        owner = self.pipe is None or self.pipe.last
-        t = torch.tensor([float(loss) if owner and loss is not None else 0.0, float(owner)], dtype=torch.float64,
-                         device=self.device)
-        if self.sizes["tp"] > 1 and self.mesh.coord("tp") > 0:   # (every tp rank holds the same loss: count one)
-            t.zero_()
+        return self.loss_over_mesh(loss).item()
+
+    def loss_over_mesh(self, loss) -> torch.Tensor:
+        """mean_over_mesh's loss left on the device (a float64 scalar), read by no one yet:
+        the step goes on to clip and the optimizer without waiting for the device."""
+        counts = (self.pipe is None or self.pipe.last) and not (self.sizes["tp"] > 1 and self.mesh.coord("tp") > 0)
+        t = torch.zeros(2, dtype=torch.float64, device=self.device)   # (every tp rank holds the same loss: one counts)
+        if counts:
+            t[1] = 1.0
+            if loss is not None:
+                t[0] = torch.as_tensor(loss).detach()
         dist.all_reduce(t)
-        return (t[0] / t[1]).item()
+        return t[0] / t[1]
 
 
 lm_loss = pp.lm_loss   # cross-entropy over every token, in float32
@@ -517,7 +523,7 @@ def train(ctx, args, sizes):
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
             x, y = (t.to(ctx.device) for t in data.batch_of(batch_index(args, i), run.rows(args.batch_size)))
-            loss = run.mean_over_mesh(run.train_step(x, y, args.accumulate, shared=True))
+            loss = run.loss_over_mesh(run.train_step(x, y, args.accumulate, shared=True))
             if manager is not None:
                 ft.act_out(manager.faults, ctx, "reduce")
                 reduced = manager.all_reduce_gradients()
@@ -525,9 +531,10 @@ def train(ctx, args, sizes):
                 if not manager.should_commit(reduced):   # (a member lost: nobody steps; the next quorum redoes it)
                     continue
                 ft.act_out(manager.faults, ctx, "commit")
-            norm = placement.clip_grad_norm_(run.stage, args.clip).item()
+            norm = placement.clip_grad_norm_(run.stage, args.clip)
             opt.step()
-            common.sync(ctx.device)
+            loss, norm = torch.stack([loss, norm.to(loss)]).tolist()   # (read once the step is queued: the
+            common.sync(ctx.device)                                      # device never waits on the host between)
             dt, done = time.perf_counter() - t0, done + 1
             stepping += dt
             i += manager is None

@@ -72,6 +72,26 @@ def test_is_a_real_optimizer_with_full_hyperparameters(one_rank):
     assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.001)
 
 
+def test_zero2_reads_the_gradient_flags_back_only_where_this_rank_lacked_a_gradient(one_rank, monkeypatch):
+    """ZeRO-2's step reads a bucket's summed "gave a gradient" flags (a copy to the host: on
+    a GPU a wait that idles it before the optimizer) only where this rank gave no gradient
+    for some parameter; a parameter none gave keeps .grad None and is not stepped."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = sharded.ShardedGradientOptimizer(model.parameters(), torch.optim.SGD, module=model, lr=0.1)
+    reads, real = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or real(t))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert reads == []
+    opt.zero_grad()
+    before = model[1].weight.detach().clone()
+    model[0](torch.randn(4, 3)).sum().backward()   # the second layer gets no gradient
+    opt.step()
+    assert len(reads) == len(opt.buckets) and torch.equal(model[1].weight, before)
+    assert all(piece.grad is None for p, piece, _ in opt.grad_shards() if p is model[1].weight)
+
+
 def test_greedy_assignment_balances_bytes(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)

@@ -122,6 +122,46 @@ def test_no_sync_communicates_no_gradient(one_rank):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_the_gradient_flags_are_read_back_only_where_this_rank_lacked_a_gradient(one_rank, monkeypatch):
+    """finish_gradient_synchronization reads the reduced "had a gradient" flags (a device to
+    host copy: on a GPU a sync that idles it before clip and the optimizer) only for units
+    where this rank had no gradient for some trainable parameter; a step where every one
+    got one reads nothing, and a parameter no rank used still keeps .grad None."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x, use_b=True):
+            return self.b(self.a(x)) if use_b else self.a(x)
+
+    class Net(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x, use_b=True):
+            return self.blocks[1](self.blocks[0](x), use_b)
+    torch.manual_seed(0)
+    net = Net()
+    net.blocks[0].a.weight.requires_grad_(False)   # frozen: no gradient, nothing to read for it
+    model, reads = fsdp.FSDP(net), []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or real(t))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    model.finish_gradient_synchronization()
+    assert reads == [] and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+    model(x, use_b=False).sum().backward()   # the second block's b gets no gradient
+    model.finish_gradient_synchronization()
+    assert reads == [4]                      # its unit's four flags (weights, biases), read once
+    assert net.blocks[1].b.weight.grad is None and net.blocks[1].a.weight.grad is not None
+    assert net.blocks[0].a.weight.grad is None and net.blocks[0].b.weight.grad is not None
+
+
 def test_original_names_stay_readable_sharded_outside_forward_and_whole_inside(one_rank):
     torch.manual_seed(0)
     ref = common.ToyModel(tied=True)
