@@ -65,6 +65,17 @@ def _reduce_scatter(out, inp, group, async_op=False):
     return fn(out, inp, group=group, async_op=async_op)
 
 
+class _Done:
+    """The work of a collective a group of one needs not make."""
+
+    @staticmethod
+    def wait():
+        return True
+
+
+_DONE = _Done()
+
+
 class FSDP(nn.Module):
     """Fully sharded data parallelism by units, as torch's FSDP2 does it.
 
@@ -467,8 +478,12 @@ class _Unit:
 
     def prefetch(self):
         if not self.is_whole and self.gathered is None:
+            shards = self.flat.to(self.compute_dtype)
+            if self.fsdp.world_size == 1:   # a group of one: its shards are whole, nothing to gather
+                self.gathered, self.work = shards, _DONE
+                return
             self.gathered = torch.empty(self.fsdp.world_size * self.size, dtype=self.compute_dtype, device=self.device)
-            self.work = _all_gather(self.gathered, self.flat.to(self.compute_dtype), self.group, async_op=True)
+            self.work = _all_gather(self.gathered, shards, self.group, async_op=True)
 
     def unshard(self):
         """Make the whole parameters whole: wait for their all-gather (issued now, unless
@@ -577,14 +592,18 @@ class _Unit:
 
     def launch(self):
         """Issue the collectives of the gradients reduce() copied in (the output buffer made
-        only now: on gloo the reduce-scatter copies its input too)."""
+        only now: on gloo the reduce-scatter copies its input too). A group of one issues
+        none (as FSDP2): its sum is its own gradients, where reduce() put them."""
         (send, whole), self.staged, out = self.staged, None, None
-        if send is not None:
+        ws = self.fsdp.world_size
+        if send is not None and ws == 1:
+            out = send.view(-1)
+            self.works.append(_DONE)
+        elif send is not None:
             out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
-            self.works.append(_reduce_scatter(out, send.div_(self.fsdp.world_size).view(-1), self.group,
-                                              async_op=True))
+            self.works.append(_reduce_scatter(out, send.div_(ws).view(-1), self.group, async_op=True))
         if whole is not None:
-            self.works.append(dist.all_reduce(whole.div_(self.fsdp.world_size), group=self.group, async_op=True))
+            self.works.append(_DONE if ws == 1 else dist.all_reduce(whole.div_(ws), group=self.group, async_op=True))
         self.reduced = (out, out[self.size:] if self.size else whole[self.whole_numel:], whole)
 
     def wait_reduction(self):

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import subprocess
@@ -31,20 +32,34 @@ def lm_step(model, x, y):
     model.finish_gradient_synchronization()
 
 
-class EventLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Logs all-gathers, reduce-scatters, and the markers the test adds."""
+class EventLog:
+    """Logs each unit's gather as it is issued (an all-gather; on one rank, its shards taken as
+    they are: no collective, as FSDP2's) and each reduction of shards it issues, with the
+    bytes gathered, and the markers the test adds."""
 
     def __init__(self):
-        super().__init__()
-        self.events = []
+        self.events, self.gathered_bytes, self._patch = [], 0, pytest.MonkeyPatch()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if "allgather" in name:
-            self.events.append("gather")
-        elif "reduce_scatter" in name:
-            self.events.append("reduce_scatter")
-        return func(*args, **(kwargs or {}))
+    def __enter__(self):
+        prefetch, launch = fsdp._Unit.prefetch, fsdp._Unit.launch
+
+        def logged_prefetch(unit):
+            before = unit.gathered
+            prefetch(unit)
+            if before is None and unit.gathered is not None:
+                self.events.append("gather")
+                self.gathered_bytes += unit.gathered.numel() * unit.gathered.element_size()
+
+        def logged_launch(unit):
+            launch(unit)
+            if unit.reduced[0] is not None:
+                self.events.append("reduce_scatter")
+        self._patch.setattr(fsdp._Unit, "prefetch", logged_prefetch)
+        self._patch.setattr(fsdp._Unit, "launch", logged_launch)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
 
 
 def test_one_gather_per_unit_prefetched_ahead_in_forward_and_backward(one_rank):
@@ -68,6 +83,35 @@ def test_one_gather_per_unit_prefetched_ahead_in_forward_and_backward(one_rank):
     # backward (blocks in reverse): block i is gathered again and block i-1 fetched before i computes
     assert [before(f"backward {i}") for i in (2, 1, 0)] == [6, 7, 7]
     assert ev.count("gather") == 1 + 2 * 3 and ev.count("reduce_scatter") == 4   # the root stays whole
+
+
+def test_a_group_of_one_makes_no_collective_and_trains_bitwise_as_one_process(one_rank):
+    """On one rank (a GPU's usual benchmark) the shards are the whole parameters and their sum
+    is their own gradients: no all-gather, reduce-scatter or all-reduce is issued (FSDP2 makes
+    none either; each had been an NCCL call, 146 a step at XL), and the weights stay bitwise
+    those of one process, with replicated norms, clipping and accumulation under no_sync."""
+    import copy
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 2, 4, context_length=16)
+    model = fsdp.FSDP(copy.deepcopy(ref), replicate=fsdp.REPLICATE["course"])
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with common.count_collectives() as seen:
+        for step in range(3):
+            x, y = common.lm_batch(4, 16, step, step, "cpu")
+            for m, o, clip in ((model, opt, model.clip_grad_norm_),
+                               (ref, ref_opt, lambda n: torch.nn.utils.clip_grad_norm_(ref.parameters(), n))):
+                with (m.no_sync() if m is model else contextlib.nullcontext()):
+                    (m(x[:2], y[:2]) / 2).backward()
+                (m(x[2:], y[2:]) / 2).backward()
+                if m is model:
+                    model.finish_gradient_synchronization()
+                clip(0.5)
+                o.step()
+                o.zero_grad(set_to_none=True)
+    assert seen.calls == 0
+    mine = dict(model.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(mine[n].detach(), p.detach()), n
 
 
 def test_a_forward_given_its_tensors_by_keyword_keeps_one_record_of_the_units_order(one_rank):
@@ -266,12 +310,12 @@ def test_replicated_parameters_stay_whole_and_are_never_gathered(one_rank):
     model = fsdp.FSDP(lm, replicate=fsdp.REPLICATE["course"])
     whole = {n for n, p in model.module.named_parameters() if model._where[id(p)][1] is None}
     assert whole == norms and len(norms) == 2 * 2 + 1
-    gathered = common.count_collectives()
+    log = EventLog()
     x, y = common.lm_batch(2, 16, 0, 0, "cpu")
-    with gathered:
+    with log:
         model(x, y)
     sharded = sum(p.numel() * 4 for n, p in model.module.named_parameters() if n not in norms)
-    assert gathered.calls == 3 and gathered.bytes == sharded   # the root and 2 blocks; no norm travels
+    assert log.events.count("gather") == 3 and log.gathered_bytes == sharded   # the root and 2 blocks; no norm
 
 
 def test_fsdp_peak_of_live_tensors_stays_below_ddp_and_below_whole_parameters_and_gradients():
