@@ -429,6 +429,9 @@ class _Unit:
             offset += self.infos[-1].numel if self.infos[-1] else 0
         self.size = offset                                 # U: this rank's flat buffer of shards
         self.whole_numel = sum(p.numel() for p, info in zip(params, self.infos) if info is None)
+        shards = [info for info in self.infos if info is not None]
+        self.sizes = [info.numel for info in shards]                    # each one's columns of the flat
+        self.even = all(info.rows == ws * info.rows_per for info in shards)   # buffer; no padding
         self.flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
         self.hooks = [(i, list(p._backward_hooks.values())) for i, p in enumerate(params)   # the parameters'
                       if getattr(p, "_backward_hooks", None)]                                # gradient hooks
@@ -494,10 +497,14 @@ class _Unit:
         self.work.wait()
         g = self.gathered.view(self.fsdp.world_size, self.size)
         self.gathered, self.work = None, None   # the work holds its tensors until dropped
-        for t, info in zip(self.full, self.infos):
-            if info is not None:
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-                info.copy_out(g, t.data)   # .data: refilling saved storage is not an in-place change
+        whole = [t.data for t in self.full if t is not None]   # .data: refilling saved storage is not
+        for t in whole:                                         # an in-place change
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        if self.even:   # no padding: each rank's rows split straight into the whole tensors, one op
+            torch.split_with_sizes_copy(g, self.sizes, dim=1, out=[t.view(g.shape[0], -1) for t in whole])
+        else:
+            for t, info in zip(whole, [info for info in self.infos if info is not None]):
+                info.copy_out(g, t)
         self.is_whole = True
 
     def reshard(self):
@@ -567,13 +574,19 @@ class _Unit:
         no whole-size copy of them in between. ``launch`` False: only copied in; launch()
         issues the collectives later, once autograd has dropped the gradients."""
         ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.reduce_dtype, "device": self.device}
-        had = torch.ones(n, **kw)      # (made on the device: a tensor copied from the host waits for it)
+        mine = [g for g, info in zip(grads, self.infos) if info is not None]   # the shards' gradients
+        fused = self.size and all(g is not None for g in mine) and len({g.dtype for g in mine}) == 1
+        # the flags, a row for each rank's part (made on the device: a tensor copied from the host waits for it)
+        had = torch.ones(ws, n, dtype=mine[0].dtype if fused else self.reduce_dtype, device=self.device)
         for i, g in enumerate(grads):
             if g is None:
-                had[i] = 0.0
+                had[:, i] = 0.0
         self.had_all = all(g is not None or not p.requires_grad for g, p in zip(grads, self.params))
         send = whole = None
-        if self.size:                  # this rank's shards, then the flags
+        if fused:                      # one op (FSDP2's): each gradient cut into the ranks' rows, zero-
+            send = torch.empty(ws, self.size + n, **kw)   # padded and cast, then the flags
+            torch._chunk_cat([g if g.dim() else g.reshape(1) for g in mine] + [had], dim=0, num_chunks=ws, out=send)
+        elif self.size:                # (a shard with no gradient here: a copy a parameter)
             send = torch.empty(ws, self.size + n, **kw)
             for g, info in zip(grads, self.infos):
                 if info is not None and g is None:
@@ -585,7 +598,7 @@ class _Unit:
             whole = torch.cat([(g.to(self.reduce_dtype) if g is not None else
                                 torch.zeros_like(p, dtype=self.reduce_dtype)).reshape(-1)
                                for g, p, info in zip(grads, self.params, self.infos) if info is None]
-                              + ([] if self.size else [had]))
+                              + ([] if self.size else [had[0]]))
         self.staged = (send, whole)
         if launch:
             self.launch()
