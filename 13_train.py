@@ -376,6 +376,14 @@ def train_flops_per_token(model, context: int) -> float:
     return 6.0 * weights + 12.0 * config.num_hidden_layers * context * width
 
 
+def adamw(params, args, **kwargs):
+    """The optimizer 13 trains with, and gives torch's side of every comparison: AdamW, fused
+    (one kernel a step for all of a device's parameters of one dtype, as torchtitan trains;
+    the default, foreach, makes several passes over the state). Its steps are checked
+    against one process stepping the same fused AdamW."""
+    return torch.optim.AdamW(params, lr=args.lr, fused=True, **kwargs)
+
+
 def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
     """``folder``'s model built on meta, put on the mesh (OnMesh) and filled from the folder,
     each rank reading its slices."""
@@ -437,8 +445,8 @@ def verify(ctx, args, sizes):
     import transformers
     ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                             dtype=torch.float32).to(ctx.device)
-    opts = [torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                              weight_decay=args.weight_decay) for m in (run.module, ref)]
+    opts = [adamw(m.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+            for m in (run.module, ref)]
     worst = 0.0
     for i in range(args.verify_steps):
         x, y = (t.to(ctx.device) for t in data.batch_of(i))
@@ -477,8 +485,7 @@ def train(ctx, args, sizes):
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     config = run.model.config
-    opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=args.weight_decay)
+    opt = adamw(run.module.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
     run_dir = Path(args.run_dir)
     home = run_dir / f"replica-{args.replica_id}" if args.join else run_dir   # (this replica's own files)
     ckpts = home / "checkpoints"
@@ -724,7 +731,7 @@ def bench_method(ctx, args, sizes, folder, method, plan):
     steps."""
     if method == "ours":
         run = on_mesh(ctx, args, sizes, folder, plan or None)
-        opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr)
+        opt = adamw(run.module.parameters(), args)
 
         def step(x, y, phase=step_profile.no_phase):
             with phase("forward + backward"):
@@ -736,7 +743,7 @@ def bench_method(ctx, args, sizes, folder, method, plan):
                 opt.step()
         return step, run.stage, opt
     model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute, compile_layers=args.compile)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = adamw(model.parameters(), args)
     mesh = nd.Mesh(sizes)
     replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
 
@@ -1782,8 +1789,7 @@ def plain_steps(ctx, args, sizes):
     train()'s step without a quorum, the slowest rank's seconds a step."""
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
-    opt = torch.optim.AdamW(run.module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=args.weight_decay)
+    opt = adamw(run.module.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
     times = []
     for i in range(ft.BENCH_WARM + args.bench_steps):
         t0 = time.perf_counter()
@@ -1996,8 +2002,7 @@ def replay_replicas(args, schedule, final: Path) -> dict:
     def fresh():
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                                   dtype=torch.float32).to(device)
-        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                        weight_decay=args.weight_decay)
+        return model, adamw(model.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
 
     def stretch(a, b, nudge=0.0):   # the run's steps a to b in one process, from its state at a
         model, opt = fresh()

@@ -269,6 +269,40 @@ def test_torchs_side_compiles_each_decoder_layer_it_shards(tiny, one_rank):
     assert not any(m._compiled_call_impl is not None for m in eager.modules())
 
 
+def test_each_sides_optimizer_steps_every_parameter_in_one_fused_adamw(tiny, one_rank):
+    """--bench's two sides (ours, torch's FSDP2) and the run step AdamW fused, as torchtitan
+    trains: one op for every parameter of a device and dtype (the default, foreach, makes a
+    pass over the state per operation; on a GPU each is a kernel over 4.4 GB at 1 B)."""
+    import torch
+    train = load("13_train")
+    ctx = kit.Ctx(0, 1, 0, "gloo", torch.device("cpu"))
+    sizes = dict.fromkeys(train.AXES, 1)
+    args = train.parser().parse_args(["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"),
+                                      "--context-length", "32", "--batch-size", "2"])
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*a, **(kw or {}))
+    x = torch.randint(0, 100, (2, 32))
+    for method in ("ours", "torch"):
+        step, module, opt = train.bench_method(ctx, args, sizes, tiny / "model", method, {})
+        ops = Ops()
+
+        @contextlib.contextmanager
+        def phase(name, ops=ops):
+            with ops if name == "optimizer" else contextlib.nullcontext():
+                yield
+        step(x, x, phase)
+        foreach = {o for o in ops.seen if o.startswith("_foreach")} - {"_foreach_add_"}   # (the step counts)
+        assert ops.seen.count("_fused_adamw_") == 1 and not foreach, (method, sorted(set(ops.seen)))
+        assert all(s["exp_avg"].abs().sum() > 0 for s in opt.state.values())   # every parameter stepped
+
+
 def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_path):
     """--dtype bf16 (autocast; the one process under the same autocast) with each decoder
     layer recomputed in backward (the model's own gradient checkpointing) at fsdp 2."""
