@@ -585,7 +585,10 @@ class _Unit:
         send = whole = None
         if fused:                      # one op (FSDP2's): each gradient cut into the ranks' rows, zero-
             send = torch.empty(ws, self.size + n, **kw)   # padded and cast, then the flags
-            torch._chunk_cat([g if g.dim() else g.reshape(1) for g in mine] + [had], dim=0, num_chunks=ws, out=send)
+            # (contiguous: CUDA's kernel copies a dense tensor's bytes in memory order, and a weight
+            # used transposed, x @ w.t(), gets its gradient with transposed strides)
+            torch._chunk_cat([g.contiguous() if g.dim() else g.reshape(1) for g in mine] + [had], dim=0,
+                             num_chunks=ws, out=send)
         elif self.size:                # (a shard with no gradient here: a copy a parameter)
             send = torch.empty(ws, self.size + n, **kw)
             for g, info in zip(grads, self.infos):

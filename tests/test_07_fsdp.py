@@ -160,6 +160,42 @@ def test_a_units_copies_to_and_from_its_flat_buffers_are_one_op_whatever_its_par
     assert costs(6) == costs(1)
 
 
+def test_a_gradient_with_transposed_strides_reaches_the_reduce_buffer_in_its_rows(one_rank, monkeypatch):
+    """A custom op may give a weight its gradient with transposed strides (here (x.t() @ gy).t());
+    CUDA's _chunk_cat copies a dense tensor's bytes in memory order, so what it is given must
+    be contiguous (on the CPU any strides come out right: this checks what it is handed)."""
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, gy):
+            x, w = ctx.saved_tensors
+            return gy @ w, (x.t() @ gy).t()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 4))
+
+        def forward(self, x):
+            return Linear.apply(x, self.w)
+    handed, real = [], torch._chunk_cat
+    monkeypatch.setattr(torch, "_chunk_cat", lambda ts, *a, **k: handed.extend(ts) or real(ts, *a, **k))
+    torch.manual_seed(0)
+    net = Net()
+    ref = Net()
+    ref.load_state_dict(net.state_dict())
+    model, x = fsdp.FSDP(net), torch.randn(3, 4)
+    model(x).pow(2).sum().backward()
+    model.finish_gradient_synchronization()
+    ref(x).pow(2).sum().backward()
+    assert handed and all(t.is_contiguous() for t in handed)
+    assert torch.equal(net.w.grad, ref.w.grad)
+
+
 def test_a_forward_given_its_tensors_by_keyword_keeps_one_record_of_the_units_order(one_rank):
     """model(idx=x, targets=y), as transformers' models are called (input_ids=x), a new batch
     each step: one forward kind, as positional tensors give (its record had been keyed by the
