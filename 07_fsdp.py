@@ -431,7 +431,8 @@ class _Unit:
         self.whole_numel = sum(p.numel() for p, info in zip(params, self.infos) if info is None)
         shards = [info for info in self.infos if info is not None]
         self.sizes = [info.numel for info in shards]                    # each one's columns of the flat
-        self.even = all(info.rows == ws * info.rows_per for info in shards)   # buffer; no padding
+        self.even = all(info.rows == ws * info.rows_per and info.numel for info in shards)   # buffer; no
+        #                                                                     padding, no empty tensor
         self.flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
         self.hooks = [(i, list(p._backward_hooks.values())) for i, p in enumerate(params)   # the parameters'
                       if getattr(p, "_backward_hooks", None)]                                # gradient hooks
@@ -575,7 +576,7 @@ class _Unit:
         issues the collectives later, once autograd has dropped the gradients."""
         ws, n, kw = self.fsdp.world_size, len(self.infos), {"dtype": self.reduce_dtype, "device": self.device}
         mine = [g for g, info in zip(grads, self.infos) if info is not None]   # the shards' gradients
-        fused = self.size and all(g is not None for g in mine) and len({g.dtype for g in mine}) == 1
+        fused = self.size and all(g is not None and g.numel() for g in mine) and len({g.dtype for g in mine}) == 1
         # the flags, a row for each rank's part (made on the device: a tensor copied from the host waits for it)
         had = torch.ones(ws, n, dtype=mine[0].dtype if fused else self.reduce_dtype, device=self.device)
         for i, g in enumerate(grads):
@@ -585,11 +586,11 @@ class _Unit:
         send = whole = None
         if fused:                      # one op (FSDP2's): each gradient cut into the ranks' rows, zero-
             send = torch.empty(ws, self.size + n, **kw)   # padded and cast, then the flags
-            # (contiguous: CUDA's kernel copies a dense tensor's bytes in memory order, and a weight
-            # used transposed, x @ w.t(), gets its gradient with transposed strides)
+            # (contiguous: CUDA's kernel copies a dense tensor's bytes in memory order, and a custom
+            # op may give a gradient transposed strides)
             torch._chunk_cat([g.contiguous() if g.dim() else g.reshape(1) for g in mine] + [had], dim=0,
                              num_chunks=ws, out=send)
-        elif self.size:                # (a shard with no gradient here: a copy a parameter)
+        elif self.size:                # (a shard with no gradient here, or one with no elements: a copy each)
             send = torch.empty(ws, self.size + n, **kw)
             for g, info in zip(grads, self.infos):
                 if info is not None and g is None:
@@ -597,7 +598,7 @@ class _Unit:
                 elif info is not None:
                     info.copy_in(g, send)
             send[:, self.size:] = had
-        if self.whole_numel:           # the replicated gradients (and the flags, if no shard carries them)
+        if self.whole_numel or not self.size:   # the replicated gradients (and the flags, if no shard carries them)
             whole = torch.cat([(g.to(self.reduce_dtype) if g is not None else
                                 torch.zeros_like(p, dtype=self.reduce_dtype)).reshape(-1)
                                for g, p, info in zip(grads, self.params, self.infos) if info is None]
@@ -637,6 +638,8 @@ class _Unit:
         for p, info, n in zip(self.params, self.infos, had):
             if info is None:
                 g, offset = whole[offset:offset + p.numel()].view_as(p), offset + p.numel()
+            elif out is None:   # (a unit of empty parameters only: nothing was reduced but flags)
+                g = torch.zeros(info.shard_shape, dtype=self.reduce_dtype, device=self.device)
             else:
                 g = out[info.offset:info.offset + info.numel].view(info.shard_shape)
             if not p.requires_grad or n == 0:

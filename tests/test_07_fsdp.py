@@ -196,6 +196,41 @@ def test_a_gradient_with_transposed_strides_reaches_the_reduce_buffer_in_its_row
     assert torch.equal(net.w.grad, ref.w.grad)
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_parameters_with_no_elements_train_alone_in_a_unit_and_beside_others(one_rank):
+    """A layer of width 0 (nn.Linear(4, 0): a weight of shape (0, 4), a bias of (0,)) as a unit
+    of its own (no shard to carry the flags: its unit had failed in backward) and beside
+    layers with elements (the fused copies take no empty tensor): the gradients as one
+    process's."""
+    import copy
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.empty, self.full = torch.nn.Linear(4, 0), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cat([self.empty(x), self.full(x)], dim=1)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 0), Pair()])
+
+        def forward(self, x):
+            return sum(b(x).pow(2).sum() for b in self.blocks)
+    torch.manual_seed(0)
+    ref = Net()
+    model, x = fsdp.FSDP(copy.deepcopy(ref)), torch.randn(3, 4)
+    for _ in range(2):
+        model(x).backward()
+        model.finish_gradient_synchronization()
+    (2 * ref(x)).backward()
+    mine = dict(model.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert mine[n].grad is not None and torch.equal(mine[n].grad, p.grad), n
+
+
 def test_a_forward_given_its_tensors_by_keyword_keeps_one_record_of_the_units_order(one_rank):
     """model(idx=x, targets=y), as transformers' models are called (input_ids=x), a new batch
     each step: one forward kind, as positional tensors give (its record had been keyed by the

@@ -18,7 +18,8 @@ def test_a_cpu_step_shows_its_phases_its_host_stretch_and_its_kinds_of_work(tmp_
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(64, 256)
+    x = torch.randn(512, 256)   # (operators long beside the Python between them, as a real step's: with 64
+    #                              rows, a busy machine's gaps had taken half of forward + backward)
 
     def step(phase):
         with phase("forward + backward"):
