@@ -120,9 +120,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
         loss = self.optim.step(closure, **kwargs)
-        # Every owner's updated parameters, all broadcasts in flight at once.
+        # Every owner's updated parameters, all broadcasts in flight at once (a group of one: none)
         for work in [dist.broadcast(flat, src=self._global_rank[owner], group=self.process_group, async_op=True)
-                     for owner, flat in self._flats]:
+                     for owner, flat in self._flats if self.world_size > 1]:
             work.wait()
         return loss
 
@@ -276,7 +276,7 @@ class ShardedGradientOptimizer(torch.optim.Optimizer):
         for bucket in self.buckets:
             bucket.expose_gradients()
         loss = self.optim.step(closure, **kwargs)
-        works = [b.all_gather() for b in self.buckets]
+        works = [b.all_gather() for b in self.buckets if self.world_size > 1]   # (a group of one owns all)
         for w in works:
             w.wait()
         return loss
@@ -432,9 +432,12 @@ class _GradBucket:
         self.sure = self.sure or all(self._seen)   # (every flag above 0 then: nothing to read back)
         given = self.all_given.clone() if all(self._seen) else \
             torch.tensor(self._seen, dtype=self.flags.dtype, device=self.flags.device)   # (a copy from the host)
-        out = torch.empty_like(self.grad)
-        self.work = (out, given, _reduce_scatter(out, self.buffer, group=self.group, async_op=True),
-                     dist.all_reduce(given, group=self.group, async_op=True))
+        if self.world_size == 1:   # a group of one: its sums are its own (no collective, as FSDP2's)
+            self.work = (self.buffer, given)
+        else:
+            out = torch.empty_like(self.grad)
+            self.work = (out, given, _reduce_scatter(out, self.buffer, group=self.group, async_op=True),
+                         dist.all_reduce(given, group=self.group, async_op=True))
         self.buffer = None   # freed once the collective is done with it
         self.remaining, self._seen = len(self.params), [False] * len(self.params)
 

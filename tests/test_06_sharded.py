@@ -92,6 +92,31 @@ def test_zero2_reads_the_gradient_flags_back_only_where_this_rank_lacked_a_gradi
     assert all(piece.grad is None for p, piece, _ in opt.grad_shards() if p is model[1].weight)
 
 
+@pytest.mark.parametrize("kind", ["ShardedOptimizer", "ShardedGradientOptimizer"])
+def test_a_group_of_one_makes_no_collective_and_steps_bitwise_as_the_plain_optimizer(one_rank, kind):
+    """On one rank (a GPU's usual benchmark) each rank owns everything: ZeRO-1 broadcasts
+    nothing, ZeRO-2 neither reduce-scatters, all-reduces its flags nor all-gathers; the
+    weights stay bitwise the plain AdamW's, with a layer that gets no gradient."""
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    extra = {"module": model} if kind == "ShardedGradientOptimizer" else {}
+    opt = getattr(sharded, kind)(model.parameters(), torch.optim.AdamW, lr=1e-2, **extra)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with common.count_collectives() as seen:
+        for step in range(3):
+            x = torch.randn(4, 6)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                out = m[2](m[0](x)) if step == 1 else m(x)   # step 1: the middle layer gets no gradient
+                out.pow(2).sum().backward()
+                o.step()
+                o.zero_grad()
+    assert seen.calls == 0
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_greedy_assignment_balances_bytes(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
