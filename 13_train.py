@@ -376,12 +376,13 @@ def train_flops_per_token(model, context: int) -> float:
     return 6.0 * weights + 12.0 * config.num_hidden_layers * context * width
 
 
-def adamw(params, args, **kwargs):
-    """The optimizer 13 trains with, and gives torch's side of every comparison: AdamW, fused
-    (one kernel a step for all of a device's parameters of one dtype, as torchtitan trains;
-    the default, foreach, makes several passes over the state). Its steps are checked
-    against one process stepping the same fused AdamW."""
-    return torch.optim.AdamW(params, lr=args.lr, fused=True, **kwargs)
+def adamw(params, args):
+    """The optimizer 13 trains with, and gives torch's side of every comparison: AdamW
+    (betas 0.9, 0.95, --weight-decay), fused (one kernel a step for all of a device's
+    parameters of one dtype, as torchtitan trains; the default, foreach, makes several
+    passes over the state). Its steps are checked against one process stepping the same."""
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
+                             fused=True)
 
 
 def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
@@ -445,8 +446,7 @@ def verify(ctx, args, sizes):
     import transformers
     ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                             dtype=torch.float32).to(ctx.device)
-    opts = [adamw(m.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-            for m in (run.module, ref)]
+    opts = [adamw(m.parameters(), args) for m in (run.module, ref)]
     worst = 0.0
     for i in range(args.verify_steps):
         x, y = (t.to(ctx.device) for t in data.batch_of(i))
@@ -485,7 +485,7 @@ def train(ctx, args, sizes):
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     config = run.model.config
-    opt = adamw(run.module.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    opt = adamw(run.module.parameters(), args)
     run_dir = Path(args.run_dir)
     home = run_dir / f"replica-{args.replica_id}" if args.join else run_dir   # (this replica's own files)
     ckpts = home / "checkpoints"
@@ -1789,7 +1789,7 @@ def plain_steps(ctx, args, sizes):
     train()'s step without a quorum, the slowest rank's seconds a step."""
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
-    opt = adamw(run.module.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    opt = adamw(run.module.parameters(), args)
     times = []
     for i in range(ft.BENCH_WARM + args.bench_steps):
         t0 = time.perf_counter()
@@ -2002,7 +2002,7 @@ def replay_replicas(args, schedule, final: Path) -> dict:
     def fresh():
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                                   dtype=torch.float32).to(device)
-        return model, adamw(model.parameters(), args, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+        return model, adamw(model.parameters(), args)
 
     def stretch(a, b, nudge=0.0):   # the run's steps a to b in one process, from its state at a
         model, opt = fresh()
