@@ -111,7 +111,8 @@ class FSDP(nn.Module):
     ``reduce_dtype``: the gradients reduced in it instead (float32 with a bfloat16
     compute_dtype: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
     ``process_group``: the group to shard over (default: every rank). Every rank must run
-    the same units in the same order.
+    the same units in the same order. On a group of one nothing is communicated, and with no
+    compute_dtype cast the whole tensors are views of the shards: nothing is copied either.
 
     ``replicate(module, param) -> bool``: called once per parameter with the module that
     registers it (the first one, for a tied parameter); where it says True the parameter
@@ -451,7 +452,7 @@ class _Unit:
                     mod._parameters[attr] = shard
                 self.params.append(shard)
         self._make_full()
-        self.is_whole, self.gathered, self.work = self.size == 0, None, None
+        self.is_whole, self.gathered, self.work = self.size == 0 or self.alias, None, None
         self.pending, self.works, self.reduced, self.lent, self.staged = None, [], None, False, None
         self.had_all = False        # whether this rank had a gradient for each trainable parameter
 
@@ -459,12 +460,25 @@ class _Unit:
         """The whole parameters: one tensor each for the unit's life, whose storage is filled
         from an all-gather while the unit is whole and resized to nothing while it is not.
         Every forward lends aliases of them, so whatever autograd saved, in any of several
-        micro-batches' forwards (a pipeline), sees them refilled before its backward."""
+        micro-batches' forwards (a pipeline), sees them refilled before its backward. On a
+        group of one computing in the shards' dtype (``alias``) a shard is its whole
+        parameter: the whole tensors are views of the flat buffer, always whole, so nothing
+        is copied to make the unit whole and no second copy of its weights is held (FSDP2
+        copies them through a one-rank all-gather)."""
+        self.alias = self.aliases()
+        if self.alias:
+            self.full = [None if info is None else self.flat[info.offset:info.offset + info.numel].view(info.shape)
+                         for info in self.infos]
+            return
         self.full = [None if info is None else torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
                      for info in self.infos]
         for t in self.full:
             if t is not None and not t.is_meta:
                 t.untyped_storage().resize_(0)
+
+    def aliases(self) -> bool:
+        """Whether the whole parameters can be views of the flat buffer: one rank, no cast."""
+        return self.fsdp.world_size == 1 and self.compute_dtype == self.dtype and self.size > 0
 
     def materialize_storage(self, device):
         """The flat buffer on ``device`` (uninitialised), the shards views of it (each keeps
@@ -510,7 +524,7 @@ class _Unit:
 
     def reshard(self):
         """Free the whole parameters' memory (the tensors, and aliases autograd saved, stay)."""
-        if self.size and self.is_whole:
+        if self.size and self.is_whole and not self.alias:
             for t in self.full:
                 if t is not None:
                     t.untyped_storage().resize_(0)

@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -25,6 +26,13 @@ def test_fsdp_matches_single_process(world_size, case):
         assert r["replicated"] > 0   # the check above compared some
     if "fp32" in case:
         assert r["max_diff"] < 1e-5
+
+
+@pytest.fixture
+def gathering(one_rank, monkeypatch):
+    """One rank, but each unit gathered and freed as on several (its whole tensors not views
+    of its shards): the machinery of a larger group, watched in this process."""
+    monkeypatch.setattr(fsdp._Unit, "aliases", lambda unit: False)
 
 
 def lm_step(model, x, y):
@@ -62,7 +70,7 @@ class EventLog:
         self._patch.undo()
 
 
-def test_one_gather_per_unit_prefetched_ahead_in_forward_and_backward(one_rank):
+def test_one_gather_per_unit_prefetched_ahead_in_forward_and_backward(gathering):
     torch.manual_seed(0)
     lm = common.TransformerLM(32, 64, 3, 4, context_length=16)
     model = fsdp.FSDP(lm)
@@ -114,7 +122,56 @@ def test_a_group_of_one_makes_no_collective_and_trains_bitwise_as_one_process(on
         assert torch.equal(mine[n].detach(), p.detach()), n
 
 
-def test_a_units_copies_to_and_from_its_flat_buffers_are_one_op_whatever_its_parameters(one_rank):
+def test_on_one_rank_the_whole_weights_are_views_of_the_shards_and_nothing_is_copied_to_make_them(one_rank):
+    """On a group of one computing in the shards' dtype, a unit's whole tensors are views of its
+    flat buffer (FSDP2 copies them through a one-rank all-gather): its modules compute with
+    the shards' own memory, nothing is copied or freed to make a unit whole, every optimizer
+    step is seen by the next forward, and the weights stay bitwise one process's, also with
+    activation checkpointing; with a compute dtype (a cast) the unit is gathered as before."""
+    import copy
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 2, 4, context_length=16)
+    model = fsdp.FSDP(copy.deepcopy(ref))
+    lent, copies = [], []
+    model.module.blocks[0].ff_out.register_forward_pre_hook(lambda m, a: lent.append(m.weight))
+    unit = model._where[id(model.module.blocks[0].ff_out.weight)][0]
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "split_with_sizes_copy", lambda *a, **k: copies.append(a))
+        patch.setattr(fsdp._ShardInfo, "copy_out", lambda *a, **k: copies.append(a))
+        for step in range(3):
+            x, y = common.lm_batch(4, 16, step, step, "cpu")
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x, y).backward()
+                if m is model:
+                    model.finish_gradient_synchronization()
+                    assert all(u.is_whole for u in model._units)   # nothing to free, nothing to refill
+                o.step()
+                o.zero_grad(set_to_none=True)
+    assert copies == [] and len(lent) == 3
+    assert all(w.untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr() for w in lent)
+    mine = dict(model.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(mine[n].detach(), p.detach()), n
+    # activation checkpointing: the recomputed forward sees the same views
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 2, 4, context_length=16)
+    again = copy.deepcopy(ref)
+    for block in again.blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+    model = fsdp.FSDP(again)
+    x, y = common.lm_batch(4, 16, 0, 0, "cpu")
+    model(x, y).backward()
+    model.finish_gradient_synchronization()
+    ref(x, y).backward()
+    mine = dict(model.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(mine[n].grad, p.grad), n
+    cast = fsdp.FSDP(common.TransformerLM(32, 64, 2, 4, context_length=16), compute_dtype=torch.bfloat16)
+    assert not any(u.alias for u in cast._units) and all(not u.is_whole for u in cast._units if u.module is not None)
+
+
+def test_a_units_copies_to_and_from_its_flat_buffers_are_one_op_whatever_its_parameters(gathering):
     """Making a unit whole and copying its gradients into the reduce buffer dispatch as many
     ops for a unit of 12 parameters as for one of 2 (one copy a unit, as FSDP2's: on a GPU
     each op that is not a view is a kernel launch; with a copy a parameter a step of a 4-block
@@ -270,7 +327,7 @@ def test_units_default_to_what_the_model_says_must_stay_whole(one_rank):
     assert [u.module for u in fsdp.FSDP(plain)._units if u.module is not None] == list(plain[0])
 
 
-def test_no_sync_communicates_no_gradient(one_rank):
+def test_no_sync_communicates_no_gradient(gathering):
     torch.manual_seed(0)
     model = fsdp.FSDP(common.TransformerLM(32, 64, 2, 4, context_length=16))
     x, y = common.lm_batch(2, 16, 0, 0, "cpu")
@@ -336,7 +393,7 @@ def test_original_names_stay_readable_sharded_outside_forward_and_whole_inside(o
     assert isinstance(model.module.fc3.weight, torch.nn.Parameter) and model.module.fc3.weight is model.module.fc2.weight
 
 
-def test_whole_weights_are_freed_after_forward_and_after_backward(one_rank):
+def test_whole_weights_are_freed_after_forward_and_after_backward(gathering):
     torch.manual_seed(0)
     model = fsdp.FSDP(common.TransformerLM(32, 64, 2, 4, context_length=16))
     block = [u for u in model._units if u.module is not None][0]
@@ -379,7 +436,7 @@ def test_a_full_checkpoint_resumes_on_another_world_size(tmp_path, first, then):
         assert max((resumed[2 * i + 1][k] - whole[i][k]).abs().max().item() for k in whole[i]) > 1e-4, run
 
 
-def test_several_forwards_before_their_backwards_as_a_pipeline_runs_them(one_rank):
+def test_several_forwards_before_their_backwards_as_a_pipeline_runs_them(gathering):
     import copy
     torch.manual_seed(0)
     ref = common.TransformerLM(32, 64, 3, 4, context_length=16)
@@ -420,7 +477,7 @@ def test_at_most_one_unit_reduces_at_a_time_and_nothing_stays_gathered(one_rank)
                for u in model._units)
 
 
-def test_replicated_parameters_stay_whole_and_are_never_gathered(one_rank):
+def test_replicated_parameters_stay_whole_and_are_never_gathered(gathering):
     torch.manual_seed(0)
     lm = common.TransformerLM(32, 64, 2, 4, context_length=16)
     norms = {n for n, p in lm.named_parameters() if ".ln" in n or n.startswith("ln")}
