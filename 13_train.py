@@ -209,6 +209,7 @@ class OnMesh:
 
     def __init__(self, model, sizes: dict, args, device, plan=None):
         self.mesh, self.sizes, self.device = nd.Mesh(sizes), sizes, device
+        self.loss = loss_of(args)
         P, D, F_, C, T = (sizes[a] for a in AXES)
         mesh, self.model = self.mesh, model
         if T > 1:
@@ -237,7 +238,7 @@ class OnMesh:
                                      else mesh.group("dp"), ignore_parameters=ignore or ())
         self.module, self.pipe = module, None
         if P > 1:
-            self.pipe = pp.Pipeline(module, args.microbatches, lambda out, y: lm_loss(out["logits"], y),
+            self.pipe = pp.Pipeline(module, args.microbatches, lambda out, y: self.loss(out["logits"], y),
                                     args.schedule, mesh.group("pp"), chunks=args.chunks)
         self.tied_group = None
         if P > 1 and getattr(model.config, "tie_word_embeddings", False):
@@ -276,7 +277,7 @@ class OnMesh:
             kw = dict(zip(("position_ids", "attention_mask"), extra))
             with self.autocast():
                 logits = self.module(input_ids=x, use_cache=False, **kw)["logits"]
-            loss = lm_loss(logits, y)
+            loss = self.loss(logits, y)
             del logits   # (autograd keeps what backward needs: the logits themselves would be held through it)
             if scale is not None:
                 (loss * scale).backward()
@@ -342,6 +343,14 @@ class OnMesh:
 
 
 lm_loss = pp.lm_loss   # cross-entropy over every token, in float32
+
+
+def loss_of(args):
+    """The loss the run's steps compute: lm_loss, under --compile through torch.compile (as
+    torchtitan compiles its loss beside its layers): the float32 upcast, the log-softmax and
+    their backward fused, so the (tokens x vocabulary) float32 copies are never made (at
+    1 B, batch 4 x 2048, a vocabulary of 32000: 1 GB each, and passes over them)."""
+    return torch.compile(lm_loss) if args.compile else lm_loss
 
 
 def build_on_meta(folder, device=None):
@@ -743,7 +752,7 @@ def bench_method(ctx, args, sizes, folder, method, plan):
                 opt.step()
         return step, run.stage, opt
     model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute, compile_layers=args.compile)
-    opt = adamw(model.parameters(), args)
+    opt, loss_fn = adamw(model.parameters(), args), loss_of(args)
     mesh = nd.Mesh(sizes)
     replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
 
@@ -753,7 +762,7 @@ def bench_method(ctx, args, sizes, folder, method, plan):
             x, y = common.shard(x, replica, replicas), common.shard(y, replica, replicas)
             with common.autocast(ctx.device, args.dtype):   # (as ours: the loss in float32 from the logits)
                 logits = model(input_ids=x, use_cache=False).logits
-            loss = lm_loss(logits, y)
+            loss = loss_fn(logits, y)
             del logits   # (as ours: autograd keeps what backward needs)
             loss.backward()
         with phase("clip"):
@@ -1338,7 +1347,7 @@ def parser():
     p.add_argument("--recompute", action="store_true",
                    help="each decoder layer recomputed in backward (the model's own gradient checkpointing, "
                         "non-reentrant): activation memory for compute")
-    p.add_argument("--compile", action="store_true", help="each decoder layer through torch.compile")
+    p.add_argument("--compile", action="store_true", help="each decoder layer and the loss through torch.compile")
     p.add_argument("--bucket-mb", type=common.number(float, above=0), default=25.0, help="DDPBucketed's buckets")
     p.add_argument("--verify-steps", type=common.COUNT, default=3, help="steps checked against one process")
     p.add_argument("--no-verify", action="store_true", help="skip the check against one process")

@@ -269,7 +269,7 @@ def test_torchs_side_compiles_each_decoder_layer_it_shards(tiny, one_rank):
     assert not any(m._compiled_call_impl is not None for m in eager.modules())
 
 
-def test_each_sides_optimizer_steps_every_parameter_in_one_fused_adamw(tiny, one_rank):
+def test_each_sides_optimizer_steps_every_parameter_in_one_fused_adamw(tiny, one_rank, monkeypatch):
     """--bench's two sides (ours, torch's FSDP2) and the run step AdamW fused, as torchtitan
     trains: one op for every parameter of a device and dtype (the default, foreach, makes a
     pass over the state per operation; on a GPU each is a kernel over 4.4 GB at 1 B)."""
@@ -289,6 +289,9 @@ def test_each_sides_optimizer_steps_every_parameter_in_one_fused_adamw(tiny, one
             self.seen.append(func.overloadpacket.__name__)
             return func(*a, **(kw or {}))
     x = torch.randint(0, 100, (2, 32))
+    losses, made = [], train.loss_of
+    monkeypatch.setattr(train, "loss_of", lambda a: made(a) if a is not args else
+                        (lambda *t: losses.append(t) or train.lm_loss(*t)))
     for method in ("ours", "torch"):
         step, module, opt = train.bench_method(ctx, args, sizes, tiny / "model", method, {})
         ops = Ops()
@@ -301,6 +304,39 @@ def test_each_sides_optimizer_steps_every_parameter_in_one_fused_adamw(tiny, one
         foreach = {o for o in ops.seen if o.startswith("_foreach")} - {"_foreach_add_"}   # (the step counts)
         assert ops.seen.count("_fused_adamw_") == 1 and not foreach, (method, sorted(set(ops.seen)))
         assert all(s["exp_avg"].abs().sum() > 0 for s in opt.state.values())   # every parameter stepped
+        assert len(losses) == 1, method   # each side's loss is the run's loss_of(args)
+        losses.clear()
+
+
+def test_under_compile_the_loss_never_makes_its_float32_copies_of_the_logits():
+    """--compile puts the loss through torch.compile, as torchtitan does, on both sides of
+    --bench: the bf16 logits' float32 upcast, log-softmax and their gradients (tokens x
+    vocabulary each: 1 GB at gpu-train's 1 B model) are fused away. The peak of live bytes
+    of the loss's forward and backward falls below half of eager's; the loss and the
+    gradients stay eager's."""
+    import torch
+    train, fsdp = load("13_train"), load("07_fsdp")
+    args = train.parser().parse_args(["--compile"])
+    assert train.loss_of(train.parser().parse_args([])) is train.lm_loss
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 128, 32, requires_grad=True), torch.randn(4096, 32, requires_grad=True)
+    y = torch.randint(0, 4096, (2, 128))
+    peaks, got = {}, {}
+    for name, fn in (("eager", train.lm_loss), ("compiled", train.loss_of(args))):
+        for i in range(2):   # (the second as measured: compiled by the first)
+            with fsdp.StepPeak(torch.device("cpu")) as mem:
+                h.grad = w.grad = None
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = h @ w.t()
+                with mem.step():
+                    loss = fn(logits, y)
+                    del logits
+                    loss.backward()
+        peaks[name], got[name] = mem.peak, (loss.detach(), h.grad, w.grad)
+    fp32_logits = 2 * 128 * 4096 * 4
+    assert peaks["eager"] > 2 * fp32_logits and peaks["compiled"] < 0.5 * peaks["eager"], peaks
+    for a, b in zip(got["eager"], got["compiled"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_path):

@@ -4,7 +4,7 @@ A Llama-shaped transformers model of about 1 B parameters, built from its config
 initial weights, seeded; nothing downloaded) and written as save_pretrained writes it, with
 13's tokenizer and Python's help text to train on; context 2048, bf16 autocast. 13's
 --bench on one rank then times ours (13's mesh) beside torch's FSDP2 on the same model and
-batches, both with every decoder layer through torch.compile, steps alternating: each
+batches, both with every decoder layer and the loss through torch.compile, steps alternating: each
 one's step time, tokens/s, MFU (the training FLOPs a token of docs/13 over the device's bf16
 dense peak) and its peak memory at its third step; then one more step each under
 torch.profiler (13's --profile: each phase's wall and GPU-busy time, the GPU's longest idle
