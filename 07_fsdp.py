@@ -111,8 +111,8 @@ class FSDP(nn.Module):
     ``reduce_dtype``: the gradients reduced in it instead (float32 with a bfloat16
     compute_dtype: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
     ``process_group``: the group to shard over (default: every rank). Every rank must run
-    the same units in the same order. On a group of one nothing is communicated, and with no
-    compute_dtype cast the whole tensors are views of the shards: nothing is copied either.
+    the same units in the same order. On a group of one nothing is communicated, and the
+    whole tensors are views of the shards (with a compute_dtype, of one cast of them).
 
     ``replicate(module, param) -> bool``: called once per parameter with the module that
     registers it (the first one, for a tied parameter); where it says True the parameter
@@ -461,14 +461,23 @@ class _Unit:
         from an all-gather while the unit is whole and resized to nothing while it is not.
         Every forward lends aliases of them, so whatever autograd saved, in any of several
         micro-batches' forwards (a pipeline), sees them refilled before its backward. On a
-        group of one computing in the shards' dtype (``alias``) a shard is its whole
-        parameter: the whole tensors are views of the flat buffer, always whole, so nothing
-        is copied to make the unit whole and no second copy of its weights is held (FSDP2
-        copies them through a one-rank all-gather)."""
-        self.alias = self.aliases()
-        if self.alias:
-            self.full = [None if info is None else self.flat[info.offset:info.offset + info.numel].view(info.shape)
+        group of one (``alone``) a shard is its whole parameter, and the whole tensors are
+        views of one buffer: computing in the shards' dtype (``alias``), the flat buffer
+        itself, always whole, so nothing is copied to make the unit whole and no second copy
+        of its weights is held (FSDP2 copies them through a one-rank all-gather); with a
+        compute_dtype, a buffer of that dtype (``cast_into``), filled by one cast and freed
+        as the others are."""
+        alone = self.alone()
+        self.alias = alone and self.compute_dtype == self.dtype
+        self.cast_into = None
+        if alone:
+            base = self.flat if self.alias else torch.empty(self.size, dtype=self.compute_dtype, device=self.device)
+            self.full = [None if info is None else base[info.offset:info.offset + info.numel].view(info.shape)
                          for info in self.infos]
+            if not self.alias:
+                self.cast_into = base
+                if not base.is_meta:
+                    base.untyped_storage().resize_(0)
             return
         self.full = [None if info is None else torch.empty(info.shape, dtype=self.compute_dtype, device=self.device)
                      for info in self.infos]
@@ -476,9 +485,9 @@ class _Unit:
             if t is not None and not t.is_meta:
                 t.untyped_storage().resize_(0)
 
-    def aliases(self) -> bool:
-        """Whether the whole parameters can be views of the flat buffer: one rank, no cast."""
-        return self.fsdp.world_size == 1 and self.compute_dtype == self.dtype and self.size > 0
+    def alone(self) -> bool:
+        """Whether this rank holds the unit alone (a group of one): its shards are whole."""
+        return self.fsdp.world_size == 1 and self.size > 0
 
     def materialize_storage(self, device):
         """The flat buffer on ``device`` (uninitialised), the shards views of it (each keeps
@@ -495,11 +504,8 @@ class _Unit:
         self._make_full()
 
     def prefetch(self):
-        if not self.is_whole and self.gathered is None:
+        if not self.is_whole and self.gathered is None and self.cast_into is None:
             shards = self.flat.to(self.compute_dtype)
-            if self.fsdp.world_size == 1:   # a group of one: its shards are whole, nothing to gather
-                self.gathered, self.work = shards, _DONE
-                return
             self.gathered = torch.empty(self.fsdp.world_size * self.size, dtype=self.compute_dtype, device=self.device)
             self.work = _all_gather(self.gathered, shards, self.group, async_op=True)
 
@@ -507,6 +513,12 @@ class _Unit:
         """Make the whole parameters whole: wait for their all-gather (issued now, unless
         prefetched) and copy them out of its buffer."""
         if self.is_whole:
+            return
+        if self.cast_into is not None:   # alone: one cast into the whole tensors' buffer (.data: refilling
+            whole = self.cast_into.data  # saved storage is not an in-place change)
+            whole.untyped_storage().resize_(whole.numel() * whole.element_size())
+            whole.copy_(self.flat)
+            self.is_whole = True
             return
         self.prefetch()
         self.work.wait()

@@ -32,7 +32,19 @@ def test_fsdp_matches_single_process(world_size, case):
 def gathering(one_rank, monkeypatch):
     """One rank, but each unit gathered and freed as on several (its whole tensors not views
     of its shards): the machinery of a larger group, watched in this process."""
-    monkeypatch.setattr(fsdp._Unit, "aliases", lambda unit: False)
+    monkeypatch.setattr(fsdp._Unit, "alone", lambda unit: False)
+
+
+class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops dispatched inside it that are not views (on a GPU, each a kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view   # (a view launches no kernel)
+        return func(*args, **(kwargs or {}))
 
 
 def lm_step(model, x, y):
@@ -167,8 +179,46 @@ def test_on_one_rank_the_whole_weights_are_views_of_the_shards_and_nothing_is_co
     mine = dict(model.module.named_parameters())
     for n, p in ref.named_parameters():
         assert torch.equal(mine[n].grad, p.grad), n
-    cast = fsdp.FSDP(common.TransformerLM(32, 64, 2, 4, context_length=16), compute_dtype=torch.bfloat16)
-    assert not any(u.alias for u in cast._units) and all(not u.is_whole for u in cast._units if u.module is not None)
+
+
+def test_on_one_rank_with_a_compute_dtype_a_unit_is_made_whole_by_one_cast_and_trains_as_on_several(one_rank):
+    """With a compute_dtype on a group of one, a unit's whole tensors are views of one buffer of
+    that dtype, filled by one cast from the shards (no all-gather buffer to cast into first
+    and copy out of, as FSDP2's one-rank all-gather does) and freed after the unit runs, as on
+    several ranks; the weights are bitwise those the gathering machinery gives."""
+    import copy
+    torch.manual_seed(0)
+    ref = common.TransformerLM(32, 64, 2, 4, context_length=16)
+
+    def trained(alone):
+        ops, real = [], fsdp._Unit.unshard
+
+        def counted(unit):
+            with Ops() as o:
+                real(unit)
+            ops.append(o.count)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fsdp._Unit, "unshard", counted)
+            if not alone:
+                patch.setattr(fsdp._Unit, "alone", lambda unit: False)
+            model = fsdp.FSDP(copy.deepcopy(ref), compute_dtype=torch.bfloat16)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(3):
+                x, y = common.lm_batch(4, 16, step, step, "cpu")
+                loss = model(x, y)
+                blocks = [u for u in model._units if u.module is not None]
+                assert all(t.untyped_storage().nbytes() == 0 for u in blocks for t in u.full)   # freed after forward
+                loss.backward()
+                model.finish_gradient_synchronization()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert all(not u.alias and (u.cast_into is not None) == alone for u in model._units)
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}, ops
+    (mine, ops), (theirs, gathered) = trained(True), trained(False)
+    for n, p in theirs.items():
+        assert torch.equal(mine[n], p), n
+    assert ops == [1] * 3 * (1 + 2 * 2)   # one op each time: the root once a step, each block twice
+    assert max(gathered) > 1
 
 
 def test_a_units_copies_to_and_from_its_flat_buffers_are_one_op_whatever_its_parameters(gathering):
@@ -177,15 +227,6 @@ def test_a_units_copies_to_and_from_its_flat_buffers_are_one_op_whatever_its_par
     each op that is not a view is a kernel launch; with a copy a parameter a step of a 4-block
     LM on one rank dispatched 429 of them, now 358), and the gradients stay those of one process."""
     import copy
-
-    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += not func.is_view   # (a view launches no kernel)
-            return func(*args, **(kwargs or {}))
 
     def costs(layers):
         torch.manual_seed(0)
