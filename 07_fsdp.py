@@ -505,9 +505,8 @@ class _Unit:
 
     def prefetch(self):
         if not self.is_whole and self.gathered is None and self.cast_into is None:
-            shards = self.flat.to(self.compute_dtype)
             self.gathered = torch.empty(self.fsdp.world_size * self.size, dtype=self.compute_dtype, device=self.device)
-            self.work = _all_gather(self.gathered, shards, self.group, async_op=True)
+            self.work = _all_gather(self.gathered, self.flat.to(self.compute_dtype), self.group, async_op=True)
 
     def unshard(self):
         """Make the whole parameters whole: wait for their all-gather (issued now, unless
