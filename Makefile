@@ -321,11 +321,16 @@ SMOKE_JOBS ?=
 SMOKE_BOX  ?=
 # seconds after which no job of make gpu-check starts or runs on (empty: 450 on 8 cores or more)
 CHECK_BUDGET ?=
+# a .tgz that GPU_OUT/check (CHECK_ARCHIVE) or GPU_OUT/train (TRAIN_ARCHIVE) is packed into every
+# 15 s and at the end, whole at every moment: a lease's call cut short still brings it back
+CHECK_ARCHIVE ?=
+TRAIN_ARCHIVE ?=
 GPU_CHECK   = $(PY) tools/gpu_check.py --device $(GPU_DEV) --nccl $(GPU_NCCL) $(if $(GPU_SIZE),--size $(GPU_SIZE)) \
               --python $(PY) --scripts $(SMOKE) $(if $(MEASURE),--measure $(MEASURE)) $(if $(SMOKE_JOBS),--jobs $(SMOKE_JOBS)) $(if $(SMOKE_BOX),--box $(SMOKE_BOX))
 .PHONY: gpu-check
 gpu-check: $(GPU_DEPS)
-	@$(GPU_CHECK) $(if $(CHECK_BUDGET),--budget $(CHECK_BUDGET)) --out $(GPU_OUT)/check
+	@$(GPU_CHECK) $(if $(CHECK_BUDGET),--budget $(CHECK_BUDGET)) $(if $(CHECK_ARCHIVE),--archive $(CHECK_ARCHIVE)) \
+	    --out $(GPU_OUT)/check
 
 gpu-smoke: $(GPU_DEPS)
 	@rm -rf $(SMOKE_OUT)
@@ -340,4 +345,4 @@ TRAIN_BOX  ?= 420
 .PHONY: gpu-train
 gpu-train: $(GPU_DEPS)
 	@$(PY) tools/gpu_train.py --device $(GPU_DEV) --size $(TRAIN_SIZE) --python $(PY) --box $(TRAIN_BOX) \
-	    --out $(GPU_OUT)/train
+	    $(if $(TRAIN_ARCHIVE),--archive $(TRAIN_ARCHIVE)) --out $(GPU_OUT)/train

@@ -2,8 +2,12 @@
 are GPUs, and the GPU plan's Makefile targets, run dry (GPU_DEV=cpu, gloo in place of NCCL)."""
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 
 import pytest
 
@@ -82,9 +86,14 @@ def test_gpu_check_dry_run_passes_with_every_part(tmp_path):
     reason), the measured table (MEASURE=12: 12's grouped experts in bf16), 03's smoke jobs
     under the device audit (12's own smoke commands run under it in test_12, through
     run_inline); SUMMARY.md holds every row and the table, SUMMARY.json the same."""
-    p = make("gpu-check", "SMOKE=03", "MEASURE=12", f"GPU_OUT={tmp_path}", timeout=400)
+    p = make("gpu-check", "SMOKE=03", "MEASURE=12", f"GPU_OUT={tmp_path}", f"CHECK_ARCHIVE={tmp_path / 'check.tgz'}",
+             timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     check = tmp_path / "check"
+    with tarfile.open(tmp_path / "check.tgz") as tar:   # (packed once more at the end: every file as it ended)
+        packed = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert packed == {f"check/{f.relative_to(check)}": f.read_bytes() for f in check.rglob("*") if f.is_file()}
+    assert "check/smoke/03_flat_ddp.gloo_2ranks.log" in packed
     summary = json.loads((check / "SUMMARY.json").read_text())
     rows = {(r["part"], r["job"]): r for r in summary["rows"]}
     kernels = [r for (part, _), r in rows.items() if part == "kernels"]
@@ -207,6 +216,80 @@ def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_
                            "--out", str(tmp_path / "out"), *work]) == 1
     rows = json.loads((tmp_path / "out" / "SUMMARY.json").read_text())["rows"]
     assert [r["try"] for r in rows] == ["compile"] and not rows[0]["out_of_memory"]
+
+
+def test_the_lease_archive_is_whole_when_the_packer_is_killed_and_names_what_it_left_out(tmp_path):
+    """--archive (make gpu-check's CHECK_ARCHIVE, gpu-train's TRAIN_ARCHIVE): a lease's call
+    cut by the device time left is killed where no timeout of its own sees it, and only files
+    under $OUT come back. A process packing a folder that grows, killed with SIGKILL, leaves
+    an archive that opens whole and holds what it had packed; a pack over the limit leaves
+    the largest files out and names them."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    folder, archive = tmp_path / "check", tmp_path / "out" / "check.tgz"
+    (tmp_path / "out").mkdir()
+    code = ("import sys, time, pathlib; sys.path.insert(0, sys.argv[3]); import gpu_check\n"
+            "folder = pathlib.Path(sys.argv[1]); folder.mkdir()\n"
+            "with gpu_check.packed(folder, sys.argv[2], every=0.02):\n"
+            "    for i in range(100000):\n"
+            "        (folder / f'row{i % 50}.log').write_text('x' * (i * 37 % 5000))\n"
+            "        with open(folder / 'growing.log', 'a') as f: f.write(f'line {i}\\n')\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(folder), str(archive), str(ROOT / "tools")])
+    deadline = time.time() + 60
+    while not archive.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)   # (several packs, and files written and rewritten the while)
+    p.kill()
+    p.wait()
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        grown = tar.extractfile("check/growing.log").read().decode()
+    whole = grown.split("\n")[:-1]   # (the last line may be half written when the file was read)
+    assert "check/row0.log" in names and len(whole) > 1 and whole == [f"line {i}" for i in range(len(whole))]
+    big = folder / "trace.json.gz"
+    big.write_bytes(os.urandom(300_000))   # (does not compress)
+    left = gpu_check.pack(folder, archive, limit=100_000)
+    assert left == [("check/trace.json.gz", 300_000)]
+    with tarfile.open(archive) as tar:
+        assert "check/trace.json.gz" not in tar.getnames() and "check/row0.log" in tar.getnames()
+        assert "check/trace.json.gz (300,000 bytes): left out" in tar.extractfile("check/LEFT_OUT.txt").read().decode()
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:   # gone meanwhile
+        return b""
+
+
+def test_gpu_train_ended_by_sigterm_ends_its_try_and_packs_its_log(tmp_path):
+    """timeout(1) ending make gpu-train: the try (its own process group) is ended with it,
+    the summary lists it as ended by a signal, and the archive is packed a last time with
+    the try's log as far as it got."""
+    fake = tmp_path / "fake13.py"
+    fake.write_text("import time; print('compiling', flush=True); time.sleep(120)\n")
+    model = tmp_path / "work" / "model-tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    runner = tmp_path / "python"
+    runner.write_text(f"#!/bin/sh\nshift\nexec {sys.executable} {fake} \"$@\"\n")
+    runner.chmod(0o755)
+    out, archive = tmp_path / "train", tmp_path / "train.tgz"
+    p = subprocess.Popen([sys.executable, str(ROOT / "tools" / "gpu_train.py"), "--device", "cpu", "--size", "tiny",
+                          "--python", str(runner), "--work", str(tmp_path / "work"), "--out", str(out),
+                          "--archive", str(archive)], stdout=subprocess.PIPE, text=True)
+    log = out / "compile.log"
+    deadline = time.time() + 60
+    while not (log.exists() and "compiling" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=30)
+    assert p.returncode == 130 and "ended by a signal" in stdout, stdout
+    assert not [pid for pid in os.listdir("/proc") if str(fake).encode() in _cmdline(pid)]   # the try is gone with it
+    with tarfile.open(archive) as tar:
+        assert "compiling" in tar.extractfile("train/compile.log").read().decode()
+        assert "| compile | ended by a signal |" in tar.extractfile("train/SUMMARY.md").read().decode()
 
 
 def test_mfu_counts_what_docs_13_says_against_the_dtypes_peak(monkeypatch):

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -257,6 +259,83 @@ class Check:
             end(p)
 
 
+# ----------------------------------------------------------------------------------------
+# What comes back from a lease: one archive, whole at every moment
+# ----------------------------------------------------------------------------------------
+PACK_EVERY = 15.0          # seconds between packs
+PACK_LIMIT = 15 * 2**20    # bytes: a lease brings back files of at most 16 MiB
+
+
+@contextlib.contextmanager
+def packed(folder, archive, every=PACK_EVERY, limit=PACK_LIMIT):
+    """While the block runs, ``folder`` packed into ``archive`` (a gzip'd tar; None: nothing
+    is packed) every ``every`` seconds, and once more as it ends (an exception or SIGTERM
+    made one included). Each pack is written beside and renamed over the last, so the
+    archive is whole whenever the process is killed: a lease's call cut by the device time
+    left, which no timeout of the command sees, still brings back what had finished by the
+    last pack. Members are named as ``tar czf ARCHIVE FOLDER`` names them when run in the
+    repository (``results/gpu/check/...``). Over ``limit`` bytes the largest files are left
+    out, one at a time, and named in the archive's LEFT_OUT.txt."""
+    if not archive:
+        yield
+        return
+    stop = threading.Event()
+
+    def again():
+        while not stop.wait(every):
+            pack(folder, archive, limit)
+    thread = threading.Thread(target=again, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        pack(folder, archive, limit)
+
+
+def pack(folder, archive, limit=PACK_LIMIT) -> list | None:
+    """One pack of ``folder`` into ``archive`` (see packed): each file read whole first, so a
+    file that grows or goes meanwhile is packed as it was or left out, never cut inside the
+    tar. Returns the files left out for the limit; None where the archive could not be
+    written (the last one stays)."""
+    folder, archive = Path(folder).absolute(), Path(archive).absolute()
+    base = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else Path(folder.name)
+    part = archive.with_name(archive.name + ".part")
+    files = []
+    for f in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        try:
+            if f.is_file() and f.absolute() not in (archive, part):
+                files.append((f, f.read_bytes()))
+        except OSError:   # gone meanwhile
+            continue
+    left = []   # (name, bytes) of each file left out for the limit
+    try:
+        while True:
+            with tarfile.open(part, "w:gz") as tar:
+                for f, data in files:
+                    add_member(tar, str(base / f.relative_to(folder)), data)
+                if left:
+                    add_member(tar, str(base / "LEFT_OUT.txt"), "".join(
+                        f"{name} ({n:,} bytes): left out, the archive over {limit:,} bytes with it\n"
+                        for name, n in left).encode())
+            if part.stat().st_size <= limit or not files:
+                break
+            f, data = files.pop(max(range(len(files)), key=lambda i: len(files[i][1])))
+            left.append((str(base / f.relative_to(folder)), len(data)))
+        os.replace(part, archive)
+    except OSError as e:
+        print(f"gpu_check: could not pack {archive}: {e}", file=sys.stderr, flush=True)
+        return None
+    return left
+
+
+def add_member(tar, name: str, data: bytes):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), time.time(), 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
 def end(p):
     """End a job's whole process group: SIGTERM (the scripts end their ranks), then SIGKILL."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
@@ -399,6 +478,8 @@ def main(argv=None) -> int:
                    help=f"seconds after which no job starts or runs on (default: 450 on 8 cores or more: "
                         f"here {450 * scale:g})")
     p.add_argument("--python", default=sys.executable, help="the interpreter the jobs run with")
+    p.add_argument("--archive", default=None, help=f"--out packed into this .tgz every {PACK_EVERY:g} s and at the end, "
+                                                    "whole at every moment (a lease's call cut short brings it back)")
     args = p.parse_args(argv)
     problem = result_files.folder_problem(args.out)
     if problem:   # found before any job starts
@@ -407,6 +488,20 @@ def main(argv=None) -> int:
     check = Check(args)
     check.write()
     previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with packed(args.out, args.archive):
+            run_parts(check, args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(check.text)
+    lost = result_files.unsaved()
+    for line in lost:
+        print(f"gpu_check.py: error: {line}", file=sys.stderr)
+    return 1 if lost or any(r["verdict"] in ("FAIL", "TIMEOUT", "NOT STARTED") for r in check.rows) else 0
+
+
+def run_parts(check: Check, args):
+    """The parts asked for, in order; no job outlives them (interrupted or not)."""
     try:
         for part in PARTS:
             if part in args.parts:
@@ -419,13 +514,7 @@ def main(argv=None) -> int:
         if not isinstance(e, KeyboardInterrupt):
             raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
         check.end_all()
-    print(check.text)
-    lost = result_files.unsaved()
-    for line in lost:
-        print(f"gpu_check.py: error: {line}", file=sys.stderr)
-    return 1 if lost or any(r["verdict"] in ("FAIL", "TIMEOUT", "NOT STARTED") for r in check.rows) else 0
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ memory, --compile --recompute.
 Every try is time-boxed (--box seconds) and keeps its log; <out>/SUMMARY.md lists each try's
 command, exit status and seconds, and the tables of the one that ran (13_train_bench.md and
 13_train_profile.md beside it). The model (4.4 GB at 1b), the text, its token cache and the
-run folder go to --work, out of <out>, which stays small enough to carry back whole. Exit
-status 1 where no try ran to its table.
+run folder go to --work, out of <out>, which stays small enough to carry back whole; with
+--archive, <out> is packed into that one file every 15 s and at the end (a lease's call cut
+short still brings back what had finished). Exit status 1 where no try ran to its table.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import PACK_EVERY, packed  # noqa: E402  (the standard library only)
 
 # the model: Llama 3.2 1B's shape (16 layers of width 2048, grouped queries 32/8, SwiGLU 8192)
 # with a vocabulary of 32000: 1.10 B parameters, 7.0 GFLOP a token at context 2048 (docs/13's
@@ -90,9 +94,11 @@ def run_try(cmd: list, log: Path, box: float) -> tuple[int, float]:
         try:
             code = p.wait(timeout=box)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
             code = 124
+        finally:   # (boxed, or this run ended by a signal: the try's whole group with it)
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
     return code, time.time() - began
 
 
@@ -106,9 +112,26 @@ def main(argv=None):
                    help="the model folder, the text, its token cache and the run folder (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="measured steps a method (default: the size's)")
     p.add_argument("--box", type=float, default=420.0, help="seconds a try may take")
+    p.add_argument("--archive", default=None, help=f"--out packed into this .tgz every {PACK_EVERY:g} s and at the end, "
+                                                    "whole at every moment (a lease's call cut short brings it back)")
     args = p.parse_args(argv)
-    spec, out, work = SIZES[args.size], Path(args.out), Path(args.work)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (timeout(1) ending the command) ends the try and packs the archive a last time
+    previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with packed(out, args.archive):
+            return run(args, out)
+    except KeyboardInterrupt:
+        print("gpu-train: ended by a signal; the summary lists the tries until then", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args, out: Path) -> int:
+    """The model written (unless there already), then the tries, then the summary."""
+    spec, work = SIZES[args.size], Path(args.work)
     folder = work / f"model-{args.size}"
     began = time.time()
     if not (folder / "config.json").exists():
@@ -123,14 +146,26 @@ def main(argv=None):
     rows = []
     for name, levers in (("compile", ["--compile"]), ("compile+recompute", ["--compile", "--recompute"])):
         log = out / f"{name}.log"
-        try_out = out / name
-        code, seconds = run_try([*base, *levers, "--out", str(try_out)], log, args.box)
+        t0 = time.time()
+        try:
+            code, seconds = run_try([*base, *levers, "--out", str(out / name)], log, args.box)
+        except KeyboardInterrupt:   # (the try ended with this run: listed, its log kept)
+            rows.append({"try": name, "exit": "ended by a signal", "seconds": round(time.time() - t0, 1),
+                         "out_of_memory": False})
+            summarize(args, out, folder, rows)
+            raise
         oom = "out of memory" in log.read_text().lower()
         rows.append({"try": name, "exit": code, "seconds": round(seconds, 1), "out_of_memory": oom})
         print(f"gpu-train: {name}: exit {code} in {seconds:.0f} s{' (out of memory)' if oom else ''}; log {log}",
               flush=True)
         if code == 0 or not oom:
             break
+    return summarize(args, out, folder, rows)
+
+
+def summarize(args, out: Path, folder: Path, rows: list) -> int:
+    """<out>/SUMMARY.md and .json: each try's row, then the tables of the one that ran
+    (exit status 0), if any (else 1)."""
     table = next(((out / r["try"] / "13_train_bench.md") for r in rows if r["exit"] == 0), None)
     profile = table.with_name("13_train_profile.md") if table else None
     lines = ["# make gpu-train", "", f"Model: {folder} ({args.size}); 13's --bench, one rank, bf16 autocast.", "",
