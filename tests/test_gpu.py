@@ -292,6 +292,31 @@ def test_gpu_train_ended_by_sigterm_ends_its_try_and_packs_its_log(tmp_path):
         assert "| compile | ended by a signal |" in tar.extractfile("train/SUMMARY.md").read().decode()
 
 
+def test_sigterm_interrupts_once_so_a_second_one_does_not_cut_the_cleanup():
+    """timeout(1) signals make's process group and make passes SIGTERM on: gpu-check and
+    gpu-train get it twice. The first interrupts (as Ctrl-C); the second, arriving while
+    their jobs are ended and the archive packed, is ignored; the handler is put back."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with gpu_check.sigterm_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)   # (interrupted at once)
+    cut = False
+    try:
+        with gpu_check.sigterm_interrupts():
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            os.kill(os.getpid(), signal.SIGTERM)   # the cleanup's: ignored
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        cut = True
+    assert not cut, "a second SIGTERM cut the cleanup short"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_mfu_counts_what_docs_13_says_against_the_dtypes_peak(monkeypatch):
     """13's training FLOPs a token: 6 a weight a matrix multiply uses (not the input
     embedding; a tied head once) and 12 L T d; the peak for bf16 autocast is the device's

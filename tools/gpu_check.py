@@ -336,6 +336,23 @@ def add_member(tar, name: str, data: bytes):
     tar.addfile(info, io.BytesIO(data))
 
 
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM (timeout(1) ending the command) raises KeyboardInterrupt in the main thread
+    inside the block, as Ctrl-C does: what it cuts ends its jobs and writes what it has.
+    Once: a second SIGTERM is ignored until the block ends (timeout(1) signals make's whole
+    process group, and make passes the signal on to this process again, which had cut its
+    cleanup short)."""
+    def interrupt(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def end(p):
     """End a job's whole process group: SIGTERM (the scripts end their ranks), then SIGKILL."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
@@ -487,12 +504,8 @@ def main(argv=None) -> int:
         return 2
     check = Check(args)
     check.write()
-    previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        with packed(args.out, args.archive):
-            run_parts(check, args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_interrupts(), packed(args.out, args.archive):
+        run_parts(check, args)
     print(check.text)
     lost = result_files.unsaved()
     for line in lost:

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import PACK_EVERY, packed  # noqa: E402  (the standard library only)
+from gpu_check import PACK_EVERY, packed, sigterm_interrupts  # noqa: E402  (the standard library only)
 
 # the model: Llama 3.2 1B's shape (16 layers of width 2048, grouped queries 32/8, SwiGLU 8192)
 # with a vocabulary of 32000: 1.10 B parameters, 7.0 GFLOP a token at context 2048 (docs/13's
@@ -117,16 +116,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # SIGTERM (timeout(1) ending the command) ends the try and packs the archive a last time
-    previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        with packed(out, args.archive):
+    try:   # (SIGTERM, as timeout(1) sends it, ends the try and packs the archive a last time)
+        with sigterm_interrupts(), packed(out, args.archive):
             return run(args, out)
     except KeyboardInterrupt:
         print("gpu-train: ended by a signal; the summary lists the tries until then", flush=True)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args, out: Path) -> int:
