@@ -342,7 +342,10 @@ gpu-smoke: $(GPU_DEPS)
 #   make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry
 TRAIN_SIZE ?= 1b
 TRAIN_BOX  ?= 420
+# GPUs (ranks) to use (empty: every GPU there is; 1 on GPU_DEV=cpu): 2 or more add fsdp over all
+# of them and tp 2 inside dp over the rest, after the one-GPU run
+TRAIN_RANKS ?=
 .PHONY: gpu-train
 gpu-train: $(GPU_DEPS)
 	@$(PY) tools/gpu_train.py --device $(GPU_DEV) --size $(TRAIN_SIZE) --python $(PY) --box $(TRAIN_BOX) \
-	    $(if $(TRAIN_ARCHIVE),--archive $(TRAIN_ARCHIVE)) --out $(GPU_OUT)/train
+	    $(if $(TRAIN_ARCHIVE),--archive $(TRAIN_ARCHIVE)) $(if $(TRAIN_RANKS),--ranks $(TRAIN_RANKS)) --out $(GPU_OUT)/train

@@ -183,6 +183,21 @@ def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):
         assert check.read_05(tmp_path)[0]["measurement"].endswith(how)
 
 
+def fake_13(tmp_path, code: str) -> tuple:
+    """gpu-train's 13 played by a script of ``code``: (the script, the "python" that runs it
+    whatever it is given, the --work flags), the model folder there already (the fake needs
+    no weights)."""
+    fake = tmp_path / "fake13.py"
+    fake.write_text(code)
+    model = tmp_path / "work" / "model-tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    runner = tmp_path / "python"
+    runner.write_text(f"#!/bin/sh\nshift\nexec {sys.executable} {fake} \"$@\"\n")
+    runner.chmod(0o755)
+    return fake, runner, ["--work", str(tmp_path / "work")]
+
+
 def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_path):
     """make gpu-train's tries, 13 played by a script: --compile runs out of memory, then
     --compile --recompute writes its tables (--profile's too); the summary lists both tries
@@ -190,21 +205,13 @@ def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_
     runs out of memory, it stops at the first (its failure, exit 1)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import gpu_train
-    fake = tmp_path / "fake13.py"
-    fake.write_text(
+    fake, runner, work = fake_13(tmp_path, (
         "import sys, pathlib\n"
         "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
         "if '--recompute' not in sys.argv:\n"
         "    print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB'); sys.exit(1)\n"
         "out.mkdir(parents=True); (out / '13_train_bench.md').write_text('| the table |')\n"
-        "if '--profile' in sys.argv: (out / '13_train_profile.md').write_text('| the profile |')\n")
-    model = tmp_path / "work" / "model-tiny"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text("{}")   # (written already: the fake needs no weights)
-    runner = tmp_path / "python"
-    runner.write_text(f"#!/bin/sh\nshift\nexec {sys.executable} {fake} \"$@\"\n")
-    runner.chmod(0o755)
-    work = ["--work", str(tmp_path / "work")]
+        "if '--profile' in sys.argv: (out / '13_train_profile.md').write_text('| the profile |')\n"))
     assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner),
                            "--out", str(tmp_path / "out"), *work]) == 0
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
@@ -216,6 +223,37 @@ def test_gpu_train_falls_back_to_recompute_where_compile_runs_out_of_memory(tmp_
                            "--out", str(tmp_path / "out"), *work]) == 1
     rows = json.loads((tmp_path / "out" / "SUMMARY.json").read_text())["rows"]
     assert [r["try"] for r in rows] == ["compile"] and not rows[0]["out_of_memory"]
+
+
+def test_gpu_train_on_several_gpus_times_fsdp_over_all_and_tp_inside_dp_after_the_one_gpu_run(tmp_path):
+    """Issue 85 asks, where a lease has 2 or more GPUs, for fsdp over them and dp x tp beside
+    the one-GPU run: with --ranks 4, 13 is run on fsdp 1 (batch 4), fsdp 4 (16: each data
+    rank one GPU's 4) and dp 2 x tp 2 (8), each in its own folder and log, the summary a
+    section a mesh; an odd count has no tp 2 pair to make; a mesh with no table fails it."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_train
+    _, runner, work = fake_13(tmp_path, (
+        "import sys, pathlib, json\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1]); out.mkdir(parents=True)\n"
+        "flag = lambda f: sys.argv[sys.argv.index(f) + 1] if f in sys.argv else None\n"
+        "got = {f: flag(f) for f in ('--fsdp', '--dp', '--tp', '--batch-size')}\n"
+        "if got['--fsdp'] == '3': sys.exit(1)\n"
+        "(out / '13_train_bench.md').write_text(f'| {json.dumps(got)} |')\n"))
+    assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner), "--ranks", "4",
+                           "--out", str(tmp_path / "out"), *work]) == 0
+    rows = json.loads((tmp_path / "out" / "SUMMARY.json").read_text())["rows"]
+    assert [(r["mesh"], r["folder"], r["exit"]) for r in rows] == [
+        ("fsdp 1", "compile", 0), ("fsdp 4", "fsdp4-compile", 0), ("dp 2 x tp 2", "dp2xtp2-compile", 0)]
+    summary = (tmp_path / "out" / "SUMMARY.md").read_text()
+    for mesh, flags in (("fsdp 1", {"--fsdp": "1", "--dp": None, "--tp": None, "--batch-size": "4"}),
+                        ("fsdp 4", {"--fsdp": "4", "--dp": None, "--tp": None, "--batch-size": "16"}),
+                        ("dp 2 x tp 2", {"--fsdp": "1", "--dp": "2", "--tp": "2", "--batch-size": "8"})):
+        assert f"## {mesh}\n\n| {json.dumps(flags)} |" in summary, summary
+    assert (tmp_path / "out" / "fsdp4-compile.log").exists()
+    assert gpu_train.main(["--device", "cpu", "--size", "tiny", "--python", str(runner), "--ranks", "3",
+                           "--out", str(tmp_path / "odd"), *work]) == 1   # (fsdp 3's try fails)
+    rows = json.loads((tmp_path / "odd" / "SUMMARY.json").read_text())["rows"]
+    assert [(r["mesh"], r["exit"]) for r in rows] == [("fsdp 1", 0), ("fsdp 3", 1)]
 
 
 def test_the_lease_archive_is_whole_when_the_packer_is_killed_and_names_what_it_left_out(tmp_path):
@@ -267,18 +305,11 @@ def test_gpu_train_ended_by_sigterm_ends_its_try_and_packs_its_log(tmp_path):
     """timeout(1) ending make gpu-train: the try (its own process group) is ended with it,
     the summary lists it as ended by a signal, and the archive is packed a last time with
     the try's log as far as it got."""
-    fake = tmp_path / "fake13.py"
-    fake.write_text("import time; print('compiling', flush=True); time.sleep(120)\n")
-    model = tmp_path / "work" / "model-tiny"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text("{}")
-    runner = tmp_path / "python"
-    runner.write_text(f"#!/bin/sh\nshift\nexec {sys.executable} {fake} \"$@\"\n")
-    runner.chmod(0o755)
+    fake, runner, work = fake_13(tmp_path, "import time; print('compiling', flush=True); time.sleep(120)\n")
     out, archive = tmp_path / "train", tmp_path / "train.tgz"
     p = subprocess.Popen([sys.executable, str(ROOT / "tools" / "gpu_train.py"), "--device", "cpu", "--size", "tiny",
-                          "--python", str(runner), "--work", str(tmp_path / "work"), "--out", str(out),
-                          "--archive", str(archive)], stdout=subprocess.PIPE, text=True)
+                          "--python", str(runner), *work, "--out", str(out), "--archive", str(archive)],
+                         stdout=subprocess.PIPE, text=True)
     log = out / "compile.log"
     deadline = time.time() + 60
     while not (log.exists() and "compiling" in log.read_text()) and time.time() < deadline:

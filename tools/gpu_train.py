@@ -11,17 +11,19 @@ torch.profiler (13's --profile: each phase's wall and GPU-busy time, the GPU's l
 stretches and what the host ran then, the busy time by kind of work, the costliest kernels,
 rank 0's Chrome traces); and one checkpoint save each (13 GB at 1b, removed once timed).
 The best of --compile and --recompute that fits: --compile first; where it runs out of
-memory, --compile --recompute.
+memory, --compile --recompute. On a machine of 2 or more GPUs (--ranks), the same on fsdp
+over all of them, then on tp 2 inside dp over the rest, each data rank with one GPU's batch.
 
     make gpu-train PY=python3                                    # on the lent GPU: results/gpu/train
     make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry  # the dry run on a CPU (a tiny model)
+    make gpu-train GPU_DEV=cpu TRAIN_SIZE=tiny GPU_OUT=/tmp/gpu-dry TRAIN_RANKS=2   # and 2 ranks' meshes
 
 Every try is time-boxed (--box seconds) and keeps its log; <out>/SUMMARY.md lists each try's
-command, exit status and seconds, and the tables of the one that ran (13_train_bench.md and
-13_train_profile.md beside it). The model (4.4 GB at 1b), the text, its token cache and the
+mesh, command, exit status and seconds, and for each mesh the tables of its try that ran
+(13_train_bench.md and 13_train_profile.md beside it). The model (4.4 GB at 1b), the text, its token cache and the
 run folder go to --work, out of <out>, which stays small enough to carry back whole; with
 --archive, <out> is packed into that one file every 15 s and at the end (a lease's call cut
-short still brings back what had finished). Exit status 1 where no try ran to its table.
+short still brings back what had finished). Exit status 1 where a mesh has no table.
 """
 from __future__ import annotations
 
@@ -111,6 +113,9 @@ def main(argv=None):
                    help="the model folder, the text, its token cache and the run folder (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="measured steps a method (default: the size's)")
     p.add_argument("--box", type=float, default=420.0, help="seconds a try may take")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="GPUs to use (default: every GPU the python sees; 1 on --device cpu): 1 times the one-GPU "
+                        "mesh; 2 or more also fsdp over all of them, and tp 2 inside dp over the rest")
     p.add_argument("--archive", default=None, help=f"--out packed into this .tgz every {PACK_EVERY:g} s and at the end, "
                                                     "whole at every moment (a lease's call cut short brings it back)")
     args = p.parse_args(argv)
@@ -124,8 +129,31 @@ def main(argv=None):
         return 130
 
 
+def gpu_count(python) -> int:
+    """The GPUs ``python``'s torch sees (0 where it sees none or fails)."""
+    r = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
+                       text=True)
+    return int(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip().isdigit() else 0
+
+
+def meshes(ranks: int, batch: int) -> list:
+    """(label, 13's mesh flags, global batch, prefix of its folders and logs) of each mesh
+    timed, the most wanted first: one GPU (fsdp 1: the model trained as it is, as on one
+    GPU); on 2 or more, fsdp over all of them, then tp 2 inside dp over the rest (where
+    they are even). Each data rank takes one GPU's batch (the data ranks' tokens a GPU stay
+    the same; a tp pair shares its rank's)."""
+    out = [("fsdp 1", ["--fsdp", "1"], batch, "")]
+    if ranks >= 2:
+        out.append((f"fsdp {ranks}", ["--fsdp", str(ranks)], batch * ranks, f"fsdp{ranks}-"))
+    if ranks >= 2 and ranks % 2 == 0:
+        dp = ranks // 2
+        label = f"dp {dp} x tp 2" if dp > 1 else "tp 2"
+        out.append((label, ["--dp", str(dp), "--tp", "2", "--fsdp", "1"], batch * dp, label.replace(" ", "") + "-"))
+    return out
+
+
 def run(args, out: Path) -> int:
-    """The model written (unless there already), then the tries, then the summary."""
+    """The model written (unless there already), then each mesh's tries, then the summary."""
     spec, work = SIZES[args.size], Path(args.work)
     folder = work / f"model-{args.size}"
     began = time.time()
@@ -135,43 +163,50 @@ def run(args, out: Path) -> int:
               f"{time.time() - began:.0f} s", flush=True)
     base = [args.python, "13_train.py", "--model", str(folder), "--data", str(work / "pydoc_topics.txt"),
             "--data-cache", str(work / "data"), "--bench", "--profile", "--bench-settings", "given", "--bench-saves", "1",
-            "--bench-steps", str(args.steps or spec["steps"]), "--dtype", "bf16", "--fsdp", "1",
-            "--context-length", str(spec["context"]), "--batch-size", str(spec["batch"]), "--device", args.device,
+            "--bench-steps", str(args.steps or spec["steps"]), "--dtype", "bf16",
+            "--context-length", str(spec["context"]), "--device", args.device,
             "--backend", "nccl" if args.device == "cuda" else "gloo", "--run-dir", str(work / "run")]
+    ranks = args.ranks if args.ranks is not None else (gpu_count(args.python) if args.device == "cuda" else 1)
     rows = []
-    for name, levers in (("compile", ["--compile"]), ("compile+recompute", ["--compile", "--recompute"])):
-        log = out / f"{name}.log"
-        t0 = time.time()
-        try:
-            code, seconds = run_try([*base, *levers, "--out", str(out / name)], log, args.box)
-        except KeyboardInterrupt:   # (the try ended with this run: listed, its log kept)
-            rows.append({"try": name, "exit": "ended by a signal", "seconds": round(time.time() - t0, 1),
-                         "out_of_memory": False})
-            summarize(args, out, folder, rows)
-            raise
-        oom = "out of memory" in log.read_text().lower()
-        rows.append({"try": name, "exit": code, "seconds": round(seconds, 1), "out_of_memory": oom})
-        print(f"gpu-train: {name}: exit {code} in {seconds:.0f} s{' (out of memory)' if oom else ''}; log {log}",
-              flush=True)
-        if code == 0 or not oom:
-            break
+    for mesh, flags, batch, prefix in meshes(max(1, ranks), spec["batch"]):
+        for name, levers in (("compile", ["--compile"]), ("compile+recompute", ["--compile", "--recompute"])):
+            log, t0 = out / f"{prefix}{name}.log", time.time()
+            row = {"mesh": mesh, "try": name, "folder": prefix + name}
+            try:
+                code, seconds = run_try([*base, *flags, "--batch-size", str(batch), *levers, "--out",
+                                         str(out / row["folder"])], log, args.box)
+            except KeyboardInterrupt:   # (the try ended with this run: listed, its log kept)
+                rows.append({**row, "exit": "ended by a signal", "seconds": round(time.time() - t0, 1),
+                             "out_of_memory": False})
+                summarize(args, out, folder, rows)
+                raise
+            oom = "out of memory" in log.read_text().lower()
+            rows.append({**row, "exit": code, "seconds": round(seconds, 1), "out_of_memory": oom})
+            print(f"gpu-train: {mesh}, {name}: exit {code} in {seconds:.0f} s{' (out of memory)' if oom else ''}; "
+                  f"log {log}", flush=True)
+            if code == 0 or not oom:
+                break
     return summarize(args, out, folder, rows)
 
 
 def summarize(args, out: Path, folder: Path, rows: list) -> int:
-    """<out>/SUMMARY.md and .json: each try's row, then the tables of the one that ran
-    (exit status 0), if any (else 1)."""
-    table = next(((out / r["try"] / "13_train_bench.md") for r in rows if r["exit"] == 0), None)
-    profile = table.with_name("13_train_profile.md") if table else None
-    lines = ["# make gpu-train", "", f"Model: {folder} ({args.size}); 13's --bench, one rank, bf16 autocast.", "",
-             "| try | exit | seconds | out of memory |", "|---|---|---|---|"]
-    lines += [f"| {r['try']} | {r['exit']} | {r['seconds']} | {r['out_of_memory']} |" for r in rows]
-    lines += ["", table.read_text() if table else "No try ran to its table: see each log."]
-    lines += ["", profile.read_text()] if profile and profile.exists() else []
+    """<out>/SUMMARY.md and .json: each try's row, then for each mesh the tables of its try
+    that ran (exit status 0). Exit status 0 where every mesh has them, else 1."""
+    lines = ["# make gpu-train", "", f"Model: {folder} ({args.size}); 13's --bench, bf16 autocast.", "",
+             "| mesh | try | exit | seconds | out of memory |", "|---|---|---|---|---|"]
+    lines += [f"| {r['mesh']} | {r['try']} | {r['exit']} | {r['seconds']} | {r['out_of_memory']} |" for r in rows]
+    ran = True
+    for mesh in dict.fromkeys(r["mesh"] for r in rows):
+        table = next((out / r["folder"] / "13_train_bench.md" for r in rows if r["mesh"] == mesh and r["exit"] == 0),
+                     None)
+        ran = ran and table is not None
+        profile = table.with_name("13_train_profile.md") if table else None
+        lines += ["", f"## {mesh}", "", table.read_text() if table else "No try ran to its table: see each log."]
+        lines += ["", profile.read_text()] if profile and profile.exists() else []
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     (out / "SUMMARY.json").write_text(json.dumps({"rows": rows, "size": args.size, "device": args.device}, indent=1))
     print(f"gpu-train: wrote {out / 'SUMMARY.md'}", flush=True)
-    return 0 if table else 1
+    return 0 if ran and rows else 1
 
 
 if __name__ == "__main__":
