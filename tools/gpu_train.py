@@ -20,10 +20,11 @@ over all of them, then on tp 2 inside dp over the rest, each data rank with one 
 
 Every try is time-boxed (--box seconds) and keeps its log; <out>/SUMMARY.md lists each try's
 mesh, command, exit status and seconds, and for each mesh the tables of its try that ran
-(13_train_bench.md and 13_train_profile.md beside it). The model (4.4 GB at 1b), the text, its token cache and the
-run folder go to --work, out of <out>, which stays small enough to carry back whole; with
---archive, <out> is packed into that one file every 15 s and at the end (a lease's call cut
-short still brings back what had finished). Exit status 1 where a mesh has no table.
+(13_train_bench.md and 13_train_profile.md beside it). The model (4.4 GB at 1b), the text,
+its token cache and the run folder go to --work, out of <out>, which stays small enough to
+carry back whole; with --archive, <out> is packed into that one file every 15 s and at the
+end (a lease's call cut short still brings back what had finished). Exit status 1 where a
+mesh has no table.
 """
 from __future__ import annotations
 
