@@ -21,7 +21,7 @@ Run:
     python 14_fault_tolerant_dp.py                     # verify under failures, then time (make 14)
     python 14_fault_tolerant_dp.py --replicas 4 --inner ddp --no-bench
     python 14_fault_tolerant_dp.py --coordinator --port 29510 --run-dir R   # alone; then one torchrun job a replica:
-    torchrun --nproc-per-node 2 14_fault_tolerant_dp.py --join HOST:29510 --replica-id 0 --steps 200 --run-dir R
+    torchrun --standalone --nproc-per-node 2 14_fault_tolerant_dp.py --join HOST:29510 --replica-id 0 --run-dir R
     python 14_fault_tolerant_dp.py --replay R       # the run's committed steps in one process, against its weights
 
 The verification trains --replicas replicas of --replica-ranks ranks through a scenario of
@@ -1535,7 +1535,10 @@ BENCH_WARM = 5
 
 def ddp_steps(ctx, args, steps):
     """torch DDP over the same ranks (one a replica), the same model and batches: each
-    step's seconds on rank 0 (forward, backward with its all-reduce, clip, AdamW)."""
+    step's seconds on rank 0 (forward, backward with its all-reduce, clip, AdamW). Its
+    group is gloo, as ours is across replicas (so the ratio is the quorum's cost, not a
+    transport's), whatever --backend the replicas use inside: n NCCL ranks would also
+    need n GPUs, where n replicas of one rank share one."""
     model = torch.nn.parallel.DistributedDataParallel(
         common.build_lm(args.model_size, args.context_length, ctx.device, args.seed))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -1841,13 +1844,16 @@ def benchmark(args):
     rows, settings = [], {"model_size": args.model_size, "context_length": args.context_length,
                           "batch_size": args.batch_size, "detect_s": args.detect, "bench_steps": args.bench_steps,
                           "backend": "gloo", "device": args.device, "world_size": list(args.bench_replicas)}
-    missing = torchft_missing()
+    missing = torchft_missing() or (None if args.device == "cpu" else
+                                    "its replicas here run on the CPU (its heal sends tensors point to point over "
+                                    "gloo, which takes no CUDA tensors): beside ours on the GPU they would time "
+                                    "another device")
     if missing:
         print(f"benchmark: SKIP torchft's Manager: {missing}; ours and torch DDP only", flush=True)
     fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0})   # (one rank a replica: --inner unused)
     for n in args.bench_replicas:
         run = run_scenario(fast, n, 1, bench_phases(n, args.bench_steps), deadline=args.deadline)
-        ddp = common.launch(ddp_steps, fast, BENCH_WARM + args.bench_steps, world_size=n)
+        ddp = common.launch(ddp_steps, fast, BENCH_WARM + args.bench_steps, world_size=n, backend="gloo")
         rows.append(bench_row(args, n, run, statistics.median(ddp[BENCH_WARM:]) * 1000))
         if not missing:
             rows[-1].update(torchft_run(fast, n, args.bench_steps))

@@ -512,6 +512,38 @@ def test_nccl_replicas_share_one_gpu_where_each_is_one_rank(monkeypatch):
         check("--replicas", "3", "--replica-ranks", "2")
 
 
+def test_the_benchmark_on_one_gpu_times_torch_ddp_over_gloo_as_ours_and_leaves_torchft_out(monkeypatch, tmp_path,
+                                                                                              capsys):
+    """On one GPU, `--backend nccl`'s benchmark (replicas of one NCCL rank each, sharing it)
+    times torch DDP over gloo, the transport ours uses across replicas: before, its job of
+    2 NCCL ranks was refused on 1 GPU, after the whole verification had run. torchft's
+    replicas run on the CPU, so beside ours on a GPU they get a SKIP line, not a row that
+    times another device. (The replicas' run and the DDP job are played here; each job
+    still meets launch's own refusal of more NCCL ranks than GPUs.)"""
+    monkeypatch.setattr(common, "gpu_count", lambda: 1)
+    jobs = []
+
+    def launch(worker, args, *job, world_size=None, backend=None, **kw):
+        backend = backend or args.backend
+        if not common.nccl_fits(backend, world_size):
+            raise common.UsageError(f"a job of {world_size} NCCL ranks on 1 GPU(s)")
+        jobs.append((worker.__name__, world_size, backend))
+        return [0.01] * (ft.BENCH_WARM + args.bench_steps)
+    monkeypatch.setattr(common, "launch", launch)
+    monkeypatch.setattr(ft, "run_scenario", lambda args, n, ranks, phases, deadline: {"replicas": n, "ranks": ranks})
+    monkeypatch.setattr(ft, "bench_row", lambda args, n, run, ddp: {"replicas": n, "torch_ddp_step_ms": ddp})
+    monkeypatch.setattr(ft, "torchft_missing", lambda: None)   # as if installed: it must still be left out
+    monkeypatch.setattr(ft, "torchft_run", lambda *a: pytest.fail("torchft timed beside ours on the GPU"))
+    args = ft.parser().parse_args(["--backend", "nccl", "--device", "cuda", "--no-verify", "--bench-replicas", "2",
+                                   "3", "--bench-steps", "2", "--out", str(tmp_path)])
+    ft.benchmark(args)
+    assert jobs == [("ddp_steps", 2, "gloo"), ("ddp_steps", 3, "gloo")]
+    out = capsys.readouterr().out
+    assert "SKIP torchft's Manager: its replicas here run on the CPU" in out
+    rows = json.loads((tmp_path / "14_fault_tolerant_dp.json").read_text())["rows"]
+    assert [(r["replicas"], r["torch_ddp_step_ms"]) for r in rows] == [(2, 10.0), (3, 10.0)]
+
+
 def test_a_run_past_its_deadline_ends_with_each_replicas_log(monkeypatch):
     """make gpu-check's 14 jobs pass --deadline below their box: a run that cannot finish
     (its replicas here started as log files only, never stepping) ends itself, naming the

@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,34 +135,52 @@ def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
 def test_14s_smoke_jobs_start_first_and_end_inside_the_box_the_budget_leaves(tmp_path):
     """14's runs must end themselves (printing their replicas' logs) before their box kills
     them: they start first, and their --deadline follows the box each one really gets where
-    the budget left is shorter than the box (the H200 at 159e69d: 80 s left, deadline 160)."""
+    the budget left is shorter than the box (the H200 at 159e69d: 80 s left, deadline 160).
+    Its benchmark's job (2 replicas of one NCCL rank) puts its step, its kill -9 to the next
+    commit and its heal into the measured table (issue 85: 14's numbers on the device)."""
     import importlib.util
     import types
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     jobs = check.smoke_jobs(["05", "07", "14"], "cpu", "gloo", "nano")
-    assert [name for name, _ in jobs[:2]] == ["14_fault_tolerant_dp.gloo_1rank", "14_fault_tolerant_dp.gloo_2ranks"]
-    seen = []
+    assert [name for name, _ in jobs[:3]] == ["14_fault_tolerant_dp.gloo_1rank", "14_fault_tolerant_dp.gloo_2ranks",
+                                              "14_fault_tolerant_dp.bench"]
+    seen, rows = [], []
 
     class Run:   # what part_smoke needs of a check: 50 s of budget left, each job's command and box noted
         args = types.SimpleNamespace(parts=["smoke"], device="cuda", nccl="nccl", size="nano", box=200.0, jobs=1,
                                      python="python")
-        out = tmp_path
+        out, lock, measured, read_measured = tmp_path, threading.Lock(), [], check.Check.read_measured
 
         def left(self):
             return 50.0
 
         def run(self, cmd, log, box, env=None):
             seen.append((cmd, box))
+            if "--bench-replicas" in cmd:   # (the table 14's benchmark writes)
+                out = Path(cmd[cmd.index("--out") + 1])
+                out.mkdir(parents=True)
+                (out / "14_fault_tolerant_dp.json").write_text(json.dumps({"rows": [
+                    {"replicas": 2, "ours_step_ms": 68.24, "torch_ddp_step_ms": 73.35, "vs_ddp": 0.93,
+                     "kill_to_commit_s": 0.119, "heal_s": 0.1222, "heal_MB": 16.57, "rejoin_to_commit_s": 0.249}]}))
             return 0, 0.0
 
         def add(self, *row):
-            pass
-    check.part_smoke(Run(), ["14"])
-    assert len(seen) == 2
+            rows.append(row)
+    run = Run()
+    check.part_smoke(run, ["14"])
+    assert len(seen) == 3
     for cmd, box in seen:
         assert box == 50.0 and cmd[cmd.index("--deadline") + 1] == "40"
+    bench = next(cmd for cmd, _ in seen if "--bench-replicas" in cmd)
+    assert bench[bench.index("--backend") + 1] == "nccl" and "--no-verify" in bench and "--no-bench" not in bench
+    assert sorted(r[2] for r in rows) == ["MEASURED", "PASS", "PASS"]
+    assert [(m["measurement"], m["ours"], m["torch"]) for m in run.measured] == [
+        ("14 step with every replica in (the quorum's cost)", "68.2 ms", "73.3 ms (torch DDP over gloo)"),
+        ("14 from a kill -9 to the next committed step", "0.119 s", "(torchft not run)"),
+        ("14 the replacement's heal from a live peer", "122 ms", "(torchft not run)")]
+    assert "16.6 MB; from its hello to its first committed step 0.249 s" in run.measured[2]["detail"]
 
 
 def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):

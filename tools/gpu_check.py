@@ -15,7 +15,9 @@ Three parts, in this order (the most wanted first: a cut run keeps what finished
    into its bucket), 07's FSDP beside FSDP2 (step and peak memory), 12's experts grouped
    beside one call each, in bf16.
 3. smoke: every numbered script's smoke jobs (verification and two timed steps at a small
-   size; NCCL at 1 rank, gloo over CUDA tensors at 2), --jobs at once, each time-boxed.
+   size; NCCL at 1 rank, gloo over CUDA tensors at 2), --jobs at once, each time-boxed;
+   and 14's benchmark at 2 replicas (its kill -9 to the next commit, its heal: into the
+   measured table, noted as run beside the other jobs).
 
 <out>/SUMMARY.md (and SUMMARY.json) is rewritten after every row: the part, the job, its
 verdict, its seconds and what it measured; each job's log lies beside it. No job starts
@@ -96,7 +98,11 @@ def smoke_jobs(scripts, dev, nccl, size, box=200.0) -> list:
         "14": [(f"{nccl}_1rank", ["--backend", nccl, "--device", dev, "--model-size", size or "small",
                                   "--replica-ranks", "1", "--overlap", "on", "--no-bench", *deadline]),
                ("gloo_2ranks", ["--backend", "gloo", "--device", dev, "--model-size", size or "small", "--no-bench",
-                                *deadline])],
+                                *deadline]),
+               # its benchmark at 2 replicas of one rank (the kill -9, the heal: read into the measured
+               # table, SMOKE_READS); beside the other smoke jobs, where it costs the check no time
+               ("bench", ["--backend", nccl, "--device", dev, "--model-size", size or "small", "--no-verify",
+                          "--bench-replicas", "2", "--bench-steps", "10", *deadline])],
     }
     jobs = [(f"{script(n)[:-3]}.{setting}", [script(n), *argv]) for n in scripts
             for setting, argv in per.get(n, [(f"{nccl}_1rank", one), ("gloo_2ranks", two)])]
@@ -164,11 +170,31 @@ def read_07(folder: Path) -> list:
     return out
 
 
+def read_14(folder: Path) -> list:
+    r = _rows(folder, "14_fault_tolerant_dp")[0]
+    ft = "torchft_step_ms" in r
+    where = f"{r['replicas']} replicas of 1 rank, beside the other smoke jobs"
+    return [{"measurement": "14 step with every replica in (the quorum's cost)", "ours": f"{r['ours_step_ms']:.1f} ms",
+             "torch": f"{r['torch_ddp_step_ms']:.1f} ms (torch DDP over gloo)", "ratio": f"{r['vs_ddp']:.3f}",
+             "detail": where},
+            {"measurement": "14 from a kill -9 to the next committed step", "ours": f"{r['kill_to_commit_s']:.3f} s",
+             "torch": f"{r['torchft_kill_to_commit_s']:.3f} s (torchft)" if ft else "(torchft not run)",
+             "ratio": "", "detail": where},
+            {"measurement": "14 the replacement's heal from a live peer", "ours": f"{r['heal_s'] * 1000:.0f} ms",
+             "torch": f"{r['torchft_heal_s'] * 1000:.0f} ms (torchft)" if ft and r.get("torchft_heal_s") is not None
+             else "(torchft not run)", "ratio": "",
+             "detail": f"{r['heal_MB']:.1f} MB; from its hello to its first committed step {r['rejoin_to_commit_s']:.3f} s"}]
+
+
 def read_12(folder: Path) -> list:
     return [{"measurement": f"12 one MoE layer, {r['experts']} experts, top-{r['top_k']}, bf16",
              "ours": f"{r['grouped_ms']:.2f} ms (grouped)", "torch": f"{r['loop_ms']:.2f} ms (one call each)",
              "ratio": f"{r['loop_over_grouped']:.2f} (loop / grouped)", "detail": f"kernel {r['grouped_kernel']}"}
             for r in _rows(folder, "12_grouped")]
+
+
+# smoke jobs whose tables go into the measured table too
+SMOKE_READS = {"14_fault_tolerant_dp.bench": read_14}
 
 
 # ----------------------------------------------------------------------------------------
@@ -203,6 +229,16 @@ class Check:
             self.rows.append({"part": part, "job": job, "verdict": verdict, "seconds": round(seconds, 1),
                               "detail": detail})
             self.write()
+
+    def read_measured(self, read, folder: Path) -> tuple:
+        """A job's table into the measured one: (verdict, detail) of its row."""
+        try:
+            got = read(folder)
+        except (OSError, KeyError, IndexError, ValueError) as e:
+            return "FAIL", f"no table to read: {type(e).__name__}: {e}"
+        with self.lock:
+            self.measured += got
+        return "MEASURED", "; ".join(f"{m['measurement']}: {m['ratio'] or m['ours']}" for m in got)
 
     def write(self):
         order = {p: i for i, p in enumerate(PARTS)}
@@ -422,13 +458,7 @@ def part_measure(check: Check, scripts):
         code, seconds = check.run([check.args.python, *cmd, "--out", str(out)], folder / f"{stem}.log", box)
         v, why = verdict(code, box)
         if code == 0:
-            try:
-                got = read(out)
-                check.measured += got
-                why = "; ".join(f"{m['measurement']}: {m['ratio']}" for m in got)
-                v = "MEASURED"
-            except (OSError, KeyError, IndexError, ValueError) as e:
-                v, why = "FAIL", f"no table to read: {type(e).__name__}: {e}"
+            v, why = check.read_measured(read, out)
         check.add("measure", name, v, seconds, why)
 
 
@@ -449,6 +479,8 @@ def part_smoke(check: Check, scripts):
         code, seconds = check.run([check.args.python, *deadline_within(cmd, box), "--out", str(folder / name)],
                                   folder / f"{name}.log", box, env)
         v, why = verdict(code, box)
+        if code == 0 and name in SMOKE_READS:
+            v, why = check.read_measured(SMOKE_READS[name], folder / name)
         check.add("smoke", name, v, seconds, why)
     pool = ThreadPoolExecutor(max_workers=check.args.jobs)
     try:
