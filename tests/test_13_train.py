@@ -105,7 +105,8 @@ def test_a_run_killed_by_kill_9_resumes_to_the_weights_of_one_never_killed(tiny,
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = run_inline("13_train.py", *args, "--run-dir", str(tmp_path / "killed"), "--fault-at", "4:1")
     assert killed.returncode != 0 and "rank 1 died (signal 9)" in killed.stderr, killed.stderr[-2000:]
-    again = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "13_train.py",
+    again = run_script("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                       "13_train.py",
                        *args, "--run-dir", str(tmp_path / "killed"), "--checkpoint-every", "1", "--checkpoint-async",
                        "--fault-at", "5:1", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -466,7 +467,8 @@ def test_replicas_under_torchrun_a_job_killed_whole_comes_back_healed_and_the_ru
              str(tmp_path / "out")]
 
     def replica(r):
-        return start("-m", "torch.distributed.run", "--nproc-per-node", "2", "13_train.py", *flags, "--join", address,
+        return start("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "13_train.py", *flags,
+                     "--join", address,
                      "--replica-id", str(r), tag=tag, start_new_session=True)
 
     def reached(pred, within=120.0):

@@ -388,7 +388,8 @@ def test_torchrun_replicas_driven_from_outside_take_over_end_in_one_line_resume_
     args = ["--detect", "2", "--run-dir", str(run), "--pace-ms", "250", "--log-every", "5"]
 
     def replica(r, steps, *extra, ranks=2):
-        return start("-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "14_fault_tolerant_dp.py", "--join",
+        return start("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                     "14_fault_tolerant_dp.py", "--join",
                      address, "--replica-id", str(r), "--steps", str(steps), *args, *extra, tag=tag,
                      start_new_session=True)
     try:
