@@ -173,11 +173,12 @@ def write_tiny_model(folder: Path, text: str, context: int, seed: int = 0, tied:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def data_cache(first: Path, model: Path, run_dir: Path) -> Path:
+def data_cache(first: dict, model: Path, run_dir: Path) -> Path:
     """Where the prepared corpus goes by default: a 13_data folder beside the first source
-    (a file's folder, a folder's parent), unless that is inside the model's folder or cannot
-    be written: then beside --run-dir."""
-    home = first.parent
+    (corpus.parse_sources' dict: a file's folder, a folder's parent, never inside a datasets
+    folder among its splits), unless that is inside the model's folder or cannot be written:
+    then beside --run-dir."""
+    home = Path(first["path"]).parent
     inside = model.resolve() == home.resolve() or model.resolve() in home.resolve().parents
     return run_dir.parent / "13_data" if inside or not os.access(home, os.W_OK) else home / "13_data"
 
@@ -1520,13 +1521,15 @@ def check(args):
         corpus.check_sources(sources)
     except corpus.CorpusError as e:
         raise common.UsageError(str(e)) from None
+    args.data_label = ", ".join(d + (f" (its {s['split']} split)" if s.get("split") else "")
+                                for d, s in zip(args.data, sources))
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     meta = build_on_meta(model)   # (meta: no memory)
     args.n_params = sum(p.numel() for p in meta.parameters())
     args.flops_per_token = train_flops_per_token(meta, args.context_length)
     del meta
-    cache = Path(args.data_cache) if args.data_cache else data_cache(Path(sources[0]["path"]), model, run_dir)
+    cache = Path(args.data_cache) if args.data_cache else data_cache(sources[0], model, run_dir)
     say = (lambda line: print(line, flush=True)) if common.is_reporter() else (lambda line: None)
     try:   # (every core, once; under torchrun every rank asks, one prepares, the others wait for it)
         args.corpus = corpus.prepare(sources, str(model), str(cache), say=say)
@@ -1661,7 +1664,7 @@ def main(argv=None):
         ranks = (f"{args.replicas} replicas of {args.world_size} rank(s), " if args.replicas > 1
                  else f"{args.world_size} x ")
         print(f"{args.model} on {mesh_label(sizes, args.ep)} ({ranks}{args.backend}/{args.device}): "
-              f"{', '.join(args.data)}: {reader.tokens:,} tokens, {train_n:,} to train on, {held_n:,} held out "
+              f"{args.data_label}: {reader.tokens:,} tokens, {train_n:,} to train on, {held_n:,} held out "
               f"({args.eval_batches} evaluation batches of {args.batch_size} x {args.context_length})", flush=True)
     if common.is_reporter() and getattr(args, "resume_from", None):
         print(args.resume_from, flush=True)

@@ -12,7 +12,8 @@ rows at a time.
 Inputs (each a file or a folder of them): text (.txt, .md, .rst, .py, ... any UTF-8 file: each
 file a document), JSON lines (.jsonl, .json: each line's ``text_field`` a document), Parquet
 (.parquet: each row's ``text_field``), and a folder ``datasets``' save_to_disk wrote (its arrow
-files: each row's ``text_field``); several mixed by weight. Documents are kept apart by the
+files: each row's ``text_field``; of a folder of several splits, a DatasetDict or datasets'
+cache of a loaded dataset: its train split, or its only one); several mixed by weight. Documents are kept apart by the
 tokenizer's end-of-text token after each.
 
 Preparation (prepare): the sources are cut into work units of about UNIT_BYTES (a text or
@@ -42,6 +43,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -69,8 +71,10 @@ def parse_sources(specs, text_field="text") -> list:
     """``--data PATH[:WEIGHT]`` values -> [{"path", "weight", "files": [(kind, path)], "field"}].
     A folder takes the files under it (sorted; hidden ones and token caches aside) of the
     kinds above, or the arrow files of a ``datasets`` folder (dataset_info.json or
-    state.json beside them). CorpusError: a missing path, a folder with nothing readable, a
-    weight that is not a positive number, weights that sum to nothing."""
+    state.json beside them; of a folder of several splits, the train split's: _split_of,
+    "split" naming it). CorpusError: a missing
+    path, a folder with nothing readable, a weight that is not a positive number, weights
+    that sum to nothing."""
     out = []
     for spec in specs:
         path, weight = spec, 1.0
@@ -85,23 +89,76 @@ def parse_sources(specs, text_field="text") -> list:
         p = Path(path)
         if not p.exists():
             raise CorpusError(f"--data {path}: no such file or folder")
+        split = _split_of(p)
         files = _files_of(p)
         if not files:
             raise CorpusError(f"--data {path}: a folder with no file to read (text, .jsonl, .parquet, or a "
                               f"datasets folder's .arrow files)")
-        out.append({"path": str(p.resolve()), "weight": weight, "files": files, "field": text_field})
+        out.append({"path": str(p.resolve()), "weight": weight, "files": files, "field": text_field,
+                    **({"split": split} if split else {})})
     if not out:
         raise CorpusError("--data: give a text file, a folder of them, JSON lines, Parquet or a datasets folder")
     return out
 
 
+DATASETS_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")   # a datasets folder's metadata
+
+
+def _split_of(p: Path) -> str | None:
+    """The split a datasets folder of several is read for: "train", or its only one; None
+    for any other input. Two layouts hold several: a DatasetDict as ``load_dataset(...)
+    .save_to_disk`` writes it (dataset_dict.json beside a folder a split) and datasets' own
+    cache of a loaded dataset (dataset_info.json naming its splits, NAME-SPLIT.arrow files
+    beside it). Any other choice is the user's: CorpusError naming the splits."""
+    if (p / DATASETS_FILES[2]).is_file():
+        meta, where = p / DATASETS_FILES[2], "folder"
+    elif (p / DATASETS_FILES[0]).is_file() and not (p / DATASETS_FILES[1]).exists():
+        meta, where = p / DATASETS_FILES[0], "arrow file"
+    else:
+        return None
+    try:
+        splits = list(json.loads(meta.read_text()).get("splits") or [])
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise CorpusError(f"--data {meta}: not a datasets file that lists its splits ({type(e).__name__}: {e})") \
+            from None
+    if len(splits) < 2 and meta.name == DATASETS_FILES[0]:
+        return None   # (one split, or none named: every arrow file of the folder)
+    if not splits:
+        raise CorpusError(f"--data {p}: its {meta.name} lists no splits")
+    pick = "train" if "train" in splits else splits[0] if len(splits) == 1 else None
+    if pick is None:
+        one = p / splits[0] if meta.name == DATASETS_FILES[2] else next(p.glob(f"*-{splits[0]}*.arrow"), p)
+        raise CorpusError(f"--data {p}: a datasets folder with the splits {', '.join(splits) or 'none'} and none "
+                          f"named train: give one split's {where} (--data {one})")
+    return pick
+
+
+def _split_files(p: Path, split: str) -> list:
+    """The arrow files of ``split`` in a datasets folder of several (_split_of)."""
+    if (p / DATASETS_FILES[2]).is_file():
+        if not (p / split).is_dir():
+            raise CorpusError(f"--data {p}: its split {split!r} has no folder ({p / split})")
+        return _files_of(p / split)
+    mine = re.compile(rf"-{re.escape(split)}(-\d+-of-\d+)?\.arrow$")
+    return [("arrow", str(f.resolve())) for f in sorted(p.glob("*.arrow")) if mine.search(f.name)]
+
+
 def _files_of(p: Path) -> list:
+    if p.is_file() and p.name in DATASETS_FILES and (p.name == DATASETS_FILES[2] or any(p.parent.glob("*.arrow"))):
+        raise CorpusError(f"--data {p}: the metadata of a datasets folder, not text: give the folder ({p.parent})")
     if p.is_file():
         return [(KINDS.get(p.suffix.lower(), "text"), str(p.resolve()))]
-    if (p / "dataset_info.json").exists() or (p / "state.json").exists():   # datasets' save_to_disk
+    split = _split_of(p)
+    if split:   # (a DatasetDict, or datasets' cache of several splits: the one split's files)
+        return _split_files(p, split)
+    if any((p / n).exists() for n in DATASETS_FILES[:2]):   # datasets' save_to_disk of one Dataset
         return [("arrow", str(f.resolve())) for f in sorted(p.glob("*.arrow"))]
     found = []
     for root, dirs, names in os.walk(p):
+        if Path(root) != p and any((Path(root) / n).exists() for n in DATASETS_FILES):
+            found += _files_of(Path(root))   # a datasets folder inside: its rows, never its .json metadata
+            dirs[:] = []
+            continue
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for n in sorted(names):
             f = Path(root) / n
@@ -373,7 +430,8 @@ def corpus_folder(sources, model, cache) -> Path:
         for kind, f in s["files"]:
             st = os.stat(f)
             h.update(f"{kind}:{f}:{st.st_size}:{st.st_mtime_ns}".encode())
-    stem = Path(sources[0]["path"]).name + (f"+{len(sources) - 1}" if len(sources) > 1 else "")
+    stem = Path(sources[0]["path"]).name + (f".{sources[0]['split']}" if sources[0].get("split") else "") + \
+        (f"+{len(sources) - 1}" if len(sources) > 1 else "")
     return Path(cache) / f"{stem}-{h.hexdigest()[:12]}"
 
 

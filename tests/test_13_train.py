@@ -184,8 +184,11 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
     train = load("13_train")   # a text inside the model's folder: its tokens kept beside --run-dir, not in it
     inside = tmp_path / "folder"
     inside.mkdir()
-    assert train.data_cache(inside / "notes.txt", inside, tmp_path / "runs" / "run") == tmp_path / "runs" / "13_data"
-    assert train.data_cache(tmp_path / "notes.txt", inside, tmp_path / "runs" / "run") == tmp_path / "13_data"
+    run = tmp_path / "runs" / "run"
+    assert train.data_cache({"path": str(inside / "notes.txt")}, inside, run) == tmp_path / "runs" / "13_data"
+    assert train.data_cache({"path": str(tmp_path / "notes.txt")}, inside, run) == tmp_path / "13_data"
+    # a DatasetDict's train split: beside the DatasetDict, not inside it among its splits
+    assert train.data_cache({"path": str(tmp_path / "dd"), "split": "train"}, inside, run) == tmp_path / "13_data"
     assert "--tp 3 does not divide the model's 4 attention heads" in refused("13_train.py", "--model", model, "--data",
                                                                              text, "--tp", "3")
     assert "--pp 8 x --chunks 1 stages for the model's 4 layers" in refused("13_train.py", "--model", model, "--data",

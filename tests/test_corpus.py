@@ -50,6 +50,19 @@ def stream(index, source=0) -> list:
             for t in np.fromfile(Path(index).parent / f"{u['unit']}.bin", dtype=meta["dtype"])]
 
 
+def write_dataset(ds: Path, docs) -> Path:
+    """The layout datasets' save_to_disk writes for one Dataset (checked by hand with datasets
+    3.6 and 5.2): its arrow file (a stream), dataset_info.json and state.json."""
+    import pyarrow as pa
+    table = pa.table({"id": list(range(len(docs))), "body": list(docs)})
+    ds.mkdir(parents=True)
+    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table, max_chunksize=100)
+    (ds / "dataset_info.json").write_text("{}")
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return ds
+
+
 def write_sources(root: Path) -> dict:
     """The same documents as each kind of input."""
     import pyarrow as pa
@@ -63,12 +76,7 @@ def write_sources(root: Path) -> dict:
     (root / "docs.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
     table = pa.table({"id": list(range(len(DOCS))), "body": DOCS})
     pq.write_table(table, root / "docs.parquet", row_group_size=150)
-    ds = root / "dataset"   # the layout datasets' save_to_disk writes (checked by hand with datasets 3.6)
-    ds.mkdir()
-    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
-        w.write_table(table, max_chunksize=100)
-    (ds / "dataset_info.json").write_text("{}")
-    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    ds = write_dataset(root / "dataset", DOCS)
     return {"text": root / "one.txt", "folder": folder, "jsonl": root / "docs.jsonl",
             "parquet": root / "docs.parquet", "dataset": ds}
 
@@ -83,6 +91,53 @@ def test_every_kind_of_input_is_the_tokenizers_own_tokens_with_documents_kept_ap
         index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
         assert stream(index) == want[kind], kind
         assert json.loads(Path(index).read_text())["dtype"] == "uint16"   # a vocabulary of 512
+
+
+def test_a_datasets_folder_of_several_splits_trains_on_train_and_no_metadata_is_read_as_text(model, tmp_path):
+    """What ``load_dataset(...).save_to_disk(path)`` writes, a DatasetDict (dataset_dict.json
+    beside a folder a split), and datasets' own cache of a loaded dataset (dataset_info.json
+    naming its splits beside NAME-SPLIT.arrow files; both layouts checked by hand with
+    datasets 5.2) are their train split's rows, the source saying so ("split"); before, a
+    DatasetDict's .json metadata were read as JSON lines and the folder refused ("line 1 has
+    no text field"), and the cache's splits were all read, its test split trained on. Inside
+    a folder of other files, the same: its rows, never its metadata. With no split named
+    train, its only one; with several, a line naming them."""
+    dd = tmp_path / "mixed" / "dd"
+    write_dataset(dd / "train", DOCS[:6])
+    write_dataset(dd / "test", DOCS[6:8])
+    (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    mixed = dd.parent
+    (mixed / "notes.txt").write_text(DOCS[9])
+    (mixed / "meta.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS[10:12]))
+    cached = tmp_path / "cached"   # datasets' cache: every split's arrow file in one folder
+    for split, docs in (("train", DOCS[12:15]), ("test", DOCS[15:16])):
+        write_dataset(tmp_path / split, docs)
+        (tmp_path / split / "data-00000-of-00001.arrow").rename(tmp_path / f"json-{split}.arrow")
+    cached.mkdir()
+    for split in ("train", "test"):
+        (tmp_path / f"json-{split}.arrow").rename(cached / f"json-{split}.arrow")
+    (cached / "dataset_info.json").write_text(json.dumps({"splits": {s: {"name": s} for s in ("train", "test")}}))
+    for path, docs, split in ((dd, DOCS[:6], "train"), (cached, DOCS[12:15], "train"),
+                              (mixed, [*DOCS[10:12], DOCS[9], *DOCS[:6]], None)):   # (walked: files, then folders)
+        sources = corpus.parse_sources([str(path)], text_field="body")
+        corpus.check_sources(sources)
+        assert sources[0]["path"] == str(path.resolve()) and sources[0].get("split") == split
+        assert not [f for _, f in sources[0]["files"] if f.endswith((".json", "json-test.arrow")) or "/dd/test/" in f]
+        index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
+        assert stream(index) == joined(model, docs), path
+        assert Path(index).parent.name.startswith(f"{path.name}.train-" if split else "mixed-")
+    for meta in ("dd/dataset_dict.json", "dd/train/state.json"):   # (a metadata file given instead of its folder)
+        with pytest.raises(corpus.CorpusError, match="the metadata of a datasets folder, not text: give the folder"):
+            corpus.parse_sources([str(mixed / meta)], "body")
+    only = tmp_path / "only"
+    write_dataset(only / "validation", DOCS[:3])
+    (only / "dataset_dict.json").write_text(json.dumps({"splits": ["validation"]}))
+    assert corpus.parse_sources([str(only)], "body")[0]["split"] == "validation"
+    write_dataset(only / "test", DOCS[3:4])
+    (only / "dataset_dict.json").write_text(json.dumps({"splits": ["validation", "test"]}))
+    with pytest.raises(corpus.CorpusError, match=r"a datasets folder with the splits validation, test and none named "
+                                                 r"train: give one split's folder \(--data .*only/validation\)"):
+        corpus.parse_sources([str(only)], "body")
 
 
 def test_a_batch_depends_on_the_step_alone_and_each_data_rank_reads_only_its_rows(model, tmp_path):
