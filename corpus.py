@@ -17,17 +17,18 @@ cache of a loaded dataset: its train split, or its only one); several mixed by w
 tokenizer's end-of-text token after each.
 
 Preparation (prepare): the sources are cut into work units of about UNIT_BYTES (a text or
-JSON-lines file at line ends, a Parquet file by row groups, an arrow file whole; small files
-together), tokenized by a pool of processes (by default one per two cores, each its
-tokenizer's batch encoding on its two; fewer than POOL_UNITS units, or one process, in this
-process, the batch encoding's own threads on every core),
-each unit written as
-one memory-mappable shard (uint16 where the vocabulary fits, else uint32) by atomic rename,
+JSON-lines file at line ends, a Parquet file by row groups, an arrow file by record
+batches; small files together), tokenized by a pool of processes (by default one per two
+cores, each its tokenizer's batch encoding on its two; fewer than POOL_UNITS units, or one
+process, in this process, the batch encoding's own threads on every core), each unit
+written as one memory-mappable shard (uint16 where the vocabulary fits, else uint32) by atomic rename,
 with its size and a digest in a sidecar; the index (index.json) last. A killed preparation
 continues where it stopped (the units done are kept); two preparations of the same corpus
 never run at once (a lock file: the second waits, then finds it done). Memory stays bounded
-whatever the corpus: a process holds one unit. The folder is named by the tokenizer's files
-and the sources (paths, sizes, times) and the text field.
+whatever the corpus and its files: a process holds one tokenizer call's text (CALL_CHARS;
+a unit's rows read ROWS_READ at a time, its tokens written as each call returns). The
+folder is named by the tokenizer's files and the sources (paths, sizes, times) and the
+text field.
 
 Reading (Reader): each source's tokens are its shards end to end; its last HELD_FRACTION is
 held out, cut at a document's end (whole documents; a source with no document ends inside
@@ -56,7 +57,8 @@ POOL_UNITS = 4             # fewer units to prepare: in this process (measured: 
 CALL_CHARS = 256 << 10     # text a tokenizer call takes (a call's memory grows with its longest text:
 PART_CHARS = 32 << 10      # ~600 MB for one 1 MB string, measured), a long text in parts of PART_CHARS
 HELD_FRACTION = 0.05       # each source's tail, whole documents, held out for evaluation
-VERSION = 1                # of the folder's layout: a new one prepares anew
+VERSION = 2                # of the folder's layout: a new one prepares anew (2: an arrow file in units)
+ROWS_READ = 256            # a Parquet row group's or an arrow batch's rows read at a time
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".tex",
                  ".html", ".csv", ".tsv", ".xml", ".yaml", ".yml", ".toml", ".ini", ".cfg")
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
@@ -243,9 +245,11 @@ def _columns(kind, f) -> list:
 def _units(sources) -> list:
     """The work units: (source, [pieces]), each piece (kind, file, where, closes): ``where``
     (start, stop) bytes of a text or JSON-lines file cut at line ends, a Parquet row group's
-    index, or None for an arrow file whole; ``closes``: a text file's document ends with the
-    piece (its file does). Small files share a unit up to UNIT_BYTES (a batch encoding of
-    their documents together), large ones are cut into several."""
+    index, or (first, stop, bytes) of an arrow file's record batches, its text column's
+    bytes; ``closes``: a text file's document ends with the piece (its file does). Small
+    files share a unit up to UNIT_BYTES (a batch encoding of their documents together),
+    large ones are cut into several (a Parquet row group larger than that stays whole: its
+    rows are read ROWS_READ at a time)."""
     units = []
     for si, s in enumerate(sources):
         pieces = []
@@ -263,7 +267,7 @@ def _units(sources) -> list:
             elif kind == "parquet":
                 pieces += [(kind, f, g, True) for g in range(_pyarrow().parquet.ParquetFile(f).num_row_groups)]
             else:
-                pieces.append((kind, f, None, True))
+                pieces += [(kind, f, where, True) for where in _arrow_pieces(f, s["field"])]
         unit, size = [], 0
         for piece in pieces:   # consecutive pieces of the source, up to UNIT_BYTES a unit
             if unit and size + _piece_bytes(piece) > UNIT_BYTES:
@@ -276,8 +280,28 @@ def _units(sources) -> list:
     return units
 
 
+def _arrow_pieces(f, field) -> list:
+    """An arrow file's (first, stop, bytes) runs of record batches, each up to UNIT_BYTES of
+    its text column (a run of one batch where a batch is larger): the stream's batches
+    walked through its memory map, no text copied."""
+    pa, runs, first, size = _pyarrow(), [], 0, 0
+    with pa.memory_map(f) as m:
+        reader = pa.ipc.open_stream(m)
+        col = reader.schema.get_field_index(field)
+        k = -1
+        for k, batch in enumerate(reader):
+            n = batch.column(col).nbytes
+            if k > first and size + n > UNIT_BYTES:
+                runs.append((first, k, size))
+                first, size = k, 0
+            size += n
+    return runs + [(first, k + 1, size)] if k >= 0 else [(0, 0, 0)]
+
+
 def _piece_bytes(piece) -> int:
     kind, f, where, _ = piece
+    if kind == "arrow":
+        return where[2]
     if isinstance(where, tuple):
         return where[1] - where[0]
     if kind == "parquet":
@@ -289,30 +313,42 @@ def _unit_bytes(unit) -> int:
     return sum(_piece_bytes(p) for p in unit[1])
 
 
-def _documents(piece, field) -> list:
-    """The documents of a piece (a text file's part is one, closed only where the file ends)."""
+def _documents(piece, field):
+    """The documents of a piece (a text file's part is one, closed only where the file
+    ends), one at a time: a Parquet row group's or an arrow run's rows ROWS_READ at a time,
+    never the piece's text whole."""
     kind, f, where, _ = piece
     if kind in ("text", "jsonl"):
         with open(f, "rb") as fh:
             fh.seek(where[0])
             raw = fh.read(where[1] - where[0])
         if kind == "text":
-            return [raw.decode("utf-8", errors="replace")]
-        docs = []
+            yield raw.decode("utf-8", errors="replace")
+            return
         for n, line in enumerate(raw.splitlines()):
             if line.strip():
                 try:
-                    docs.append(json.loads(line)[field])
+                    doc = json.loads(line)[field]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise CorpusError(f"--data {f}: a line after byte {where[0]:,} ({n + 1} into its piece) has no "
                                       f"text field {field!r} ({type(e).__name__})") from None
-        return [d for d in docs if isinstance(d, str)]
+                if isinstance(doc, str):
+                    yield doc
+        return
     pa = _pyarrow()
     if kind == "parquet":
-        return [d for d in pa.parquet.ParquetFile(f).read_row_group(where, columns=[field]).column(0).to_pylist()
-                if isinstance(d, str)]
+        batches = pa.parquet.ParquetFile(f).iter_batches(ROWS_READ, row_groups=[where], columns=[field])
+        for batch in batches:
+            yield from (d for d in batch.column(0).to_pylist() if isinstance(d, str))
+        return
     with pa.memory_map(f) as m:
-        return [d for d in pa.ipc.open_stream(m).read_all().column(field).to_pylist() if isinstance(d, str)]
+        reader = pa.ipc.open_stream(m)
+        col = reader.schema.get_field_index(field)
+        for k, batch in enumerate(reader):
+            if k >= where[1]:
+                break
+            for at in range(0, batch.num_rows, ROWS_READ) if k >= where[0] else ():
+                yield from (d for d in batch.column(col).slice(at, ROWS_READ).to_pylist() if isinstance(d, str))
 
 
 _tokenizer = None
@@ -336,36 +372,47 @@ def _eos(tok) -> int:
     return eos
 
 
-def _tokenize_unit(job):
-    """A worker's unit: its pieces' documents tokenized together (the batch encoding), each
-    closed by the end-of-text token (a text file's only where the file ends), written as one
-    shard by rename, then its sidecar (size and digest). Returns (unit's name, tokens, bytes
-    of text read)."""
-    unit, name, folder, dtype, field = job
-    docs, closes = [], []
+def _parts(unit, field):
+    """A unit's documents in parts (a long text cut at line ends: a call's memory is many
+    times its longest text), each with whether the end-of-text token follows it."""
     for piece in unit[1]:
         for doc in _documents(piece, field):
-            parts = _lines_of(doc, PART_CHARS)   # (a long text in parts: a call's memory is many
-            docs += parts                        # times its longest text)
-            closes += [False] * (len(parts) - 1) + [piece[0] != "text" or piece[3]]
-    eos, out, batch, size = _eos(_tokenizer), [], [], 0
-    for k, doc in enumerate(docs):   # calls of about CALL_CHARS of text: memory bounded by that
-        batch.append(doc)
-        size += len(doc)
-        if size >= CALL_CHARS or k == len(docs) - 1:
-            ids = _tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-            out += [np.asarray(x, dtype=dtype) for x in ids]
-            batch, size = [], 0
-    out = _join(out, eos, closes, dtype)
+            parts = _lines_of(doc, PART_CHARS)
+            for k, part in enumerate(parts):
+                yield part, k == len(parts) - 1 and (piece[0] != "text" or piece[3])
+
+
+def _tokenize_unit(job):
+    """A worker's unit: its pieces' documents tokenized together (the batch encoding, calls of
+    about CALL_CHARS of text), each closed by the end-of-text token (a text file's only where
+    the file ends), the tokens written as each call returns (memory bounded by a call, not
+    by the unit), the shard published by rename, then its sidecar (size and digest).
+    Returns (unit's name, tokens, bytes of text read)."""
+    unit, name, folder, dtype, field = job
+    eos, tokens, batch, closes, size = _eos(_tokenizer), 0, [], [], 0
     path = Path(folder) / f"{name}.bin"
     tmp = path.with_suffix(f".bin.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(out.tobytes())
+        def call():
+            ids = _tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            out = _join([np.asarray(x, dtype=dtype) for x in ids], eos, closes, dtype)
+            f.write(out.tobytes())
+            return int(out.size)
+        for part, close in _parts(unit, field):
+            batch.append(part)
+            closes.append(close)
+            size += len(part)
+            if size >= CALL_CHARS:
+                tokens += call()
+                batch, closes, size = [], [], 0
+        if batch:
+            tokens += call()
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _atomic_json(path.with_suffix(".json"), {"tokens": int(out.size), "bytes": int(out.nbytes), "digest": _digest(path)})
-    return name, int(out.size), _unit_bytes(unit)
+    nbytes = tokens * np.dtype(dtype).itemsize
+    _atomic_json(path.with_suffix(".json"), {"tokens": tokens, "bytes": nbytes, "digest": _digest(path)})
+    return name, tokens, _unit_bytes(unit)
 
 
 def _join(ids, eos, closes, dtype) -> np.ndarray:
