@@ -1301,8 +1301,9 @@ def parser():
                                                  "default: a tiny Llama-style model written in --run-dir's parent")
     p.add_argument("--data", action="append", default=None, metavar="PATH[:WEIGHT]",
                    help="the corpus, again for each source mixed in by weight: a text file or a folder of them, JSON "
-                        "lines or Parquet (their --text-field), a folder datasets' save_to_disk wrote (default: "
-                        "Python's own help text, written beside the model)")
+                        "lines or Parquet (their --text-field), a folder datasets' save_to_disk wrote (its train "
+                        "split); text and JSON lines also .gz, .bz2, .xz, .zst (default: Python's own help text, "
+                        "written beside the model)")
     p.add_argument("--text-field", default="text", help="the field (column) holding the text in JSON lines, Parquet, "
                                                         "a datasets folder")
     p.add_argument("--data-cache", default=None, help="where the prepared token shards go (default: a 13_data folder "

@@ -10,7 +10,9 @@ rows at a time.
     x, y = data.held_out(k)                     # the k-th of the fixed evaluation batches
 
 Inputs (each a file or a folder of them): text (.txt, .md, .rst, .py, ... any UTF-8 file: each
-file a document), JSON lines (.jsonl, .json: each line's ``text_field`` a document), Parquet
+file a document), JSON lines (.jsonl, .json: each line's ``text_field`` a document), either
+compressed whole (.gz, .bz2, .xz; .zst with the zstandard package: read as it
+decompresses, one unit a file), Parquet
 (.parquet: each row's ``text_field``), and a folder ``datasets``' save_to_disk wrote (its arrow
 files: each row's ``text_field``; of a folder of several splits, a DatasetDict or datasets'
 cache of a loaded dataset: its train split, or its only one); several mixed by weight. Documents are kept apart by the
@@ -62,6 +64,48 @@ ROWS_READ = 256            # a Parquet row group's or an arrow batch's rows read
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".tex",
                  ".html", ".csv", ".tsv", ".xml", ".yaml", ".yml", ".toml", ".ini", ".cfg")
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")   # a text or JSON-lines file in them (x.jsonl.gz, x.txt.zst)
+
+
+def kind_of(f: Path, given=False) -> str | None:
+    """A file's kind by its name (a compressed one by the name inside: x.jsonl.gz is JSON
+    lines; x.tar.gz, or any other, none); a file given by name is text unless it says
+    otherwise."""
+    name = f.name.lower()
+    inner = Path(name[:-len(f.suffix)]) if f.suffix.lower() in COMPRESSED else None
+    suffix = inner.suffix if inner is not None else f.suffix.lower()
+    if inner is not None and KINDS.get(suffix, "text") != "jsonl" and suffix not in TEXT_SUFFIXES:
+        return "text" if given and not suffix else None   # (x.gz given by name: text; a .tar.gz never)
+    if inner is not None:
+        return KINDS.get(suffix) or "text"
+    return KINDS.get(suffix) or ("text" if given or suffix in TEXT_SUFFIXES else None)
+
+
+def open_text(f, mode="rb"):
+    """A text or JSON-lines file's bytes, decompressed where its name says so (.gz, .bz2, .xz
+    with the standard library; .zst with the zstandard package)."""
+    suffix = Path(f).suffix.lower()
+    if suffix == ".gz":
+        import gzip
+        return gzip.open(f, mode)
+    if suffix == ".bz2":
+        import bz2
+        return bz2.open(f, mode)
+    if suffix == ".xz":
+        import lzma
+        return lzma.open(f, mode)
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise CorpusError(f"--data {f}: reading .zst needs the zstandard package (pip install zstandard), or "
+                              f"decompress it (zstd -d)") from None
+        return zstandard.open(f, mode)
+    return open(f, mode)
+
+
+def compressed(f) -> bool:
+    return Path(f).suffix.lower() in COMPRESSED
 
 
 class CorpusError(ValueError):
@@ -94,8 +138,8 @@ def parse_sources(specs, text_field="text") -> list:
         split = _split_of(p)
         files = _files_of(p)
         if not files:
-            raise CorpusError(f"--data {path}: a folder with no file to read (text, .jsonl, .parquet, or a "
-                              f"datasets folder's .arrow files)")
+            raise CorpusError(f"--data {path}: a folder with no file to read (text or .jsonl, either also "
+                              f".gz, .bz2, .xz or .zst; .parquet; or a datasets folder's .arrow files)")
         out.append({"path": str(p.resolve()), "weight": weight, "files": files, "field": text_field,
                     **({"split": split} if split else {})})
     if not out:
@@ -149,7 +193,11 @@ def _files_of(p: Path) -> list:
     if p.is_file() and p.name in DATASETS_FILES and (p.name == DATASETS_FILES[2] or any(p.parent.glob("*.arrow"))):
         raise CorpusError(f"--data {p}: the metadata of a datasets folder, not text: give the folder ({p.parent})")
     if p.is_file():
-        return [(KINDS.get(p.suffix.lower(), "text"), str(p.resolve()))]
+        kind = kind_of(p, given=True)
+        if kind is None:
+            raise CorpusError(f"--data {p}: a compressed file of no kind read here (text or JSON lines compressed "
+                              f"whole: x.txt.gz, x.jsonl.zst; not an archive of files): unpack it, and give the folder")
+        return [(kind, str(p.resolve()))]
     split = _split_of(p)
     if split:   # (a DatasetDict, or datasets' cache of several splits: the one split's files)
         return _split_files(p, split)
@@ -164,7 +212,7 @@ def _files_of(p: Path) -> list:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for n in sorted(names):
             f = Path(root) / n
-            kind = KINDS.get(f.suffix.lower()) or ("text" if f.suffix.lower() in TEXT_SUFFIXES else None)
+            kind = kind_of(f)
             if kind and not n.startswith(".") and ".tokens-" not in n:
                 found.append((kind, str(f.resolve())))
     return found
@@ -172,26 +220,40 @@ def _files_of(p: Path) -> list:
 
 def text_problem(path: str) -> str | None:
     """Why a text or JSON-lines file cannot be read as UTF-8 text, or None: looked at, at its
-    start and at 15 places spread over it (a gigabyte costs 16 MiB of reads), for a NUL byte
-    (a binary file) or bytes that are not UTF-8, with where and what."""
+    start and at 15 places spread over it (a gigabyte costs 16 MiB of reads; a compressed
+    file at its start alone), for a NUL byte (a binary file) or bytes that are not UTF-8,
+    with where and what."""
     size, chunk = os.path.getsize(path), 1 << 20
     if size == 0:
         return "the file is empty"
-    with open(path, "rb") as f:
-        for at in sorted({0, *(size * k // 16 for k in range(1, 16))}):
-            f.seek(at)
-            raw = f.read(chunk)
-            if b"\0" in raw:
-                return (f"a binary file, not text (a NUL byte at offset {at + raw.index(0):,}; it starts "
-                        f"{raw[:8]!r}): give a text file")
-            if at:   # (a place inside a character: from the next one on)
-                raw = raw[next((i for i, b in enumerate(raw[:4]) if b & 0xC0 != 0x80), 0):]
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                if e.start < len(raw) - 3:   # (not a character the chunk's end cut)
-                    return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {at + e.start:,}): give a "
-                            f"UTF-8 text file (iconv -t UTF-8 converts one)")
+    try:
+        with open_text(path) as f:
+            for at in sorted({0, *(size * k // 16 for k in range(1, 16) if not compressed(path))}):
+                f.seek(at)
+                raw = f.read(chunk)
+                why = _not_text(raw, at)
+                if why:
+                    return why
+    except (OSError, EOFError, ValueError) as e:   # (a damaged or mislabeled compressed file)
+        return f"cannot be read{' as ' + Path(path).suffix + ' data' if compressed(path) else ''} ({e})"
+    return None
+
+
+def _not_text(raw: bytes, at: int) -> str | None:
+    """Why ``raw``, read at byte ``at``, is not UTF-8 text, or None."""
+    if raw == b"" and at == 0:   # (a compressed file of nothing)
+        return "the file is empty"
+    if b"\0" in raw:
+        return (f"a binary file, not text (a NUL byte at offset {at + raw.index(0):,}; it starts "
+                f"{raw[:8]!r}): give a text file")
+    if at:   # (a place inside a character: from the next one on)
+        raw = raw[next((i for i, b in enumerate(raw[:4]) if b & 0xC0 != 0x80), 0):]
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(raw) - 3:   # (not a character the chunk's end cut)
+            return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {at + e.start:,}): give a "
+                    f"UTF-8 text file (iconv -t UTF-8 converts one)")
     return None
 
 
@@ -206,7 +268,7 @@ def check_sources(sources) -> None:
                 if why and not (why == "the file is empty" and len(s["files"]) > 1):
                     raise CorpusError(f"--data {f}: {why}")
             if kind == "jsonl" and os.path.getsize(f):
-                with open(f, "rb") as fh:
+                with open_text(f) as fh:
                     first = fh.readline()
                 try:
                     record = json.loads(first)
@@ -244,7 +306,8 @@ def _columns(kind, f) -> list:
 # ---- preparation --------------------------------------------------------------------------
 def _units(sources) -> list:
     """The work units: (source, [pieces]), each piece (kind, file, where, closes): ``where``
-    (start, stop) bytes of a text or JSON-lines file cut at line ends, a Parquet row group's
+    (start, stop) bytes of a text or JSON-lines file cut at line ends (a compressed one
+    whole: None), a Parquet row group's
     index, or (first, stop, bytes) of an arrow file's record batches, its text column's
     bytes; ``closes``: a text file's document ends with the piece (its file does). Small
     files share a unit up to UNIT_BYTES (a batch encoding of their documents together),
@@ -254,7 +317,9 @@ def _units(sources) -> list:
     for si, s in enumerate(sources):
         pieces = []
         for kind, f in s["files"]:
-            if kind in ("text", "jsonl"):
+            if kind in ("text", "jsonl") and compressed(f):   # (no cut: read through, a line at a time)
+                pieces.append((kind, f, None, True))
+            elif kind in ("text", "jsonl"):
                 size = os.path.getsize(f)
                 cuts = [0]
                 with open(f, "rb") as fh:
@@ -318,6 +383,9 @@ def _documents(piece, field):
     ends), one at a time: a Parquet row group's or an arrow run's rows ROWS_READ at a time,
     never the piece's text whole."""
     kind, f, where, _ = piece
+    if kind in ("text", "jsonl") and where is None:   # (compressed: read through, a line at a time)
+        yield from _streamed(kind, f, field)
+        return
     if kind in ("text", "jsonl"):
         with open(f, "rb") as fh:
             fh.seek(where[0])
@@ -372,14 +440,47 @@ def _eos(tok) -> int:
     return eos
 
 
+def _streamed(kind, f, field):
+    """A compressed file's documents as it decompresses: JSON lines one a line; a text file,
+    one document, in pieces of about UNIT_BYTES ending at line ends (_parts closes it after
+    the last)."""
+    with open_text(f) as fh:
+        if kind == "jsonl":
+            for n, line in enumerate(fh):
+                if line.strip():
+                    try:
+                        doc = json.loads(line)[field]
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        raise CorpusError(f"--data {f}: line {n + 1} has no text field {field!r} "
+                                          f"({type(e).__name__})") from None
+                    if isinstance(doc, str):
+                        yield doc
+            return
+        lines, size = [], 0
+        for line in fh:
+            lines.append(line)
+            size += len(line)
+            if size >= UNIT_BYTES:
+                yield b"".join(lines).decode("utf-8", errors="replace")
+                lines, size = [], 0
+        if lines:
+            yield b"".join(lines).decode("utf-8", errors="replace")
+
+
 def _parts(unit, field):
     """A unit's documents in parts (a long text cut at line ends: a call's memory is many
-    times its longest text), each with whether the end-of-text token follows it."""
+    times its longest text), each with whether the end-of-text token follows it: after
+    each document, but after a text file's only where the file ends (its piece does; a
+    compressed one read in pieces, after its last)."""
     for piece in unit[1]:
-        for doc in _documents(piece, field):
+        docs, text = _documents(piece, field), piece[0] == "text"
+        doc = next(docs, None)
+        while doc is not None:
+            after = next(docs, None)
             parts = _lines_of(doc, PART_CHARS)
             for k, part in enumerate(parts):
-                yield part, k == len(parts) - 1 and (piece[0] != "text" or piece[3])
+                yield part, k == len(parts) - 1 and (not text or after is None and piece[3])
+            doc = after
 
 
 def _tokenize_unit(job):

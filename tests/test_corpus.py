@@ -5,6 +5,7 @@ documents kept apart, a batch depends on (seed, step) alone whatever the data ra
 reads its rows and nothing more, held-out data is whole documents, a killed or damaged
 preparation is finished or redone and never trained on, two preparations never run at once."""
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -138,6 +139,43 @@ def test_a_datasets_folder_of_several_splits_trains_on_train_and_no_metadata_is_
     with pytest.raises(corpus.CorpusError, match=r"a datasets folder with the splits validation, test and none named "
                                                  r"train: give one split's folder \(--data .*only/validation\)"):
         corpus.parse_sources([str(only)], "body")
+
+
+def test_compressed_text_and_json_lines_are_read_as_they_decompress(model, tmp_path, monkeypatch):
+    """Corpora ship compressed (C4's .json.gz, the Pile's .jsonl.zst): text and JSON lines in
+    .gz, .bz2 or .xz are read through as they decompress, the tokens those of the same file
+    uncompressed; a folder of them is read, an archive in it (.tar.gz) passed over, and one
+    given by name refused in a line; .zst without the zstandard package, a line saying so.
+    Before, a folder of .json.gz had "no file to read", and one given by name was "a binary
+    file"."""
+    import bz2
+    import gzip
+    import lzma
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    lines = "".join(json.dumps({"body": d}) + "\n" for d in DOCS[:30]).encode()
+    (folder / "c4-train.00000-of-00002.json.gz").write_bytes(gzip.compress(lines))
+    (folder / "c4-train.00001-of-00002.jsonl.xz").write_bytes(lzma.compress(lines))
+    (folder / "notes.txt.bz2").write_bytes(bz2.compress(DOCS[40].encode()))
+    (folder / "old.tar.gz").write_bytes(gzip.compress(b"not a corpus"))
+    sources = corpus.parse_sources([str(folder)], "body")
+    assert [(k, Path(f).name) for k, f in sources[0]["files"]] == [
+        ("jsonl", "c4-train.00000-of-00002.json.gz"), ("jsonl", "c4-train.00001-of-00002.jsonl.xz"),
+        ("text", "notes.txt.bz2")]
+    corpus.check_sources(sources)
+    index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
+    assert stream(index) == joined(model, [*DOCS[:30], *DOCS[:30], DOCS[40]])
+    with pytest.raises(corpus.CorpusError, match="a compressed file of no kind read here .*not an archive of files"):
+        corpus.parse_sources([str(folder / "old.tar.gz")], "body")
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"id": 1}\n'))
+    (tmp_path / "broken.txt.gz").write_bytes(b"\x1f\x8b not gzip")
+    for name, words in (("bad.jsonl.gz", "line 1 has no text field 'body'"), ("broken.txt.gz", "cannot be read as .gz")):
+        with pytest.raises(corpus.CorpusError, match=words):
+            corpus.check_sources(corpus.parse_sources([str(tmp_path / name)], "body"))
+    monkeypatch.setitem(sys.modules, "zstandard", None)   # (as where it is not installed)
+    (tmp_path / "pile.jsonl.zst").write_bytes(b"(zstd)")
+    with pytest.raises(corpus.CorpusError, match=r"reading .zst needs the zstandard package \(pip install zstandard\)"):
+        corpus.check_sources(corpus.parse_sources([str(tmp_path / "pile.jsonl.zst")], "body"))
 
 
 def test_a_batch_depends_on_the_step_alone_and_each_data_rank_reads_only_its_rows(model, tmp_path):
