@@ -393,15 +393,7 @@ def _documents(piece, field):
         if kind == "text":
             yield raw.decode("utf-8", errors="replace")
             return
-        for n, line in enumerate(raw.splitlines()):
-            if line.strip():
-                try:
-                    doc = json.loads(line)[field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise CorpusError(f"--data {f}: a line after byte {where[0]:,} ({n + 1} into its piece) has no "
-                                      f"text field {field!r} ({type(e).__name__})") from None
-                if isinstance(doc, str):
-                    yield doc
+        yield from _json_docs(raw.splitlines(), f, field, where[0])
         return
     pa = _pyarrow()
     if kind == "parquet":
@@ -440,21 +432,27 @@ def _eos(tok) -> int:
     return eos
 
 
+def _json_docs(lines, f, field, at=None):
+    """Each JSON line's text field (a line without one: CorpusError naming it; ``at``: the
+    byte its piece starts at, where the file is read in pieces)."""
+    for n, line in enumerate(lines):
+        if line.strip():
+            try:
+                doc = json.loads(line)[field]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                where = f"line {n + 1}" if at is None else f"a line after byte {at:,} ({n + 1} into its piece)"
+                raise CorpusError(f"--data {f}: {where} has no text field {field!r} ({type(e).__name__})") from None
+            if isinstance(doc, str):
+                yield doc
+
+
 def _streamed(kind, f, field):
     """A compressed file's documents as it decompresses: JSON lines one a line; a text file,
     one document, in pieces of about UNIT_BYTES ending at line ends (_parts closes it after
     the last)."""
     with open_text(f) as fh:
         if kind == "jsonl":
-            for n, line in enumerate(fh):
-                if line.strip():
-                    try:
-                        doc = json.loads(line)[field]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise CorpusError(f"--data {f}: line {n + 1} has no text field {field!r} "
-                                          f"({type(e).__name__})") from None
-                    if isinstance(doc, str):
-                        yield doc
+            yield from _json_docs(fh, f, field)
             return
         lines, size = [], 0
         for line in fh:
