@@ -118,7 +118,8 @@ def parse_sources(specs, text_field="text") -> list:
     A folder takes the files under it (sorted; hidden ones and token caches aside) of the
     kinds above, or the arrow files of a ``datasets`` folder (dataset_info.json or
     state.json beside them; of a folder of several splits, the train split's: _split_of,
-    "split" naming it). CorpusError: a missing
+    "split" naming it; of a folder of files whose names say train and a held-out split,
+    the train files: _train_by_name, "left_out" counting the others). CorpusError: a missing
     path, a folder with nothing readable, a weight that is not a positive number, weights
     that sum to nothing."""
     out = []
@@ -135,13 +136,17 @@ def parse_sources(specs, text_field="text") -> list:
         p = Path(path)
         if not p.exists():
             raise CorpusError(f"--data {path}: no such file or folder")
-        split = _split_of(p)
+        split, left = _split_of(p), 0
         files = _files_of(p)
         if not files:
             raise CorpusError(f"--data {path}: a folder with no file to read (text or .jsonl, either also "
                               f".gz, .bz2, .xz or .zst; .parquet; or a datasets folder's .arrow files)")
+        if p.is_dir() and not split:   # (a dataset's files as the Hub keeps them: train-*, test/, ...)
+            named = _train_by_name(p, files)
+            if named:
+                split, left, files = "train", len(files) - len(named), named
         out.append({"path": str(p.resolve()), "weight": weight, "files": files, "field": text_field,
-                    **({"split": split} if split else {})})
+                    **({"split": split} if split else {}), **({"left_out": left} if left else {})})
     if not out:
         raise CorpusError("--data: give a text file, a folder of them, JSON lines, Parquet or a datasets folder")
     return out
@@ -177,6 +182,41 @@ def _split_of(p: Path) -> str | None:
         raise CorpusError(f"--data {p}: a datasets folder with the splits {', '.join(splits) or 'none'} and none "
                           f"named train: give one split's {where} (--data {one})")
     return pick
+
+
+SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+               "test": ("test", "testing", "eval", "evaluation")}   # (datasets' own, for a folder of files)
+WORD_EDGES = "-._ 0123456789"
+
+
+def _split_named(name: str, folder: bool) -> str | None:
+    """The split a file's or folder's name names, as datasets reads a folder of files: its
+    word at the start or between -._ , digits or spaces (a folder's also at its end or whole)."""
+    name = name.lower()
+    for split, words in SPLIT_WORDS.items():
+        for w in words:
+            at = name.find(w)
+            while at >= 0:
+                before = at == 0 or name[at - 1] in WORD_EDGES
+                end = at + len(w)
+                after = end < len(name) and name[end] in WORD_EDGES or folder and end == len(name)
+                if before and after:
+                    return split
+                at = name.find(w, at + 1)
+    return None
+
+
+def _train_by_name(p: Path, files) -> list | None:
+    """A folder's files as the Hub keeps a dataset's (data/train-00000-of-00002.parquet and
+    data/test-...; or train/, validation/ folders): where names say train and another split
+    (by folder names if any say one, else by file names, as datasets reads such a folder),
+    the train files alone; None where they do not."""
+    rel = [Path(f).relative_to(p.resolve()) for _, f in files]
+    by_folder = [next((x for x in map(lambda d: _split_named(d, True), r.parts[:-1]) if x), None) for r in rel]
+    splits = by_folder if any(by_folder) else [_split_named(r.name, False) for r in rel]
+    if "train" not in splits or not {"validation", "test"} & set(splits):
+        return None
+    return [f for f, split in zip(files, splits) if split == "train"]
 
 
 def _split_files(p: Path, split: str) -> list:

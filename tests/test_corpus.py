@@ -141,6 +141,38 @@ def test_a_datasets_folder_of_several_splits_trains_on_train_and_no_metadata_is_
         corpus.parse_sources([str(only)], "body")
 
 
+def test_a_folder_of_a_datasets_files_as_the_hub_keeps_them_trains_on_its_train_files(model, tmp_path):
+    """A dataset downloaded from the Hub is a folder of files whose names say their split
+    (data/train-00000-of-00002.parquet beside data/test-..., or train/ and validation/
+    folders): where names say train and a held-out split, as datasets reads such a folder,
+    the train files alone are read (README.md aside), the source saying how many were left
+    out; before, every file was, the test split and the README trained on. A folder whose
+    names say no held-out split is read whole (a book called train_schedule.txt)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n# a dataset card\n")
+    for name, docs in (("train-00000-of-00002", DOCS[:5]), ("train-00001-of-00002", DOCS[5:9]),
+                       ("test-00000-of-00001", DOCS[9:11])):
+        pq.write_table(pa.table({"body": docs}), hub / "data" / f"{name}.parquet")
+    folders = tmp_path / "folders"
+    for split, docs in (("train", DOCS[20:24]), ("validation", DOCS[24:26])):
+        (folders / split).mkdir(parents=True)
+        (folders / split / "part.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    books = tmp_path / "books"
+    books.mkdir()
+    for name, doc in (("train_schedule.txt", DOCS[30]), ("war_and_peace.txt", DOCS[31])):
+        (books / name).write_text(doc)
+    for path, docs, left in ((hub, DOCS[:9], 2), (folders, DOCS[20:24], 1), (books, DOCS[30:32], 0)):
+        sources = corpus.parse_sources([str(path)], "body")
+        assert sources[0].get("split") == ("train" if left else None) and sources[0].get("left_out", 0) == left
+        index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
+        assert stream(index) == joined(model, docs), path.name
+    assert [corpus._split_named(n, False) for n in ("contest.txt", "trainer.py", "c4-validation.00000-of-00008.json.gz",
+                                                   "latest_train.txt")] == [None, None, "validation", "train"]
+
+
 def test_compressed_text_and_json_lines_are_read_as_they_decompress(model, tmp_path, monkeypatch):
     """Corpora ship compressed (C4's .json.gz, the Pile's .jsonl.zst): text and JSON lines in
     .gz, .bz2 or .xz are read through as they decompress, the tokens those of the same file
