@@ -255,6 +255,8 @@ def _files_of(p: Path) -> list:
             kind = kind_of(f)
             if kind and not n.startswith(".") and ".tokens-" not in n:
                 found.append((kind, str(f.resolve())))
+    if any(kind != "text" for kind, _ in found):   # (records: a README.md beside them is their card, not text)
+        found = [(kind, f) for kind, f in found if not (kind == "text" and Path(f).name.lower() == "readme.md")]
     return found
 
 

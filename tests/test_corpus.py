@@ -145,9 +145,10 @@ def test_a_folder_of_a_datasets_files_as_the_hub_keeps_them_trains_on_its_train_
     """A dataset downloaded from the Hub is a folder of files whose names say their split
     (data/train-00000-of-00002.parquet beside data/test-..., or train/ and validation/
     folders): where names say train and a held-out split, as datasets reads such a folder,
-    the train files alone are read (README.md aside), the source saying how many were left
-    out; before, every file was, the test split and the README trained on. A folder whose
-    names say no held-out split is read whole (a book called train_schedule.txt)."""
+    the train files alone are read, the source saying how many others were left out;
+    before, every file was, the test split and the README trained on. A folder whose
+    names say no held-out split is read whole (a book called train_schedule.txt), but for
+    a README.md beside records (the dataset card), never a document of them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     hub = tmp_path / "hub"
@@ -164,7 +165,12 @@ def test_a_folder_of_a_datasets_files_as_the_hub_keeps_them_trains_on_its_train_
     books.mkdir()
     for name, doc in (("train_schedule.txt", DOCS[30]), ("war_and_peace.txt", DOCS[31])):
         (books / name).write_text(doc)
-    for path, docs, left in ((hub, DOCS[:9], 2), (folders, DOCS[20:24], 1), (books, DOCS[30:32], 0)):
+    plain = tmp_path / "plain"   # (no split in its names: every data file, its card aside)
+    (plain / "data").mkdir(parents=True)
+    (plain / "README.md").write_text("# a dataset card\n")
+    pq.write_table(pa.table({"body": DOCS[40:43]}), plain / "data" / "00000.parquet")
+    for path, docs, left in ((hub, DOCS[:9], 1), (folders, DOCS[20:24], 1), (books, DOCS[30:32], 0),
+                             (plain, DOCS[40:43], 0)):
         sources = corpus.parse_sources([str(path)], "body")
         assert sources[0].get("split") == ("train" if left else None) and sources[0].get("left_out", 0) == left
         index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
