@@ -1522,9 +1522,7 @@ def check(args):
         corpus.check_sources(sources)
     except corpus.CorpusError as e:
         raise common.UsageError(str(e)) from None
-    args.data_label = ", ".join(d + (f" (its {s['split']} split" + (f"; {s['left_out']} other file(s) left out"
-                                                                     if s.get("left_out") else "") + ")"
-                                     if s.get("split") else "") for d, s in zip(args.data, sources))
+    args.data_label = ", ".join(corpus.label(d, s) for d, s in zip(args.data, sources))
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     meta = build_on_meta(model)   # (meta: no memory)

@@ -15,8 +15,8 @@ compressed whole (.gz, .bz2, .xz; .zst with the zstandard package: read as it
 decompresses, one unit a file), Parquet
 (.parquet: each row's ``text_field``), and a folder ``datasets``' save_to_disk wrote (its arrow
 files: each row's ``text_field``; of a folder of several splits, a DatasetDict or datasets'
-cache of a loaded dataset: its train split, or its only one); several mixed by weight. Documents are kept apart by the
-tokenizer's end-of-text token after each.
+cache of a loaded dataset: its train split, or its only one); several mixed by weight.
+Documents are kept apart by the tokenizer's end-of-text token after each.
 
 Preparation (prepare): the sources are cut into work units of about UNIT_BYTES (a text or
 JSON-lines file at line ends, a Parquet file by row groups, an arrow file by record
@@ -71,14 +71,12 @@ def kind_of(f: Path, given=False) -> str | None:
     """A file's kind by its name (a compressed one by the name inside: x.jsonl.gz is JSON
     lines; x.tar.gz, or any other, none); a file given by name is text unless it says
     otherwise."""
-    name = f.name.lower()
-    inner = Path(name[:-len(f.suffix)]) if f.suffix.lower() in COMPRESSED else None
-    suffix = inner.suffix if inner is not None else f.suffix.lower()
-    if inner is not None and KINDS.get(suffix, "text") != "jsonl" and suffix not in TEXT_SUFFIXES:
-        return "text" if given and not suffix else None   # (x.gz given by name: text; a .tar.gz never)
-    if inner is not None:
-        return KINDS.get(suffix) or "text"
-    return KINDS.get(suffix) or ("text" if given or suffix in TEXT_SUFFIXES else None)
+    zipped = f.suffix.lower() in COMPRESSED
+    suffix = Path(f.name[:-len(f.suffix)]).suffix.lower() if zipped else f.suffix.lower()
+    kind = KINDS.get(suffix) or ("text" if suffix in TEXT_SUFFIXES else None)
+    if zipped and kind not in ("text", "jsonl"):   # (x.tar.gz, x.parquet.gz: none; x.gz given by name: text)
+        return "text" if given and not suffix else None
+    return kind or ("text" if given else None)
 
 
 def open_text(f, mode="rb"):
@@ -150,6 +148,15 @@ def parse_sources(specs, text_field="text") -> list:
     if not out:
         raise CorpusError("--data: give a text file, a folder of them, JSON lines, Parquet or a datasets folder")
     return out
+
+
+def label(spec: str, source: dict) -> str:
+    """``--data spec`` as a line names it: with the split read where one was chosen, and the
+    files left out."""
+    if not source.get("split"):
+        return spec
+    left = f"; {source['left_out']} other file(s) left out" if source.get("left_out") else ""
+    return f"{spec} (its {source['split']} split{left})"
 
 
 DATASETS_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")   # a datasets folder's metadata

@@ -183,7 +183,8 @@ def read_14(folder: Path) -> list:
             {"measurement": "14 the replacement's heal from a live peer", "ours": f"{r['heal_s'] * 1000:.0f} ms",
              "torch": f"{r['torchft_heal_s'] * 1000:.0f} ms (torchft)" if ft and r.get("torchft_heal_s") is not None
              else "(torchft not run)", "ratio": "",
-             "detail": f"{r['heal_MB']:.1f} MB; from its hello to its first committed step {r['rejoin_to_commit_s']:.3f} s"}]
+             "detail": f"{r['heal_MB']:.1f} MB; from its hello to its first committed step "
+                       f"{r['rejoin_to_commit_s']:.3f} s"}]
 
 
 def read_12(folder: Path) -> list:
