@@ -216,7 +216,7 @@ class OnMesh:
         if T > 1:
             tp.parallelize(model, plan or tp.model_plan(model)[0], mesh.group("tp"))
         if args.recompute:   # the model's own activation checkpointing, non-reentrant: each layer redone in backward
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            recompute_layers(model)
         # each decoder layer through torch.compile (the model's _no_split_modules); under tp after
         # the first step, whose eager forward parallelize looks at (08's summed_whole)
         layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
@@ -354,13 +354,14 @@ def loss_of(args):
     return torch.compile(lm_loss) if args.compile else lm_loss
 
 
-def build_on_meta(folder, device=None):
+def build_on_meta(folder, device=None, attention="sdpa"):
     """The folder's model, its parameters on meta (placement.meta_parameters), its config
-    as saved, SDPA attention; the buffers its constructor computed (rotary tables) moved to
-    ``device`` (the data-parallel wrappers broadcast them as they wrap)."""
+    as saved, ``attention`` its attention (attention_of); the buffers its constructor
+    computed (rotary tables) moved to ``device`` (the data-parallel wrappers broadcast them
+    as they wrap)."""
     import transformers
     config = transformers.AutoConfig.from_pretrained(folder)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     with placement.meta_parameters():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for m in model.modules() if device is not None else ():
@@ -368,6 +369,81 @@ def build_on_meta(folder, device=None):
             if b is not None and not b.is_meta:
                 m._buffers[name] = b.to(device)
     return model
+
+
+def recompute_layers(model):
+    """The model's own activation checkpointing on each decoder layer, non-reentrant:
+    activation_checkpointing_enable, or where transformers is older than that name (5.17),
+    gradient_checkpointing_enable, which 5.24 still takes with a FutureWarning."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def attention_of(folder) -> str:
+    """The attention the run gives the folder's model: "sdpa" (torch's fused attention,
+    which context parallelism splits) where its family has it, else "eager", its own (a
+    family without SDPA, as BLOOM, refuses it as it is built)."""
+    try:
+        build_on_meta(folder)
+        return "sdpa"
+    except ValueError:
+        build_on_meta(folder, attention="eager")   # (a model that fails for another reason raises here)
+        return "eager"
+
+
+# What a model draws at random while it trains, by its name in the config or on a module:
+# dropout (dropout, attn_pdrop, hidden_dropout_prob, ...), layer drop, a router's jitter noise
+RANDOM_NAMES = ("drop", "jitter")
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
+
+
+def random_off(model) -> list:
+    """Turn off everything ``model`` draws at random while it trains: every number named for
+    dropout, layer drop or jitter (RANDOM_NAMES) in its config and sub-configs and on its
+    modules (an attention module keeps its own copy of the rate), and every nn.Dropout's p.
+    The check against one process needs this: no two runs draw the same masks (a rank's
+    batch is a slice of the one process's), so with dropout on no method could match.
+    Returns what was on, as ``name=value`` from the config (the modules' own where the
+    config does not name them), sorted."""
+    import transformers
+    found, seen = set(), set()
+
+    def off(owner, name, value, record):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value \
+                and any(w in name.lower() for w in RANDOM_NAMES):
+            setattr(owner, name, type(value)(0))
+            seen.add(name)
+            if record or name not in seen_config:
+                found.add(f"{name}={value}")
+    configs = [model.config]
+    configs += [v for c in configs for v in vars(c).values() if isinstance(v, transformers.PretrainedConfig)]
+    for c in configs:
+        for name, value in list(vars(c).items()):
+            off(c, name, value, True)
+    seen_config = set(seen)
+    for m in model.modules():
+        if isinstance(m, DROPOUTS):
+            if m.p and not seen_config:
+                found.add(f"{type(m).__name__}(p={m.p})")
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if not name.startswith("_"):
+                off(m, name, value, False)
+    return sorted(found)
+
+
+def attention_dropout(config: dict) -> list:
+    """The attention dropout a model's config.json (and its text_config) sets, as
+    ``name=value``: a number named for dropout and attention (attention_dropout, attn_pdrop,
+    attention_probs_dropout_prob) that is not 0."""
+    found = []
+    for c in (config, config.get("text_config") or {}):
+        found += [f"{k}={v}" for k, v in sorted(c.items()) if "drop" in k and ("attn" in k or "attention" in k)
+                  and isinstance(v, (int, float)) and not isinstance(v, bool) and v]
+    return found
 
 
 def train_flops_per_token(model, context: int) -> float:
@@ -398,7 +474,7 @@ def adamw(params, args):
 def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
     """``folder``'s model built on meta, put on the mesh (OnMesh) and filled from the folder,
     each rank reading its slices."""
-    model = build_on_meta(folder, ctx.device)
+    model = build_on_meta(folder, ctx.device, args.attention)
     layout = hfc.model_layout(model)
     run = OnMesh(model, sizes, args, ctx.device, plan or read_plan(args.plan))
     hfc.load_hf_checkpoint(run.stage, folder, ctx.device, pieces=layout)
@@ -454,8 +530,10 @@ def verify(ctx, args, sizes):
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     import transformers
-    ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
+    ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attention,
                                                             dtype=torch.float32).to(ctx.device)
+    randomness = random_off(ref)   # (both sides: the check compares the math, not the masks)
+    random_off(run.model)
     opts = [adamw(m.parameters(), args) for m in (run.module, ref)]
     worst = 0.0
     for i in range(args.verify_steps):
@@ -478,7 +556,7 @@ def verify(ctx, args, sizes):
     diff = max((full[n].float() - p.detach().cpu().float()).abs().max().item() for n, p in ref.state_dict().items()
                if n in full)
     tol = (1e-4, 1e-4) if args.dtype == "float32" else (common.TOLERANCE["autocast"]["atol"] * 10, 1e-2)
-    return {"max_diff": diff, "loss_rel": worst, "ok": diff < tol[0] and worst < tol[1]}
+    return {"max_diff": diff, "loss_rel": worst, "ok": diff < tol[0] and worst < tol[1], "random_off": randomness}
 
 
 def train(ctx, args, sizes):
@@ -684,7 +762,7 @@ def torch_skip(sizes: dict, plan) -> str | None:
     return None
 
 
-def torch_composition(ctx, folder, sizes, plan, recompute=False, compile_layers=False):
+def torch_composition(ctx, folder, sizes, plan, recompute=False, compile_layers=False, attention="sdpa"):
     """The same model as transformers loads it (whole, on every rank), torch's TP over tp by
     ``plan`` (column -> ColwiseParallel, row -> RowwiseParallel), then FSDP2's fully_shard on
     each decoder layer and the root over the data ranks (``recompute``: the model's own
@@ -694,11 +772,11 @@ def torch_composition(ctx, folder, sizes, plan, recompute=False, compile_layers=
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention,
                                                               dtype=torch.float32).to(ctx.device)
     model.train()   # (from_pretrained leaves it in eval mode, where transformers skips its checkpointing)
     if recompute:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute_layers(model)
     data, T = sizes["dp"] * sizes["fsdp"], sizes["tp"]
     mesh = init_device_mesh(ctx.device.type, (data, T), mesh_dim_names=("data", "tp"))
     if T > 1:
@@ -752,7 +830,8 @@ def bench_method(ctx, args, sizes, folder, method, plan):
             with phase("optimizer"):
                 opt.step()
         return step, run.stage, opt
-    model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute, compile_layers=args.compile)
+    model = torch_composition(ctx, folder, sizes, plan, recompute=args.recompute, compile_layers=args.compile,
+                              attention=args.attention)
     opt, loss_fn = adamw(model.parameters(), args), loss_of(args)
     mesh = nd.Mesh(sizes)
     replicas, replica = sizes["dp"] * sizes["fsdp"], mesh.coord("dp") * sizes["fsdp"] + mesh.coord("fsdp")
@@ -774,7 +853,8 @@ def bench_method(ctx, args, sizes, folder, method, plan):
 
 
 def bench_plan(args, sizes, folder) -> dict:
-    return read_plan(args.plan) or (tp.model_plan(build_on_meta(folder))[0] if sizes["tp"] > 1 else {})
+    return read_plan(args.plan) or (tp.model_plan(build_on_meta(folder, attention=args.attention))[0]
+                                    if sizes["tp"] > 1 else {})
 
 
 def bench_steps(ctx, args, sizes, folder, tag="given"):
@@ -888,7 +968,7 @@ def report_bench(args, sizes):
         profiles[setting] = r["profiles"]
         peaks = r["peaks"]
         tokens = args.batch_size * args.context_length
-        flops = train_flops_per_token(build_on_meta(folder), args.context_length)
+        flops = train_flops_per_token(build_on_meta(folder, attention=args.attention), args.context_length)
         ratios = [a / b for a, b in zip(r["times"]["ours"], r["times"]["torch"])]
         for method in ("ours", "torch"):
             t = statistics.median(r["times"][method])
@@ -1410,6 +1490,7 @@ def parser():
     p.add_argument("--fault-at", default=None, help=argparse.SUPPRESS)   # STEP:RANK: that rank kill -9s itself there
     p.add_argument("--room", type=int, default=None, help=argparse.SUPPRESS)   # bytes a rank has for the check
     add_measure_flags(p)
+    p.set_defaults(attention="sdpa")   # (main: attention_of the model)
     return p
 
 
@@ -1525,7 +1606,19 @@ def check(args):
     args.data_label = ", ".join(corpus.label(d, s) for d, s in zip(args.data, sources))
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
-    meta = build_on_meta(model)   # (meta: no memory)
+    args.attention = attention_of(model)
+    if args.attention != "sdpa" and sizes["cp"] > 1:
+        raise common.UsageError(f"--cp: {config.get('model_type')} has no SDPA attention (transformers runs its own "
+                                f"for it), and context parallelism splits SDPA's")
+    dropout = attention_dropout(config)
+    if dropout and sizes["cp"] > 1:
+        raise common.UsageError(f"--cp: the model's attention dropout ({', '.join(dropout)}) does not split over the "
+                                f"ranks: set it to 0 in its config.json to train it on cp")
+    meta = build_on_meta(model, attention=args.attention)   # (meta: no memory)
+    if sizes["tp"] > 1 and not args.plan and not tp.model_plan(meta)[0]:   # (every rank would compute it all)
+        kept = sorted(set(tp.model_plan(meta)[1].values()))
+        raise common.UsageError(f"--tp: {config.get('model_type')}'s tensor-parallel plan splits none of its modules "
+                                f"({'; '.join(kept)}): give --plan FILE (a JSON plan in 08's words) for --tp")
     args.n_params = sum(p.numel() for p in meta.parameters())
     args.flops_per_token = train_flops_per_token(meta, args.context_length)
     del meta
@@ -1628,12 +1721,15 @@ def check_mesh_fits(config: dict, sizes: dict, args):
             raise common.UsageError(f"--pp {P} x --chunks {args.chunks} stages for the model's {layers} layers: at "
                                     f"most one stage a layer")
     if args.ep > 1:
-        experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)),
-                       None)
+        experts = next((config[k] for k in EXPERT_COUNTS if config.get(k)), None)
         if not experts:
             raise common.UsageError("--ep: the model has no experts of its own")
         if experts % args.ep:
             raise common.UsageError(f"--ep {args.ep} does not divide the model's {experts} experts")
+
+
+# the names families give their count of routed experts (Ernie 4.5's the last)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _class_has_plan(config: dict, attr: str) -> bool:
@@ -1678,7 +1774,8 @@ def main(argv=None):
         if "skipped" in r:
             print(f"  SKIP  the check against one process: {r['skipped']}", flush=True)
         else:
-            common.check_verification({f"first {args.verify_steps} steps against one process": r},
+            off = f" ({', '.join(r['random_off'])} off in both: drawn at random)" if r["random_off"] else ""
+            common.check_verification({f"first {args.verify_steps} steps against one process{off}": r},
                                       f"{NAME} on {mesh_label(sizes, args.ep)}")
     if args.replicas > 1:
         return run_replicas(args, sizes, given)
@@ -2012,7 +2109,7 @@ def replay_replicas(args, schedule, final: Path) -> dict:
     anchors = [0] + sorted(k for k in saved if 0 < k < last) + [last]
 
     def fresh():
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attention,
                                                                   dtype=torch.float32).to(device)
         return model, adamw(model.parameters(), args)
 

@@ -147,10 +147,15 @@ def test_two_nodes_under_torchrun_train_one_mesh_checked_against_one_process(tin
 
 
 def _gpt2_folder(tiny, root: Path) -> Path:
+    """GPT-2 as its config builds it (dropout 0.1 everywhere, no tp or pp plan)."""
     import transformers
-    folder = root / "gpt2"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4)) \
-        .save_pretrained(folder)
+    return _folder(tiny, root / "gpt2", transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4)))
+
+
+def _folder(tiny, folder: Path, model) -> Path:
+    """``model`` saved as save_pretrained writes it, with the tiny model's tokenizer."""
+    model.save_pretrained(folder)
     for f in os.listdir(tiny / "model"):
         if f.startswith("tokenizer"):
             shutil.copy(tiny / "model" / f, folder / f)
@@ -197,6 +202,18 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
     assert "gpt2 ships no tensor-parallel plan: give --plan FILE" in refused("13_train.py", "--model", str(gpt2),
                                                                             "--data", text, "--tp", "2")
     assert "gpt2 ships no pipeline plan" in refused("13_train.py", "--model", str(gpt2), "--data", text, "--pp", "2")
+    assert "--cp: the model's attention dropout (attn_pdrop=0.1) does not split over the ranks: set it to 0" in \
+        refused("13_train.py", "--model", str(gpt2), "--data", text, "--cp", "2")
+    import transformers
+    bloom = _folder(tiny, tmp_path / "bloom", transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=512, hidden_size=32, n_layer=2, n_head=4)))   # (no SDPA: transformers' own attention)
+    assert "--cp: bloom has no SDPA attention (transformers runs its own for it), and context parallelism splits " \
+        "SDPA's" in refused("13_train.py", "--model", str(bloom), "--data", text, "--cp", "2")
+    granite = _folder(tiny, tmp_path / "granitemoe", transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)))   # (its plan names its experts alone)
+    assert "--tp: granitemoe's tensor-parallel plan splits none of its modules (experts" in \
+        refused("13_train.py", "--model", str(granite), "--data", text, "--tp", "2")
     assert "--batch-size 6 must divide by the data ranks" in refused("13_train.py", "--model", model, "--data", text,
                                                                      "--dp", "4", "--batch-size", "6")
 
@@ -345,13 +362,74 @@ def test_under_compile_the_loss_never_makes_its_float32_copies_of_the_logits():
 
 def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_path):
     """--dtype bf16 (autocast; the one process under the same autocast) with each decoder
-    layer recomputed in backward (the model's own gradient checkpointing) at fsdp 2."""
+    layer recomputed in backward (the model's own activation checkpointing) at fsdp 2."""
     p = run_inline("13_train.py", "--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--dtype", "bf16",
                    "--recompute", "--steps", "2", "--eval-every", "2", "--context-length", "32", "--batch-size", "8",
                    "--verify-steps", "2", "--sample-tokens", "2", "--run-dir", str(tmp_path / "run"),
                    "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "verify 13_train on fsdp 2: PASS" in p.stdout
+
+
+def test_a_family_without_sdpa_and_with_dropout_passes_the_check(tiny, tmp_path):
+    """BLOOM as its config builds it with dropout, at fsdp 2 in float32: it has no SDPA, and
+    the run gives it transformers' own attention (SDPA's refusal had ended the run in a
+    traceback). The check turns the dropout off on both sides and says so (each side's
+    masks are random: on, it failed at float32's bound); the run trains with it on."""
+    import transformers
+    bloom = _folder(tiny, tmp_path / "bloom", transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=512, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.1)))
+    p = run_inline("13_train.py", "--model", str(bloom), "--data", str(tiny / "text.txt"), "--steps", "1",
+                   "--eval-every", "1", "--eval-batches", "1", "--context-length", "32", "--batch-size", "8",
+                   "--verify-steps", "2", "--sample-tokens", "2", "--run-dir", str(tmp_path / "run"),
+                   "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "first 2 steps against one process (attention_dropout=0.1, hidden_dropout=0.1 off in both: drawn at " \
+        "random)" in p.stdout
+    assert "verify 13_train on fsdp 2: PASS" in p.stdout
+
+
+def test_recompute_is_the_models_own_checkpointing_without_a_deprecation_warning():
+    """--recompute through transformers' current name for it (5.24 warns on the old one,
+    in every rank's output)."""
+    import warnings
+    import transformers
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load("13_train").recompute_layers(model)
+    assert model.is_gradient_checkpointing and not [w for w in caught if w.category is FutureWarning]
+
+
+def test_randomness_is_turned_off_for_the_check_by_name_in_the_config_and_on_the_modules():
+    """random_off on transformers' models as their configs build them: GPT-2's dropouts,
+    PhiMoE's router jitter, an attention module's own copy of its rate; train mode then
+    gives eval mode's logits. A model with none reports none."""
+    import torch
+    import transformers
+    train = load("13_train")
+    x = torch.randint(0, 64, (2, 8))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))
+    phimoe = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, attention_dropout=0.25))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+    for model, want in ((gpt2, ["attn_pdrop=0.1", "embd_pdrop=0.1", "resid_pdrop=0.1", "summary_first_dropout=0.1"]),
+                        (phimoe, ["attention_dropout=0.25", "router_jitter_noise=0.01"]), (llama, [])):
+        model.train()
+        torch.manual_seed(0)
+        before = model(input_ids=x).logits
+        assert bool(want) == (not torch.equal(before, model(input_ids=x).logits))   # (random, where it draws)
+        assert train.random_off(model) == want
+        model.train()
+        got = model(input_ids=x).logits
+        model.eval()
+        assert torch.equal(got, model(input_ids=x).logits), type(model).__name__
+    attn = phimoe.model.layers[0].self_attn
+    assert attn.attention_dropout == 0.0 and phimoe.config.router_jitter_noise == 0.0
+    assert all(m.p == 0.0 for m in gpt2.modules() if isinstance(m, torch.nn.Dropout))
 
 
 def test_a_plain_run_writes_its_own_model_and_takes_fsdp_over_two_ranks(monkeypatch, tmp_path):
@@ -570,3 +648,14 @@ def test_bad_input_on_replicas_is_one_line(tiny, tmp_path):
     assert "--profile profiles --bench's steps on one job: add --bench" in refused("13_train.py", *flags, "--profile")
     assert "--profile with --replicas" in refused("13_train.py", *flags, "--replicas", "2", "--bench", "--profile")
     assert "no record.jsonl there" in refused("13_train.py", *flags, "--replay", str(tmp_path))
+
+
+def test_a_family_that_counts_its_experts_by_another_name_is_split_by_ep():
+    """Ernie 4.5's MoE counts its experts in moe_num_experts (refused as having none, before)."""
+    import argparse
+    train = load("13_train")
+    config = {"model_type": "ernie4_5_moe", "num_attention_heads": 4, "num_hidden_layers": 2, "moe_num_experts": 4}
+    sizes = {"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "tp": 1}
+    train.check_mesh_fits(config, sizes, argparse.Namespace(ep=2, plan=None, chunks=1))
+    with pytest.raises(kit.UsageError, match="--ep 3 does not divide the model's 4 experts"):
+        train.check_mesh_fits(config, sizes, argparse.Namespace(ep=3, plan=None, chunks=1))
