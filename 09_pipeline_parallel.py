@@ -56,7 +56,10 @@ import statistics
 import common
 
 # ---- begin copy: pipeline parallelism (needs torch, the standard library and placement.py) ----
+import ast
 import contextlib
+import inspect
+import textwrap
 import time
 
 import torch
@@ -247,7 +250,8 @@ class ModelStage(PipelineStage):
     """Stage ``stage`` of ``n_stages`` of a transformers model, built from what the model
     ships about itself, with nothing written for its family: its pipeline plan
     (``config.base_model_pp_plan``: the modules before the decoder layers, the layers, the
-    modules after) and its own forward. Every stage calls the model's forward as it is, so
+    modules after; for a family that ships none, as GPT-2, OPT, BLOOM, Falcon and OLMoE,
+    the plan read from the model: pipeline_plan) and its own forward. Every stage calls the model's forward as it is, so
     whatever that forward does besides the layers (the causal and sliding-window masks each
     layer type needs, the rotary tables of each type, an embedding scale, the final norm, a
     logit soft-cap) is the model's own code on every stage: layers another stage holds pass
@@ -269,16 +273,18 @@ class ModelStage(PipelineStage):
     ``chunks``, ``costs`` (one number a layer, or measure_costs' pieces) and ``cuts`` as in
     PipelineStage. A weight tied between the embedding and the head (``tie_word_embeddings``)
     sits on the first and last stage: ``stage.tied`` lists it there, for tie() and
-    sum_tied_gradients(). A MoE model's balancing loss over every layer
+    sum_tied_gradients() (under a wrapper that replaces the parameters, as FSDP with its
+    shards, take them again by their names once wrapped). A MoE model's balancing loss over every layer
     (``output_router_logits``) cannot be computed by one stage and is refused."""
 
     def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs=None, cuts=None):
         nn.Module.__init__(self)
         config, kind = getattr(model, "config", None), type(model).__name__
-        plan, base = getattr(config, "base_model_pp_plan", None), getattr(model, "base_model", None)
+        plan, base = pipeline_plan(model), getattr(model, "base_model", None)
         if not plan or base is None:
-            raise ValueError(f"{kind} ships no pipeline plan (config.base_model_pp_plan): build its stages with "
-                             f"PipelineStage(model, layers, stage, n_stages, embed, head, first, last, call=...)")
+            raise ValueError(f"{kind} ships no pipeline plan (config.base_model_pp_plan) and none can be read from it: "
+                             f"build its stages with PipelineStage(model, layers, stage, n_stages, embed, head, first, "
+                             f"last, call=...)")
         if getattr(config, "output_router_logits", False):
             raise ValueError(f"{kind} has output_router_logits=True: its balancing loss is over every layer's router, "
                              f"which no one stage runs; build it with output_router_logits=False")
@@ -296,8 +302,8 @@ class ModelStage(PipelineStage):
         i = keys.index(at[0])
         before, after = [prefix + k for k in keys[:i]], [prefix + k for k in keys[i + 1:]]
         after += [n for n, m in model.named_children() if m is not base]   # the head: the last stage's
-        placed = set(keys) | {n for n, m in base.named_children() if not any(True for _ in m.parameters())}
-        stray = [prefix + n for n, _ in base.named_children() if n not in placed]
+        stray = sorted({prefix + n.rpartition(".")[0] for n, _ in base.named_parameters()
+                        if not any(n.startswith(k + ".") for k in keys)})
         if stray:
             raise ValueError(f"{kind}'s {', '.join(stray)} has parameters its pipeline plan does not place on a "
                              f"stage: build its stages with PipelineStage(...)")
@@ -310,7 +316,7 @@ class ModelStage(PipelineStage):
         for names, holds in ((before, self.first), (after, self.last)):
             for n in names if not holds else ():
                 if any(True for _ in model.get_submodule(n).parameters()):
-                    _put(model, n, _Absent(n, stage))
+                    _put(model, n, _Absent(n, stage, model.get_submodule(n) if names is before else None))
         for i in range(len(blocks)):
             if i not in held:
                 blocks[i] = _Skip()
@@ -342,6 +348,36 @@ class ModelStage(PipelineStage):
                 _put(model, name, m)
 
 
+def pipeline_plan(model) -> list:
+    """The names of a transformers model's pipeline plan, under its base model, in the order
+    its forward runs them: the plan it ships (``config.base_model_pp_plan``), or for a
+    family that ships none (GPT-2, OPT, BLOOM, Falcon, OLMoE), one read from the model
+    itself: the one nn.ModuleList of its decoder layers (its ``_no_split_modules``), and the
+    modules beside it in the order the forward of the module holding it names them (its
+    source, read, not run). [] where it cannot tell."""
+    config, base = getattr(model, "config", None), getattr(model, "base_model", None)
+    plan = getattr(config, "base_model_pp_plan", None)
+    if plan or base is None:
+        return list(plan or ())
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [n for n, m in base.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and all(type(x).__name__ in kinds for x in m)]
+    if len(lists) != 1:
+        return []
+    path, _, _ = lists[0].rpartition(".")
+    holder = base.get_submodule(path) if path else base
+    children = {n for n, _ in holder.named_children()}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(holder).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    named = sorted((node.lineno, node.col_offset, node.attr) for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                   and node.attr in children)
+    order = list(dict.fromkeys(attr for _, _, attr in named))
+    return [f"{path}.{n}" if path else n for n in order]
+
+
 def _has(module, name) -> bool:
     try:
         module.get_submodule(name)
@@ -356,7 +392,9 @@ def _put(model, name, module):
 
 
 class _Skip(nn.Module):
-    """A layer another stage (or this stage's other chunk) runs: its input goes on as it is."""
+    """A layer another stage (or this stage's other chunk) runs: its input goes on as it is.
+    What it gives only ever reaches another _Skip, or _Enter, which replaces it: a loop that
+    takes its layers' output[0] (BLOOM's, Falcon's) takes a row of it, to no effect."""
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
@@ -392,13 +430,27 @@ class _Enter(nn.Module):
 
 
 class _Absent(nn.Module):
-    """A module another stage holds: the model's forward must not call it here."""
+    """A module another stage holds: the model's forward must not call it here. One that
+    ran before the layers (``before``: the module it stands for) may be called: GPT-2's
+    forward adds its position embedding, BLOOM's normalizes the embedding, whatever it is
+    given. What it gives leads only to the first layer's input, which this stage replaces
+    with the activation received (_Enter), so it gives zeros of the shape that module would
+    give: an embedding's lookup, a linear layer's, or its input's (a norm)."""
 
-    def __init__(self, name, stage):
+    def __init__(self, name, stage, before=None):
         super().__init__()
         self.name, self.stage = name, stage
+        self.width = (("embedding", before.embedding_dim) if isinstance(before, nn.Embedding) else
+                      ("linear", before.out_features) if isinstance(before, nn.Linear) else
+                      ("same", None) if before is not None else None)
+        self.dtype = next(before.parameters()).dtype if before is not None else None
 
     def forward(self, *args, **kwargs):
+        if self.width is not None:
+            x = next(a for a in (*args, *kwargs.values()) if torch.is_tensor(a))
+            kind, width = self.width
+            shape = (*x.shape, width) if kind == "embedding" else (*x.shape[:-1], width) if kind == "linear" else x.shape
+            return torch.zeros(shape, dtype=self.dtype if kind != "same" else x.dtype, device=x.device)
         raise RuntimeError(f"stage {self.stage} does not hold {self.name}, but the model's forward called it there: "
                            f"the model does more outside its layers than its pipeline plan says; build its stages "
                            f"with PipelineStage(...)")

@@ -231,6 +231,7 @@ class OnMesh:
         ignore = ep.expert_parameters(model) if self.experts else None
         self.stage = pp.ModelStage(model, mesh.coord("pp"), P, args.chunks) if P > 1 else model
         units = self.stage.held_layers() if P > 1 else None
+        tied = [n for n, p in self.stage.named_parameters() if any(p is t for t in self.stage.tied)] if P > 1 else []
         module = self.stage
         if F_ > 1:
             module = fsdp.FSDP(module, process_group=mesh.group("fsdp"), units=units, ignore=ignore or ())
@@ -241,10 +242,11 @@ class OnMesh:
         if P > 1:
             self.pipe = pp.Pipeline(module, args.microbatches, lambda out, y: self.loss(out["logits"], y),
                                     args.schedule, mesh.group("pp"), chunks=args.chunks)
-        self.tied_group = None
+        self.tied_group, self.tied = None, []
         if P > 1 and getattr(model.config, "tie_word_embeddings", False):
-            self.tied_group = pp.tied_group(mesh.slices("pp"))
-            pp.tie(self.stage.tied, self.tied_group)
+            held = dict(self.stage.named_parameters())   # (under fsdp its shards, by the names they had)
+            self.tied_group, self.tied = pp.tied_group(mesh.slices("pp")), [held[n] for n in tied]
+            pp.tie(self.tied, self.tied_group)
         self.replicas = D * F_
         self.replica = mesh.coord("dp") * F_ + mesh.coord("fsdp")
 
@@ -305,7 +307,7 @@ class OnMesh:
         if self.experts:
             ep.reduce_expert_gradients(self.model, data_ranks=self.replicas)
         if self.tied_group is not None:
-            pp.sum_tied_gradients(self.stage.tied, self.tied_group)
+            pp.sum_tied_gradients(self.tied, self.tied_group)
         for m in self.uncompiled:
             m.compile()
         self.uncompiled = []
@@ -1615,6 +1617,9 @@ def check(args):
         raise common.UsageError(f"--cp: the model's attention dropout ({', '.join(dropout)}) does not split over the "
                                 f"ranks: set it to 0 in its config.json to train it on cp")
     meta = build_on_meta(model, attention=args.attention)   # (meta: no memory)
+    if sizes["pp"] > 1 and not pp.pipeline_plan(meta):
+        raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan, and none can be read from it "
+                                f"(one list of its decoder layers, and its forward's source): --pp needs one")
     if sizes["tp"] > 1 and not args.plan and not tp.model_plan(meta)[0]:   # (every rank would compute it all)
         kept = sorted(set(tp.model_plan(meta)[1].values()))
         raise common.UsageError(f"--tp: {config.get('model_type')}'s tensor-parallel plan splits none of its modules "
@@ -1715,8 +1720,6 @@ def check_mesh_fits(config: dict, sizes: dict, args):
                 raise common.UsageError(f"--tp {T} does not divide the model's {n} {what}")
     layers = config.get("num_hidden_layers")
     if P > 1:
-        if not _class_has_plan(config, "base_model_pp_plan"):
-            raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan: --pp needs one")
         if layers and P * args.chunks > layers:
             raise common.UsageError(f"--pp {P} x --chunks {args.chunks} stages for the model's {layers} layers: at "
                                     f"most one stage a layer")

@@ -330,7 +330,16 @@ STAGE_FAMILIES = {
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
         moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, num_key_value_heads=8, head_dim=4,
-        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))}
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+    # families that ship no pipeline plan: ModelStage reads one from the model (09's
+    # pipeline_plan): GPT-2's position embedding and OPT's (nested in its decoder) added, and
+    # BLOOM's embedding norm, on every stage; BLOOM's and Falcon's layers return tuples
+    "gpt2, tied": ("GPT2LMHeadModel", "GPT2Config", dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                       tie_word_embeddings=True)),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(ffn_dim=128, dropout=0.0, attention_dropout=0.0)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", {}),
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2,
+                                                         head_dim=None))}
 
 
 def stage_family(kind):
@@ -339,7 +348,8 @@ def stage_family(kind):
     cfg = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                head_dim=8, intermediate_size=128, max_position_embeddings=64, attn_implementation="eager",
                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**cfg, **own}))
+    return getattr(transformers, cls)(getattr(transformers, cfg_cls)(
+        **{k: v for k, v in {**cfg, **own}.items() if v is not None}))   # (None: a key the family does not take)
 
 
 def stage_against_forward(kind, n_stages, chunks=1, build=stage_of, positions=False):
@@ -355,6 +365,7 @@ def stage_against_forward(kind, n_stages, chunks=1, build=stage_of, positions=Fa
     want = ref(input_ids=x, position_ids=pos, use_cache=False).logits
     want.float().square().mean().backward()
     stages = [build(copy.deepcopy(ref), s, n_stages, chunks) for s in range(n_stages)]
+    embedding = next(n for n, p in ref.named_parameters() if p is ref.get_input_embeddings().weight)
     xs, handed = (x, pos) if positions else (x,), []
     for v in range(n_stages * chunks):
         out = stages[v % n_stages](*xs, chunk=v // n_stages)
@@ -371,7 +382,7 @@ def stage_against_forward(kind, n_stages, chunks=1, build=stage_of, positions=Fa
         tied = {id(p) for p in getattr(s, "tied", [])}
         for n, p in s.named_parameters(remove_duplicate=False):
             if p.grad is not None:
-                n = "model.embed_tokens.weight" if id(p) in tied else n   # the one tensor of one process
+                n = embedding if id(p) in tied else n   # the one tensor of one process
                 grads[n] = grads.get(n, 0) + p.grad
     want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     return {"logits": (got - want).abs().max().item(),

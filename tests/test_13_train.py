@@ -201,7 +201,6 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
     gpt2 = _gpt2_folder(tiny, tmp_path)
     assert "gpt2 ships no tensor-parallel plan: give --plan FILE" in refused("13_train.py", "--model", str(gpt2),
                                                                             "--data", text, "--tp", "2")
-    assert "gpt2 ships no pipeline plan" in refused("13_train.py", "--model", str(gpt2), "--data", text, "--pp", "2")
     assert "--cp: the model's attention dropout (attn_pdrop=0.1) does not split over the ranks: set it to 0" in \
         refused("13_train.py", "--model", str(gpt2), "--data", text, "--cp", "2")
     import transformers
@@ -371,22 +370,26 @@ def test_bf16_and_recomputation_pass_the_check_against_one_process(tiny, tmp_pat
     assert "verify 13_train on fsdp 2: PASS" in p.stdout
 
 
-def test_a_family_without_sdpa_and_with_dropout_passes_the_check(tiny, tmp_path):
-    """BLOOM as its config builds it with dropout, at fsdp 2 in float32: it has no SDPA, and
-    the run gives it transformers' own attention (SDPA's refusal had ended the run in a
-    traceback). The check turns the dropout off on both sides and says so (each side's
-    masks are random: on, it failed at float32's bound); the run trains with it on."""
+def test_a_family_without_sdpa_or_a_pipeline_plan_and_with_dropout_passes_the_check_on_pp_and_fsdp(tiny, tmp_path):
+    """BLOOM as its config builds it (its head tied to its embedding) with dropout, on
+    pp 2 x fsdp 2 in float32. It has no SDPA: the run gives it transformers' own attention
+    (SDPA's refusal had ended the run in a traceback). It ships no pipeline plan: the stages
+    follow the plan read from the model (refused before). The check turns the dropout off on
+    both sides and says so (each side's masks are random: on, it failed at float32's
+    bound); the run trains with it on. The tied weight's two copies, FSDP's shards on the
+    first and last stage, add their gradients (the copies the stage had listed before FSDP
+    replaced them got none: any tied model on pp x fsdp failed the check, 9e-4 apart)."""
     import transformers
     bloom = _folder(tiny, tmp_path / "bloom", transformers.BloomForCausalLM(transformers.BloomConfig(
         vocab_size=512, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.1)))
-    p = run_inline("13_train.py", "--model", str(bloom), "--data", str(tiny / "text.txt"), "--steps", "1",
-                   "--eval-every", "1", "--eval-batches", "1", "--context-length", "32", "--batch-size", "8",
-                   "--verify-steps", "2", "--sample-tokens", "2", "--run-dir", str(tmp_path / "run"),
+    p = run_inline("13_train.py", "--model", str(bloom), "--data", str(tiny / "text.txt"), "--pp", "2", "--fsdp", "2",
+                   "--steps", "1", "--eval-every", "1", "--eval-batches", "1", "--context-length", "32",
+                   "--batch-size", "8", "--verify-steps", "2", "--sample-tokens", "2", "--run-dir", str(tmp_path / "run"),
                    "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "first 2 steps against one process (attention_dropout=0.1, hidden_dropout=0.1 off in both: drawn at " \
         "random)" in p.stdout
-    assert "verify 13_train on fsdp 2: PASS" in p.stdout
+    assert "verify 13_train on pp 2 x fsdp 2: PASS" in p.stdout
 
 
 def test_recompute_is_the_models_own_checkpointing_without_a_deprecation_warning():

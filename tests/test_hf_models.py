@@ -257,19 +257,20 @@ def test_a_model_with_no_plan_or_an_unknown_style_is_refused_naming_it(one_rank)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-moe", "qwen2-moe", "gemma2", "gemma3, tied", "phi3", "olmo2",
-                                  "glm4", "mixtral", "gpt-neox", "deepseek-v3"])
+                                  "glm4", "mixtral", "gpt-neox", "deepseek-v3", "gpt2, tied", "opt", "bloom", "falcon"])
 def test_a_stage_by_the_models_own_plan_computes_the_models_own_forward(kind):
     """09's ModelStage, nothing written for the family: eager attention, sequences past the
     sliding window, Gemma 2's soft-caps, Gemma 3's rotary table per layer type and its tied
-    head, MLA attention: the stages chained are the model's forward and backward, bit for
-    bit, at 2 and 4 stages and at 2 chunks a stage."""
+    head, MLA attention; and for the families that ship no pipeline plan (GPT-2, OPT,
+    BLOOM, Falcon), the plan read from the model: the stages chained are the model's
+    forward and backward, bit for bit, at 2 and 4 stages and at 2 chunks a stage."""
     import hf_model
     for n_stages, chunks in ((2, 1), (4, 1), (2, 2)):
         r = hf_model.stage_against_forward(kind, n_stages, chunks)
         assert r["logits"] == 0 and r["grads"] == 0, f"{n_stages} stages x {chunks}: {r}"
         assert not r["missing"]
         assert r["tied"] == ([[1, 1], [1, 0, 0, 1], [1, 1]][[(2, 1), (4, 1), (2, 2)].index((n_stages, chunks))]
-                             if kind == "gemma3, tied" else [0] * n_stages)
+                             if kind.endswith(", tied") else [0] * n_stages)
 
 
 def test_a_stage_may_hold_the_head_alone_or_uneven_runs_of_layers():
@@ -304,7 +305,10 @@ def test_a_stage_refuses_what_the_models_plan_cannot_place():
     pp = common.load_script(common.ROOT / "09_pipeline_parallel.py")
     import hf_model
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64))
-    with pytest.raises(ValueError, match=re.escape("GPT2LMHeadModel ships no pipeline plan (config.base_model_pp_plan)")):
+    assert pp.pipeline_plan(gpt2) == ["wte", "wpe", "drop", "h", "ln_f"]   # (read: it ships none)
+    gpt2._no_split_modules = []   # no decoder layers named: none can be read
+    with pytest.raises(ValueError, match=re.escape("GPT2LMHeadModel ships no pipeline plan (config.base_model_pp_plan) "
+                                                   "and none can be read from it")):
         pp.ModelStage(gpt2, 0, 2)
     moe = hf_model.stage_family("qwen3-moe")
     moe.config.output_router_logits = True
