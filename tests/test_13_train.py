@@ -402,7 +402,7 @@ def test_recompute_is_the_models_own_checkpointing_without_a_deprecation_warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load("13_train").recompute_layers(model)
-    assert model.is_gradient_checkpointing and not [w for w in caught if w.category is FutureWarning]
+    assert model.is_activation_checkpointing and not [w for w in caught if w.category is FutureWarning]
 
 
 def test_randomness_is_turned_off_for_the_check_by_name_in_the_config_and_on_the_modules():
