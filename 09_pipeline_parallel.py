@@ -251,14 +251,15 @@ class ModelStage(PipelineStage):
     ships about itself, with nothing written for its family: its pipeline plan
     (``config.base_model_pp_plan``: the modules before the decoder layers, the layers, the
     modules after; for a family that ships none, as GPT-2, OPT, BLOOM, Falcon and OLMoE,
-    the plan read from the model: pipeline_plan) and its own forward. Every stage calls the model's forward as it is, so
-    whatever that forward does besides the layers (the causal and sliding-window masks each
-    layer type needs, the rotary tables of each type, an embedding scale, the final norm, a
-    logit soft-cap) is the model's own code on every stage: layers another stage holds pass
-    their input on untouched, this stage's first layer takes the activation received, and
-    a stage that is not the last hands on the hidden state its last layer gave. The first
-    stage holds the modules before the layers, the last those after them and the head
-    (``lm_head``); a module with parameters that the plan does not place is refused, named.
+    the plan read from the model: pipeline_plan) and its own forward. Every stage calls
+    the model's forward as it is, so whatever that forward does besides the layers (the
+    causal and sliding-window masks each layer type needs, the rotary tables of each type,
+    an embedding scale, the final norm, a logit soft-cap) is the model's own code on every
+    stage: layers another stage holds pass their input on untouched, this stage's first
+    layer takes the activation received, and a stage that is not the last hands on the
+    hidden state its last layer gave. The first stage holds the modules before the layers,
+    the last those after them and the head (``lm_head``); a module with parameters that the
+    plan does not place is refused, named.
 
         stage = ModelStage(model, rank, n_stages)              # the model's own names: its checkpoints
         pipe = Pipeline(stage, 8, lambda out, y: F.cross_entropy(out["logits"].flatten(0, 1), y.flatten()))
@@ -274,8 +275,8 @@ class ModelStage(PipelineStage):
     PipelineStage. A weight tied between the embedding and the head (``tie_word_embeddings``)
     sits on the first and last stage: ``stage.tied`` lists it there, for tie() and
     sum_tied_gradients() (under a wrapper that replaces the parameters, as FSDP with its
-    shards, take them again by their names once wrapped). A MoE model's balancing loss over every layer
-    (``output_router_logits``) cannot be computed by one stage and is refused."""
+    shards, take them again by their names once wrapped). A MoE model's balancing loss over
+    every layer (``output_router_logits``) cannot be computed by one stage and is refused."""
 
     def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs=None, cuts=None):
         nn.Module.__init__(self)
