@@ -383,16 +383,14 @@ def recompute_layers(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def attention_of(folder) -> str:
-    """The attention the run gives the folder's model: "sdpa" (torch's fused attention,
-    which context parallelism splits) where its family has it, else "eager", its own (a
-    family without SDPA, as BLOOM, refuses it as it is built)."""
+def attention_of(folder) -> tuple:
+    """The attention the run gives the folder's model, and the model built on meta with it:
+    "sdpa" (torch's fused attention, which context parallelism splits) where its family has
+    it, else "eager", its own (a family without SDPA, as BLOOM, refuses it as it is built)."""
     try:
-        build_on_meta(folder)
-        return "sdpa"
-    except ValueError:
-        build_on_meta(folder, attention="eager")   # (a model that fails for another reason raises here)
-        return "eager"
+        return "sdpa", build_on_meta(folder)
+    except ValueError:   # (a model that fails for another reason raises again here)
+        return "eager", build_on_meta(folder, attention="eager")
 
 
 # What a model draws at random while it trains, by its name in the config or on a module:
@@ -1608,7 +1606,7 @@ def check(args):
     args.data_label = ", ".join(corpus.label(d, s) for d, s in zip(args.data, sources))
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
-    args.attention = attention_of(model)
+    args.attention, meta = attention_of(model)   # (meta: no memory)
     if args.attention != "sdpa" and sizes["cp"] > 1:
         raise common.UsageError(f"--cp: {config.get('model_type')} has no SDPA attention (transformers runs its own "
                                 f"for it), and context parallelism splits SDPA's")
@@ -1616,14 +1614,15 @@ def check(args):
     if dropout and sizes["cp"] > 1:
         raise common.UsageError(f"--cp: the model's attention dropout ({', '.join(dropout)}) does not split over the "
                                 f"ranks: set it to 0 in its config.json to train it on cp")
-    meta = build_on_meta(model, attention=args.attention)   # (meta: no memory)
     if sizes["pp"] > 1 and not pp.pipeline_plan(meta):
         raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan, and none can be read from it "
                                 f"(one list of its decoder layers, and its forward's source): --pp needs one")
-    if sizes["tp"] > 1 and not args.plan and not tp.model_plan(meta)[0]:   # (every rank would compute it all)
-        kept = sorted(set(tp.model_plan(meta)[1].values()))
-        raise common.UsageError(f"--tp: {config.get('model_type')}'s tensor-parallel plan splits none of its modules "
-                                f"({'; '.join(kept)}): give --plan FILE (a JSON plan in 08's words) for --tp")
+    if sizes["tp"] > 1 and not args.plan:
+        split, whole = tp.model_plan(meta)
+        if not split:   # (every rank would compute it all)
+            raise common.UsageError(f"--tp: {config.get('model_type')}'s tensor-parallel plan splits none of its "
+                                    f"modules ({'; '.join(sorted(set(whole.values())))}): give --plan FILE (a JSON "
+                                    f"plan in 08's words) for --tp")
     args.n_params = sum(p.numel() for p in meta.parameters())
     args.flops_per_token = train_flops_per_token(meta, args.context_length)
     del meta
