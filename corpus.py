@@ -19,16 +19,19 @@ cache of a loaded dataset: its train split, or its only one); several mixed by w
 Documents are kept apart by the tokenizer's end-of-text token after each.
 
 Preparation (prepare): the sources are cut into work units of about UNIT_BYTES (a text or
-JSON-lines file at line ends, a Parquet file by row groups, an arrow file by record
-batches; small files together), tokenized by a pool of processes (by default one per two
-cores, each its tokenizer's batch encoding on its two; fewer than POOL_UNITS units, or one
-process, in this process, the batch encoding's own threads on every core), each unit
-written as one memory-mappable shard (uint16 where the vocabulary fits, else uint32) by atomic rename,
-with its size and a digest in a sidecar; the index (index.json) last. A killed preparation
-continues where it stopped (the units done are kept); two preparations of the same corpus
-never run at once (a lock file: the second waits, then finds it done). Memory stays bounded
-whatever the corpus and its files: a process holds one tokenizer call's text (CALL_CHARS;
-a unit's rows read ROWS_READ at a time, its tokens written as each call returns). The
+JSON-lines file at line ends, a text's line longer than SCAN_BYTES before a space, a
+Parquet file by row groups, an arrow file by record batches; small files together),
+tokenized by a pool of processes (by default one per two cores, each its tokenizer's batch
+encoding on its two; fewer than POOL_UNITS units, or one process, in this process, the
+batch encoding's own threads on every core), each unit written as one memory-mappable
+shard (uint16 where the vocabulary fits, else uint32) by atomic rename, with its size, a
+digest and what it was made of in a sidecar; the index (index.json) last. A killed
+preparation continues where it stopped (the units done are kept, where made of the same
+pieces); two preparations of the same corpus never run at once (a lock file: the second
+waits, then finds it done). Memory stays bounded whatever the corpus and its files: a
+process holds one tokenizer call's text (CALL_CHARS; a long text in parts of PART_CHARS
+cut at line ends, or spaces in a longer line; a unit's rows read ROWS_READ at a time, its
+tokens written as each call returns), and one record whole (a JSON line, a row). The
 folder is named by the tokenizer's files and the sources (paths, sizes, times) and the
 text field.
 
@@ -43,6 +46,7 @@ from the held-out tokens, seeded with (seed, k): the same every time.
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -58,6 +62,7 @@ UNIT_BYTES = 8 << 20       # a work unit's text: a process holds one (and its to
 POOL_UNITS = 4             # fewer units to prepare: in this process (measured: docs/13)
 CALL_CHARS = 256 << 10     # text a tokenizer call takes (a call's memory grows with its longest text:
 PART_CHARS = 32 << 10      # ~600 MB for one 1 MB string, measured), a long text in parts of PART_CHARS
+SCAN_BYTES = 1 << 20       # read at a time looking for where a piece of a file may end (a line end, a space)
 HELD_FRACTION = 0.05       # each source's tail, whole documents, held out for evaluation
 VERSION = 2                # of the folder's layout: a new one prepares anew (2: an arrow file in units)
 ROWS_READ = 256            # a Parquet row group's or an arrow batch's rows read at a time
@@ -98,7 +103,7 @@ def open_text(f, mode="rb"):
         except ImportError:
             raise CorpusError(f"--data {f}: reading .zst needs the zstandard package (pip install zstandard), or "
                               f"decompress it (zstd -d)") from None
-        return zstandard.open(f, mode)
+        return io.BufferedReader(zstandard.open(f, mode))   # (zstandard's reader has no readline: JSON lines)
     return open(f, mode)
 
 
@@ -278,7 +283,8 @@ def text_problem(path: str) -> str | None:
     try:
         with open_text(path) as f:
             for at in sorted({0, *(size * k // 16 for k in range(1, 16) if not compressed(path))}):
-                f.seek(at)
+                if at:   # (a compressed file, read at its start alone, cannot seek)
+                    f.seek(at)
                 raw = f.read(chunk)
                 why = _not_text(raw, at)
                 if why:
@@ -355,8 +361,9 @@ def _columns(kind, f) -> list:
 # ---- preparation --------------------------------------------------------------------------
 def _units(sources) -> list:
     """The work units: (source, [pieces]), each piece (kind, file, where, closes): ``where``
-    (start, stop) bytes of a text or JSON-lines file cut at line ends (a compressed one
-    whole: None), a Parquet row group's
+    (start, stop) bytes of a text or JSON-lines file (cut at line ends; a text's line longer
+    than SCAN_BYTES before a space: _piece_end; a compressed one whole: None), a Parquet row
+    group's
     index, or (first, stop, bytes) of an arrow file's record batches, its text column's
     bytes; ``closes``: a text file's document ends with the piece (its file does). Small
     files share a unit up to UNIT_BYTES (a batch encoding of their documents together),
@@ -374,8 +381,7 @@ def _units(sources) -> list:
                 with open(f, "rb") as fh:
                     while cuts[-1] + UNIT_BYTES < size:
                         fh.seek(cuts[-1] + UNIT_BYTES)
-                        fh.readline()   # to the end of the line it lands in
-                        cuts.append(min(fh.tell(), size))
+                        cuts.append(min(_piece_end(fh, kind == "jsonl"), size))
                 cuts = sorted(set(cuts + [size]))
                 pieces += [(kind, f, (a, b), b == size) for a, b in zip(cuts, cuts[1:])]
             elif kind == "parquet":
@@ -392,6 +398,43 @@ def _units(sources) -> list:
         if unit:
             units.append((si, unit))
     return units
+
+
+def _cut(text, at: int, window: int) -> int:
+    """Where ``text`` (str, or UTF-8 bytes) may be cut at or after ``at``, so that its two
+    sides tokenize as it does whole: after the first line end within ``window`` of ``at``;
+    where there is none, before the first space or tab there (a word's tokens begin with the
+    space before it, in byte-level BPE and SentencePiece alike); where there is neither (one
+    endless word), at ``at`` itself, moved to a character's start (its tokens may then differ
+    at the cut). A line or a word never makes a part longer than ``at`` + ``window``."""
+    nl, blanks = ("\n", " \t") if isinstance(text, str) else (b"\n", (b" ", b"\t"))
+    end = min(len(text), at + window)
+    line = text.find(nl, at, end)
+    if line >= 0:
+        return line + 1
+    blank = min((i for b in blanks if (i := text.find(b, at, end)) >= 0), default=-1)
+    if blank >= 0:
+        return blank
+    if isinstance(text, bytes):   # (not inside a character: past its continuation bytes)
+        while at < len(text) and text[at] & 0xC0 == 0x80:
+            at += 1
+    return min(at, len(text))
+
+
+def _piece_end(fh, jsonl: bool) -> int:
+    """Where a piece of a file may end, from ``fh``'s position on: a JSON line's end (the
+    line read through SCAN_BYTES at a time, never whole); a text's place to cut (_cut) within
+    SCAN_BYTES: a line longer than that (a corpus of one line, as text8 is) is cut before a
+    space. The file's size where it ends first."""
+    at = fh.tell()
+    while raw := fh.read(SCAN_BYTES):
+        if not jsonl:
+            return at + _cut(raw, 0, len(raw))
+        line = raw.find(b"\n")
+        if line >= 0:
+            return at + line + 1
+        at += len(raw)
+    return at
 
 
 def _arrow_pieces(f, field) -> list:
@@ -497,21 +540,22 @@ def _json_docs(lines, f, field, at=None):
 
 def _streamed(kind, f, field):
     """A compressed file's documents as it decompresses: JSON lines one a line; a text file,
-    one document, in pieces of about UNIT_BYTES ending at line ends (_parts closes it after
-    the last)."""
+    one document, in pieces of about UNIT_BYTES cut where _cut finds within SCAN_BYTES after
+    (a line end; in a line longer than that, a space), never a line whole (_parts closes the
+    document after the last piece)."""
     with open_text(f) as fh:
         if kind == "jsonl":
             yield from _json_docs(fh, f, field)
             return
-        lines, size = [], 0
-        for line in fh:
-            lines.append(line)
-            size += len(line)
-            if size >= UNIT_BYTES:
-                yield b"".join(lines).decode("utf-8", errors="replace")
-                lines, size = [], 0
-        if lines:
-            yield b"".join(lines).decode("utf-8", errors="replace")
+        rest = b""
+        while True:
+            piece, tail = rest + fh.read(UNIT_BYTES), fh.read(SCAN_BYTES)
+            cut = _cut(tail, 0, len(tail))
+            if piece or tail:
+                yield (piece + tail[:cut]).decode("utf-8", errors="replace")
+            if not tail:
+                return
+            rest = tail[cut:]
 
 
 def _parts(unit, field):
@@ -524,7 +568,7 @@ def _parts(unit, field):
         doc = next(docs, None)
         while doc is not None:
             after = next(docs, None)
-            parts = _lines_of(doc, PART_CHARS)
+            parts = _parts_of(doc, PART_CHARS)
             for k, part in enumerate(parts):
                 yield part, k == len(parts) - 1 and (not text or after is None and piece[3])
             doc = after
@@ -559,7 +603,8 @@ def _tokenize_unit(job):
         os.fsync(f.fileno())
     os.replace(tmp, path)
     nbytes = tokens * np.dtype(dtype).itemsize
-    _atomic_json(path.with_suffix(".json"), {"tokens": tokens, "bytes": nbytes, "digest": _digest(path)})
+    _atomic_json(path.with_suffix(".json"), {"tokens": tokens, "bytes": nbytes, "digest": _digest(path),
+                                             "unit": _unit_key(unit)})
     return name, tokens, _unit_bytes(unit)
 
 
@@ -570,16 +615,16 @@ def _join(ids, eos, closes, dtype) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def _lines_of(text: str, n: int) -> list:
-    """``text`` in parts of about ``n`` characters, each ending at a line's end (where its
-    tokenization restarts), or whole where it is shorter."""
+def _parts_of(text: str, n: int) -> list:
+    """``text`` in parts of ``n`` to 2 ``n`` characters, each cut where _cut finds (where its
+    tokenization restarts: a line's end, else a space), or whole where it is shorter."""
     parts, at = [], 0
     while len(text) - at > n:
-        cut = text.find("\n", at + n)
-        if cut < 0:
+        cut = _cut(text, at + n, n)
+        if cut >= len(text):
             break
-        parts.append(text[at:cut + 1])
-        at = cut + 1
+        parts.append(text[at:cut])
+        at = cut
     return parts + [text[at:]]
 
 
@@ -602,14 +647,22 @@ def _atomic_json(path, obj):
     os.replace(tmp, path)
 
 
-def _unit_ok(folder, name) -> bool:
-    """A unit prepared before, whole: its shard's size and digest as its sidecar says."""
+def _unit_ok(folder, name, unit=None) -> bool:
+    """A unit prepared before, whole: its shard's size and digest as its sidecar says, and
+    (``unit`` given) made of the same pieces: a preparation resumed with its sources cut
+    otherwise (by another version) keeps none of the old cuts' shards."""
     shard, side = Path(folder) / f"{name}.bin", Path(folder) / f"{name}.json"
     try:
         meta = json.loads(side.read_text())
-        return os.path.getsize(shard) == meta["bytes"] and _digest(shard) == meta["digest"]
+        return (os.path.getsize(shard) == meta["bytes"] and _digest(shard) == meta["digest"]
+                and (unit is None or meta.get("unit") == _unit_key(unit)))
     except (OSError, ValueError, KeyError):
         return False
+
+
+def _unit_key(unit) -> str:
+    """What a unit's shard is made of: its source and pieces (files, and where in them)."""
+    return hashlib.sha256(json.dumps(unit, default=str).encode()).hexdigest()[:16]
 
 
 def corpus_folder(sources, model, cache) -> Path:
@@ -666,7 +719,7 @@ def prepare(sources, model, cache, processes=None, say=print, every=2.0) -> str:
         units = _units(sources)
         names = [f"{u[0]:03d}-{k:06d}" for k, u in enumerate(units)]
         todo = [(u, n, str(folder), dtype, sources[u[0]]["field"]) for u, n in zip(units, names)
-                if not _unit_ok(folder, n)]
+                if not _unit_ok(folder, n, u)]
         total = sum(_unit_bytes(u) for u, *_ in todo)
         kept = len(units) - len(todo)
         head = (f"preparing {len(units)} units of text ({total / 1e6:,.1f} MB to tokenize"

@@ -181,28 +181,33 @@ def test_a_folder_of_a_datasets_files_as_the_hub_keeps_them_trains_on_its_train_
 
 def test_compressed_text_and_json_lines_are_read_as_they_decompress(model, tmp_path, monkeypatch):
     """Corpora ship compressed (C4's .json.gz, the Pile's .jsonl.zst): text and JSON lines in
-    .gz, .bz2 or .xz are read through as they decompress, the tokens those of the same file
-    uncompressed; a folder of them is read, an archive in it (.tar.gz) passed over, and one
-    given by name refused in a line; .zst without the zstandard package, a line saying so.
-    Before, a folder of .json.gz had "no file to read", and one given by name was "a binary
-    file"."""
+    .gz, .bz2, .xz or .zst are read through as they decompress, the tokens those of the same
+    file uncompressed; a folder of them is read, an archive in it (.tar.gz) passed over, and
+    one given by name refused in a line; .zst without the zstandard package, a line saying
+    so. Before, a folder of .json.gz had "no file to read", and one given by name was "a
+    binary file"; and with zstandard installed, JSON lines in .zst failed at their first
+    line (its reader has no readline: io.UnsupportedOperation)."""
     import bz2
     import gzip
     import lzma
+    import zstandard
     folder = tmp_path / "c4"
     folder.mkdir()
     lines = "".join(json.dumps({"body": d}) + "\n" for d in DOCS[:30]).encode()
     (folder / "c4-train.00000-of-00002.json.gz").write_bytes(gzip.compress(lines))
     (folder / "c4-train.00001-of-00002.jsonl.xz").write_bytes(lzma.compress(lines))
     (folder / "notes.txt.bz2").write_bytes(bz2.compress(DOCS[40].encode()))
+    zst = zstandard.ZstdCompressor()   # (two frames, as a file written in parts is)
+    (folder / "pile.jsonl.zst").write_bytes(zst.compress(lines[:1000]) + zst.compress(lines[1000:]))
+    (folder / "story.txt.zst").write_bytes(zst.compress(DOCS[41].encode()))
     (folder / "old.tar.gz").write_bytes(gzip.compress(b"not a corpus"))
     sources = corpus.parse_sources([str(folder)], "body")
     assert [(k, Path(f).name) for k, f in sources[0]["files"]] == [
         ("jsonl", "c4-train.00000-of-00002.json.gz"), ("jsonl", "c4-train.00001-of-00002.jsonl.xz"),
-        ("text", "notes.txt.bz2")]
+        ("text", "notes.txt.bz2"), ("jsonl", "pile.jsonl.zst"), ("text", "story.txt.zst")]
     corpus.check_sources(sources)
     index = corpus.prepare(sources, model, tmp_path / "cache", say=lambda line: None)
-    assert stream(index) == joined(model, [*DOCS[:30], *DOCS[:30], DOCS[40]])
+    assert stream(index) == joined(model, [*DOCS[:30], *DOCS[:30], DOCS[40], *DOCS[:30], DOCS[41]])
     with pytest.raises(corpus.CorpusError, match="a compressed file of no kind read here .*not an archive of files"):
         corpus.parse_sources([str(folder / "old.tar.gz")], "body")
     (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"id": 1}\n'))
@@ -283,6 +288,11 @@ def test_a_killed_preparation_continues_and_a_damaged_shard_is_prepared_again(mo
     index = corpus.prepare(sources, model, tmp_path / "cache", processes=1, say=lambda line: None)
     assert sorted(done) == sorted(p.stem for p in shards[1:3])   # found and prepared again, nothing else
     assert stream(index) == joined(model, DOCS)
+    Path(index).unlink()   # stopped before its index, then resumed with the sources cut otherwise (as by
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 5000)   # another version): no shard of the old cuts is kept
+    done.clear()
+    index = corpus.prepare(sources, model, tmp_path / "cache", processes=1, say=lambda line: None)
+    assert len(done) == len(corpus._units(sources)) and stream(index) == joined(model, DOCS)
 
 
 def test_a_large_arrow_file_or_row_group_is_read_a_few_rows_at_a_time_never_whole(model, tmp_path, monkeypatch):
@@ -317,6 +327,51 @@ def test_a_large_arrow_file_or_row_group_is_read_a_few_rows_at_a_time_never_whol
         tracemalloc.stop()
         assert peak < text / 4, (path.name, peak, text)
         assert np.fromfile(tmp_path / "u.bin", dtype=np.uint16).tolist() == want, path.name
+
+
+def test_a_corpus_of_one_line_is_cut_before_spaces_and_never_read_whole(model, tmp_path, monkeypatch):
+    """A text with no line ends (text8 is 100 MB of one line) was one piece and one
+    tokenizer call, read whole: 4 MB of it took its process to 1.1 GB, where 4 MB in lines
+    took 356 MB (measured here), and the unit's cut read the line whole to find its end. Now
+    a line longer than SCAN_BYTES is cut before a space, in units and in parts, plain or
+    compressed, and a JSON line's text too: the tokens are the tokenizer's own of the whole
+    text; a text with no space either (a script written without them) is cut between
+    characters and decodes to itself. What a cut or a unit holds stays a small part of the
+    text."""
+    import gzip
+    import tracemalloc
+    words = " ".join(DOCS).replace("\n", " ")
+    text = (words + " ") * 3   # ~150 KB, one line
+    (tmp_path / "text8").write_text(text)
+    (tmp_path / "text8.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "one.jsonl").write_text(json.dumps({"body": text}) + "\n" + json.dumps({"body": "after"}) + "\n")
+    script = "字体" * 20_000   # (no space, no line end; three bytes a character)
+    (tmp_path / "script.txt").write_text(script)
+    for name, value in (("UNIT_BYTES", 16 << 10), ("SCAN_BYTES", 2 << 10), ("PART_CHARS", 2 << 10),
+                        ("CALL_CHARS", 4 << 10)):
+        monkeypatch.setattr(corpus, name, value, raising=False)
+    tok = tokenizer(model)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    for name, want in (("text8", whole + [tok.eos_token_id]), ("text8.gz", whole + [tok.eos_token_id]),
+                       ("one.jsonl", joined(model, [text, "after"]))):
+        sources = corpus.parse_sources([str(tmp_path / name)], "body")
+        index = corpus.prepare(sources, model, tmp_path / "cache", processes=1, say=lambda line: None)
+        assert stream(index) == want, name
+    sources = corpus.parse_sources([str(tmp_path / "text8")], "body")
+    tracemalloc.start()
+    units = corpus._units(sources)
+    cutting = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    monkeypatch.setattr(corpus, "_digest", lambda path: "")   # (its sidecar's digest reads a fixed 2 MiB)
+    corpus._tokenize_unit((units[0], "u", str(tmp_path), np.uint16, "body"))
+    one_unit = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(units) >= len(text) // (16 << 10) and cutting < len(text) / 10, (len(units), cutting)
+    assert one_unit < len(text) / 2, one_unit
+    index = corpus.prepare(corpus.parse_sources([str(tmp_path / "script.txt")], "body"), model, tmp_path / "cache",
+                           processes=1, say=lambda line: None)
+    assert tok.decode(stream(index)) == script + tok.eos_token
+    assert len(json.loads(Path(index).read_text())["units"]) > 2
 
 
 def test_a_pool_of_processes_prepares_the_same_tokens_and_batches_as_one(model, tmp_path, monkeypatch):
