@@ -281,7 +281,7 @@ class ModelStage(PipelineStage):
     def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs=None, cuts=None):
         nn.Module.__init__(self)
         config, kind = getattr(model, "config", None), type(model).__name__
-        plan, base = pipeline_plan(model), getattr(model, "base_model", None)
+        plan, base = pipeline_plan(model), _base_of(model)
         if not plan or base is None:
             raise ValueError(f"{kind} ships no pipeline plan (config.base_model_pp_plan) and none can be read from it: "
                              f"build its stages with PipelineStage(model, layers, stage, n_stages, embed, head, first, "
@@ -318,9 +318,11 @@ class ModelStage(PipelineStage):
             for n in names if not holds else ():
                 if any(True for _ in model.get_submodule(n).parameters()):
                     _put(model, n, _Absent(n, stage, model.get_submodule(n) if names is before else None))
+        path, _, leaf = (prefix + at[0]).rpartition(".")
+        self._unpacks = _unpacked(model.get_submodule(path) if path else model, leaf)
         for i in range(len(blocks)):
             if i not in held:
-                blocks[i] = _Skip()
+                blocks[i] = _Skip(self._unpacks, blocks[i])
         for name, child in model.named_children():   # the model's own names: stage.state_dict() is its
             self.add_module(name, child)
         self._model, self._after, self._n = [model], after, len(blocks)
@@ -329,9 +331,10 @@ class ModelStage(PipelineStage):
         model, (lo, hi) = self._model[0], self.ranges[chunk]
         start, end = self.first and chunk == 0, self.last and chunk == len(self.ranges) - 1
         at = lambda i: f"{self.layers_name}.{i}" if i < self._n else self._after[0]   # noqa: E731 (the head after)
-        swaps = {at(i): _Skip() for lo2, hi2 in self.ranges if lo2 != lo for i in range(lo2, hi2)}
+        swaps = {at(i): _Skip(self._unpacks, model.get_submodule(at(i)))
+                 for lo2, hi2 in self.ranges if lo2 != lo for i in range(lo2, hi2)}
         if not end:     # hand on the hidden state where the next stage's first layer would run
-            swaps[at(hi)] = _Exit()
+            swaps[at(hi)] = _Exit(model.get_submodule(at(hi)))
         if not start:   # the activation received enters at this chunk's first layer (or the norm)
             swaps[at(lo)] = _Enter(model.get_submodule(at(lo)), xs[0])
         kept = {name: model.get_submodule(name) for name in swaps}
@@ -353,16 +356,19 @@ def pipeline_plan(model) -> list:
     """The names of a transformers model's pipeline plan, under its base model, in the order
     its forward runs them: the plan it ships (``config.base_model_pp_plan``), or for a
     family that ships none (GPT-2, OPT, BLOOM, Falcon, OLMoE), one read from the model
-    itself: the one nn.ModuleList of its decoder layers (its ``_no_split_modules``), and the
+    itself: the one nn.ModuleList of its decoder layers (its ``_no_split_modules``; where it
+    names none, the one outermost list of modules of one kind), and the
     modules beside it in the order the forward of the module holding it names them (its
     source, read, not run). [] where it cannot tell."""
-    config, base = getattr(model, "config", None), getattr(model, "base_model", None)
+    config, base = getattr(model, "config", None), _base_of(model)
     plan = getattr(config, "base_model_pp_plan", None)
     if plan or base is None:
         return list(plan or ())
     kinds = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [n for n, m in base.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) and all(type(x).__name__ in kinds for x in m)]
+    lists = [n for n, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) and
+             (all(type(x).__name__ in kinds for x in m) if kinds else len({type(x) for x in m}) == 1)]
+    if not kinds:   # (a family that names none, as BioGPT: the outermost list of one kind of module)
+        lists = [n for n in lists if not any(n.startswith(o + ".") for o in lists)]
     if len(lists) != 1:
         return []
     path, _, _ = lists[0].rpartition(".")
@@ -379,6 +385,39 @@ def pipeline_plan(model) -> list:
     return [f"{path}.{n}" if path else n for n in order]
 
 
+def _base_of(model):
+    """A transformers model's base model (its decoder, under the head): ``model.base_model``,
+    or where that is the model itself because its ``base_model_prefix`` names nothing it
+    holds (Llama4ForCausalLM's "language_model": its decoder is under "model"), its one
+    child that is a transformers model itself. None for a model that is no transformers'."""
+    base = getattr(model, "base_model", None)
+    if base is model:
+        inner = [m for _, m in model.named_children() if hasattr(m, "base_model_prefix")]
+        base = inner[0] if len(inner) == 1 else base
+    return base
+
+
+def _unpacked(holder, name) -> int:
+    """How many names the forward of ``holder`` unpacks each of its layers' output into
+    (Bamba's ``hidden_states, attn_weights = decoder_layer(...)``: 2), read from its source
+    (the call inside a loop over ``self.<name>``); 0 where it takes the output as it is."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(holder).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return 0
+    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
+        if not any(isinstance(a, ast.Attribute) and a.attr == name and isinstance(a.value, ast.Name)
+                   and a.value.id == "self" for a in ast.walk(loop.iter)):
+            continue
+        layer = {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
+        for node in ast.walk(loop):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and
+                    isinstance(node.value.func, ast.Name) and node.value.func.id in layer and
+                    isinstance(node.targets[0], ast.Tuple)):
+                return len(node.targets[0].elts)
+    return 0
+
+
 def _has(module, name) -> bool:
     try:
         module.get_submodule(name)
@@ -392,13 +431,38 @@ def _put(model, name, module):
     setattr(model.get_submodule(".".join(path)) if path else model, leaf, module)
 
 
-class _Skip(nn.Module):
-    """A layer another stage (or this stage's other chunk) runs: its input goes on as it is.
-    What it gives only ever reaches another _Skip, or _Enter, which replaces it: a loop that
-    takes its layers' output[0] (BLOOM's, Falcon's) takes a row of it, to no effect."""
+class _StandIn(nn.Module):
+    """A module in a layer's place, through which the layer's own plain attributes are read
+    (NemotronH's forward picks each layer's mask by its ``block_type``)."""
+
+    def __init__(self, layer=None):
+        super().__init__()
+        self._own = layer._own if isinstance(layer, _StandIn) else {} if layer is None else {
+            k: v for k, v in vars(layer).items() if not k.startswith("_") and k != "training"}
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            own = self.__dict__.get("_own", {})
+            if name in own:
+                return own[name]
+            raise
+
+
+class _Skip(_StandIn):
+    """A layer another stage (or this stage's other chunk) runs: its input goes on as it is,
+    as the first of ``unpacks`` values where the model's forward unpacks its layers' output
+    into that many (Bamba's: 2; _unpacked). What it gives only ever reaches another _Skip,
+    or _Enter, which replaces it: a loop that takes its layers' output[0] (BLOOM's,
+    Falcon's) takes a row of it, to no effect."""
+
+    def __init__(self, unpacks=0, layer=None):
+        super().__init__(layer)
+        self.unpacks = unpacks
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        return (hidden_states, *[None] * (self.unpacks - 1)) if self.unpacks else hidden_states
 
 
 class _Handoff(Exception):
@@ -410,17 +474,17 @@ class _Handoff(Exception):
         self.hidden = hidden
 
 
-class _Exit(nn.Module):
+class _Exit(_StandIn):
     def forward(self, hidden_states, *args, **kwargs):
         raise _Handoff(hidden_states)
 
 
-class _Enter(nn.Module):
+class _Enter(_StandIn):
     """This chunk's first layer, given the activation received in place of the input the
     model's forward computed from nothing this stage holds."""
 
     def __init__(self, layer, hidden):
-        super().__init__()
+        super().__init__(layer)
         self._inner = [layer, hidden]
 
     def forward(self, *args, **kwargs):

@@ -333,13 +333,28 @@ STAGE_FAMILIES = {
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
     # families that ship no pipeline plan: ModelStage reads one from the model (09's
     # pipeline_plan): GPT-2's position embedding and OPT's (nested in its decoder) added, and
-    # BLOOM's embedding norm, on every stage; BLOOM's and Falcon's layers return tuples
+    # BLOOM's embedding norm, on every stage; BLOOM's and Falcon's layers return tuples, and
+    # Bamba's forward unpacks its layers' (hidden_states, attn_weights): Mamba-2 layers
+    # between its attention layers; BioGPT names no no-split modules
     "gpt2, tied": ("GPT2LMHeadModel", "GPT2Config", dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                                        tie_word_embeddings=True)),
     "opt": ("OPTForCausalLM", "OPTConfig", dict(ffn_dim=128, dropout=0.0, attention_dropout=0.0)),
     "bloom": ("BloomForCausalLM", "BloomConfig", {}),
     "falcon": ("FalconForCausalLM", "FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2,
-                                                         head_dim=None))}
+                                                         head_dim=None)),
+    "bamba": ("BambaForCausalLM", "BambaConfig", dict(attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=32,
+                                                      mamba_d_state=8, mamba_n_groups=1, head_dim=None)),
+    "biogpt": ("BioGptForCausalLM", "BioGptConfig", dict(   # (no _no_split_modules; dropout and layer drop off)
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, activation_dropout=0.0, layerdrop=0.0,
+        head_dim=None, num_key_value_heads=None)),
+    # Llama 4's decoder sits under "model", not under its base_model_prefix ("language_model"), and
+    # its MoE layers alternate with dense ones; NemotronH's forward reads each layer's block_type
+    # (Mamba-2, MoE, attention, MLP): a layer's stand-in reads it through
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(intermediate_size_mlp=128, num_local_experts=4,
+                                                             interleave_moe_layer_step=2, attention_chunk_size=8)),
+    "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1, n_routed_experts=4,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32))}
 
 
 def stage_family(kind):

@@ -257,13 +257,17 @@ def test_a_model_with_no_plan_or_an_unknown_style_is_refused_naming_it(one_rank)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-moe", "qwen2-moe", "gemma2", "gemma3, tied", "phi3", "olmo2",
-                                  "glm4", "mixtral", "gpt-neox", "deepseek-v3", "gpt2, tied", "opt", "bloom", "falcon"])
+                                  "glm4", "mixtral", "gpt-neox", "deepseek-v3", "gpt2, tied", "opt", "bloom", "falcon",
+                                  "bamba", "biogpt", "llama4", "nemotron-h"])
 def test_a_stage_by_the_models_own_plan_computes_the_models_own_forward(kind):
     """09's ModelStage, nothing written for the family: eager attention, sequences past the
     sliding window, Gemma 2's soft-caps, Gemma 3's rotary table per layer type and its tied
     head, MLA attention; and for the families that ship no pipeline plan (GPT-2, OPT,
-    BLOOM, Falcon), the plan read from the model: the stages chained are the model's
-    forward and backward, bit for bit, at 2 and 4 stages and at 2 chunks a stage."""
+    BLOOM, Falcon, Bamba, whose forward unpacks each layer's output into two, BioGPT, which
+    names no no-split modules, Llama 4, whose decoder is not under its base_model_prefix,
+    NemotronH, whose forward reads its layers' block_type), the plan read from the model:
+    the stages chained are the model's forward and backward, bit for
+    bit, at 2 and 4 stages and at 2 chunks a stage."""
     import hf_model
     for n_stages, chunks in ((2, 1), (4, 1), (2, 2)):
         r = hf_model.stage_against_forward(kind, n_stages, chunks)
@@ -306,7 +310,9 @@ def test_a_stage_refuses_what_the_models_plan_cannot_place():
     import hf_model
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64))
     assert pp.pipeline_plan(gpt2) == ["wte", "wpe", "drop", "h", "ln_f"]   # (read: it ships none)
-    gpt2._no_split_modules = []   # no decoder layers named: none can be read
+    gpt2._no_split_modules = []   # no decoder layers named (as BioGPT): the outermost list of one kind of module
+    assert pp.pipeline_plan(gpt2) == ["wte", "wpe", "drop", "h", "ln_f"]
+    gpt2.transformer.extra = torch.nn.ModuleList([torch.nn.Linear(2, 2)])   # and a second such list: none can be read
     with pytest.raises(ValueError, match=re.escape("GPT2LMHeadModel ships no pipeline plan (config.base_model_pp_plan) "
                                                    "and none can be read from it")):
         pp.ModelStage(gpt2, 0, 2)
