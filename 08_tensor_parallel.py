@@ -868,6 +868,8 @@ HF_SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")                      # t
 _GATHERED = "a column split whose output is gathered again, packed in a layout the model's config does not tell: " \
             "computed whole on every rank"
 _SPLIT_INPUT = "a row split of a whole input (its column partner kept whole): computed whole on every rank"
+_UNPARTNERED = "a column split whose output is gathered again, with no row partner in its module to take it " \
+               "split: computed whole on every rank"
 HF_KEPT_WHOLE = {
     "colwise_gather_output": _GATHERED, "colwise_rep": _GATHERED,
     "rowwise_split_input": _SPLIT_INPUT, "rowwise_rep": _SPLIT_INPUT,
@@ -911,8 +913,7 @@ def model_plan(model: nn.Module) -> tuple:
     if not hf:
         raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan): "
                          f"write one for parallelize")
-    prefix = getattr(model, "base_model_prefix", "")
-    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    base = _base_prefix(model)
     modules = dict(model.named_modules())
     parameters = [n for n, _ in model.named_parameters()]
     plan, whole, gathered = {}, {}, {}
@@ -953,19 +954,37 @@ def model_plan(model: nn.Module) -> tuple:
     return plan, whole
 
 
+def _base_prefix(model) -> str:
+    """The name a transformers model holds its base model under (the decoder its plan's keys
+    are relative to), and a dot: its ``base_model_prefix``, or where it holds nothing by
+    that name (Llama4ForCausalLM's "language_model": its decoder is under "model"), its one
+    child that is a transformers model; "" for a base model itself."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix + "."
+    inner = [n for n, m in model.named_children() if hasattr(m, "base_model_prefix")]
+    return inner[0] + "." if len(inner) == 1 else ""
+
+
 def _by_heads(config, gathered, plan, whole):
     """model_plan's split by heads of what HF gathers or packs: each such projection whose
-    output the config's counts account for, and its row partners in the same module (kept
-    whole with it where it is)."""
+    output the config's counts account for and whose module has a row partner to take it
+    split (Qwen3-Next's linear attention gathers its out_proj, whose width is the heads'
+    by chance: kept whole), and its row partners in the same module (kept whole with it
+    where it is)."""
     n_q = getattr(config, "num_attention_heads", None)
     n_kv = getattr(config, "num_key_value_heads", None) or n_q
     hd = getattr(config, "head_dim", None) or (config.hidden_size // n_q if n_q else None)
     up = getattr(config, "intermediate_size", None)
     split = set()
+    partnered = {key.rpartition(".")[0] for key, (style, _, _) in gathered.items() if style in HF_SPLIT_INPUT}
     for key, (style, linear, parent) in gathered.items():
         if style not in HF_GATHERED:
             continue
         owner, out = key.rpartition(".")[0], linear.out_features
+        if owner not in partnered:
+            whole[key] = _UNPARTNERED
+            continue
         if n_q and hd and out == (n_q + 2 * n_kv) * hd and out != 2 * (up or 0):   # q, k and v in one
             plan[key] = ("column", (n_q * hd, n_kv * hd, n_kv * hd))
             plan.update({f"{owner}.{count}": "divide" for count in ("num_heads", "num_attention_heads",

@@ -193,6 +193,19 @@ def lr_at(step: int, args) -> float:
 
 
 # ---- the model on the mesh -------------------------------------------------------------
+def tp_plan_problem(model) -> str | None:
+    """Why --tp cannot train ``model`` by the plan it ships, or None: a plan that splits no
+    module of its layers, where every rank would compute every layer whole (GraniteMoE's
+    and PhiMoE's name only their experts, which --ep splits; Bamba's, Falcon-H1's and
+    Hunyuan's only the embedding)."""
+    split, whole = tp.model_plan(model)
+    if any("*" in k for k in split):   # (a key of every layer's)
+        return None
+    only = f"only {', '.join(split)}; " if split else ""
+    return (f"--tp: {model.config.model_type}'s tensor-parallel plan splits none of its layers' modules ({only}"
+            f"{'; '.join(sorted(set(whole.values())))}): give --plan FILE (a JSON plan in 08's words) for --tp")
+
+
 def experts_of(model) -> str | None:
     """The pattern of the model's own experts (modules with num_experts and 3D tensors)."""
     for name, m in model.named_modules():
@@ -1617,12 +1630,8 @@ def check(args):
     if sizes["pp"] > 1 and not pp.pipeline_plan(meta):
         raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan, and none can be read from it "
                                 f"(one list of its decoder layers, and its forward's source): --pp needs one")
-    if sizes["tp"] > 1 and not args.plan:
-        split, whole = tp.model_plan(meta)
-        if not split:   # (every rank would compute it all)
-            raise common.UsageError(f"--tp: {config.get('model_type')}'s tensor-parallel plan splits none of its "
-                                    f"modules ({'; '.join(sorted(set(whole.values())))}): give --plan FILE (a JSON "
-                                    f"plan in 08's words) for --tp")
+    if sizes["tp"] > 1 and not args.plan and tp_plan_problem(meta):
+        raise common.UsageError(tp_plan_problem(meta))
     args.n_params = sum(p.numel() for p in meta.parameters())
     args.flops_per_token = train_flops_per_token(meta, args.context_length)
     del meta

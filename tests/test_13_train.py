@@ -211,7 +211,7 @@ def test_bad_input_is_refused_in_one_line_before_any_worker_starts(tiny, tmp_pat
     granite = _folder(tiny, tmp_path / "granitemoe", transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
         vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)))   # (its plan names its experts alone)
-    assert "--tp: granitemoe's tensor-parallel plan splits none of its modules (experts" in \
+    assert "--tp: granitemoe's tensor-parallel plan splits none of its layers' modules (experts" in \
         refused("13_train.py", "--model", str(granite), "--data", text, "--tp", "2")
     assert "--batch-size 6 must divide by the data ranks" in refused("13_train.py", "--model", model, "--data", text,
                                                                      "--dp", "4", "--batch-size", "6")
@@ -662,3 +662,23 @@ def test_a_family_that_counts_its_experts_by_another_name_is_split_by_ep():
     train.check_mesh_fits(config, sizes, argparse.Namespace(ep=2, plan=None, chunks=1))
     with pytest.raises(kit.UsageError, match="--ep 3 does not divide the model's 4 experts"):
         train.check_mesh_fits(config, sizes, argparse.Namespace(ep=3, plan=None, chunks=1))
+
+
+def test_tp_takes_the_plan_of_a_decoder_off_its_prefix_and_refuses_one_that_splits_only_the_embedding():
+    """Llama 4's decoder is under "model", not its base_model_prefix ("language_model", its
+    multimodal sibling's): its plan matched nothing, and --tp was refused as splitting
+    nothing. Hunyuan's plan (as Bamba's and Falcon-H1's) splits only the embedding: --tp
+    trained with every layer whole on every rank, the check passing at a difference of 0;
+    now refused, naming what stays whole."""
+    import transformers
+    train = load("13_train")
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    llama4 = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **small, intermediate_size_mlp=64, num_local_experts=2, interleave_moe_layer_step=2))
+    split, _ = train.tp.model_plan(llama4)
+    assert split["model.layers.*.self_attn.q_proj"] == "column" and train.tp_plan_problem(llama4) is None
+    hunyuan = transformers.HunYuanDenseV1ForCausalLM(transformers.HunYuanDenseV1Config(**small))
+    assert train.tp_plan_problem(hunyuan).startswith(
+        "--tp: hunyuan_v1_dense's tensor-parallel plan splits none of its layers' modules (only model.embed_tokens; "
+        "gate_proj, up_proj, down_proj: not in the model's plan")

@@ -379,3 +379,22 @@ def test_every_style_transformers_registers_is_split_or_kept_whole_by_name():
                                        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}
     plan, _ = tp.model_plan(model)
     assert plan["model.layers.*.self_attn.kv_a_proj_with_mqa"] == ("shared", (16, 20))
+
+
+def test_a_gathered_projection_with_no_row_partner_is_kept_whole_though_its_width_is_the_heads():
+    """Qwen3-Next's linear attention: its plan gathers in_proj_qkvz, in_proj_ba and out_proj,
+    and names no row partner. out_proj's width is the attention heads' by chance (4 x 16),
+    and model_plan split it by heads, ungathered: --tp 2 failed at the residual add (64
+    against 32). Kept whole now; its full attention and shared expert are still split."""
+    import transformers
+    tp = common.load_script(common.ROOT / "08_tensor_parallel.py")
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]))
+    plan, whole = tp.model_plan(model)
+    for name in ("out_proj", "in_proj_qkvz", "in_proj_ba"):
+        assert f"model.layers.*.linear_attn.{name}" not in plan and "no row partner" in \
+            whole[f"model.layers.*.linear_attn.{name}"]
+    assert plan["model.layers.*.self_attn.q_proj"] == "column" and plan["model.layers.*.mlp.shared_expert.down_proj"] == "row"
