@@ -349,6 +349,8 @@ class _ExpertExchange:
     def before(self, module, args, kwargs):
         x, index, gates = _experts_inputs(args, kwargs)
         staged = _staged(self.host_staging, x.device, self.group)
+        if index is None:
+            return self._dense_before(x, staged)
         k, flat = index.shape[-1], index.reshape(-1)                          # token-major
         order = flat.argsort(stable=True)                                     # by expert: its rank, then its place
         counts = _count(flat, self.ep * self.per)                             # rows for each expert
@@ -365,16 +367,44 @@ class _ExpertExchange:
 
     def after(self, module, args, kwargs, out):
         token_of, send, recv, n, staged = self.pending.pop()
+        if token_of is None:
+            return self._dense_after(out, send, recv, n, staged)
         back = _AllToAllV.apply(out, recv, send, self.group, staged)
         return back.new_zeros(n, *back.shape[1:]).index_add(0, token_of, back)
 
+    def _dense_before(self, x, staged):
+        """Experts called with every expert's rows, expert-major (Llama 4's: the tokens
+        repeated once an expert, each scaled by its gate, zero where not chosen), [E x T, D]:
+        each rank's T rows of each expert go to the expert's rank, which runs its experts
+        on every rank's rows, expert-major again: [E/ep x (T_0 + T_1 + ...), D]."""
+        E = self.ep * self.per
+        if x.shape[0] % E:
+            raise ValueError(f"split_experts: experts called with {x.shape[0]} rows, not a multiple of the {E} experts")
+        t = x.shape[0] // E
+        ts = _exchange(torch.full((self.ep,), t, device=x.device), [1] * self.ep, [1] * self.ep, self.group,
+                       staged).tolist()                                      # each rank's tokens
+        send, recv = [self.per * t] * self.ep, [self.per * u for u in ts]
+        self.rows_out += sum(send) - send[self.me]
+        arrived = _AllToAllV.apply(x, send, recv, self.group, staged)        # rank-major, then expert
+        rows = torch.cat([a.view(self.per, u, -1) for a, u in zip(arrived.split(recv), ts)], dim=1)
+        self.pending.append((None, send, recv, ts, staged))
+        return (rows.reshape(-1, x.shape[-1]),), {}
+
+    def _dense_after(self, out, send, recv, ts, staged):
+        mine = out.view(self.per, sum(ts), -1).split(ts, dim=1)            # back to rank-major
+        back = torch.cat([m.reshape(-1, out.shape[-1]) for m in mine])
+        return _AllToAllV.apply(back, recv, send, self.group, staged)
+
 
 def _experts_inputs(args, kwargs):
+    """(hidden_states, top_k_index, top_k_weights) as an experts module is called, or
+    (hidden_states, None, None) for one called with every expert's rows (Llama 4's)."""
     names = ("hidden_states", "top_k_index", "top_k_weights")
     given = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
-    if len(given) != 3 or kwargs.keys() - set(names):
-        raise TypeError("split_experts: the experts module takes (hidden_states, top_k_index, top_k_weights)")
-    return given
+    if kwargs.keys() - set(names) or len(given) not in (1, 3):
+        raise TypeError("split_experts: the experts module takes (hidden_states, top_k_index, top_k_weights), or "
+                        "(hidden_states) with every expert's rows")
+    return given if len(given) == 3 else [given[0], None, None]
 
 
 def _staged(host_staging, device, group) -> bool:
@@ -393,7 +423,9 @@ def split_experts(model: nn.Module, pattern: str, process_group=None, copies=Non
     transformers' are, ``experts(hidden_states [N, D], top_k_index [N, k], top_k_weights
     [N, k])`` -> [N, D], the gates applied inside; two forward hooks send each token's
     choices to the rank of their expert (all-to-all, sizes following the router) and the
-    outputs back, summed per token. Dropless, as transformers' models are: their balancing
+    outputs back, summed per token. One called with every expert's rows instead (Llama
+    4's ``experts(hidden_states [E x T, D])``, its tokens repeated an expert, gated before)
+    gets each expert's rows sent to its rank and back. Dropless, as transformers' models are: their balancing
     loss, computed by the model from its router's logits, is unchanged. ``copies``: the
     ranks holding the same experts in other ep groups, as for MoE.distribute. Recorded as
     a shard over the group (and a replica over ``copies``), so clip_grad_norm_,

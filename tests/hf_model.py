@@ -54,8 +54,12 @@ FAMILIES = {
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(   # MLA attention; layer 0 dense
         intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
         topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, num_key_value_heads=8, head_dim=4,
-        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))}
-MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")   # experts of their own: ep splits them
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(   # its decoder under "model", not its prefix's name;
+        intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,   # layer 1 a MoE whose experts take
+        interleave_moe_layer_step=2))}                                          # every expert's rows (dense)
+MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4")   # experts of their own: ep splits them
+EXPERTS_OF = {"llama4": "model.layers.*.feed_forward.experts"}   # (the others': EXPERTS)
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
 # AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
 # differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
@@ -490,7 +494,7 @@ def expert_parallel(ctx, kind, data, rest):
     ranks ep 2 with two copies of each expert), "fsdp" (FSDP by layers, the experts left to
     the split) or "tp" (at 4 ranks: dp 2 x tp 2, the attention plan over tp, the experts
     split over dp)."""
-    W, rank = ctx.world_size, ctx.rank
+    W, rank, experts_at = ctx.world_size, ctx.rank, EXPERTS_OF.get(kind, EXPERTS)
     groups = {}
     if W == 4:   # every rank makes every group, in one order
         pairs = {"ep": [[0, 1], [2, 3]], "copies": [[0, 2], [1, 3]]} if rest == "dp" else \
@@ -503,11 +507,11 @@ def expert_parallel(ctx, kind, data, rest):
     def put(model):
         if rest == "tp":
             tp.parallelize(model, PLANS[kind], groups["tp"])
-            ep.split_experts(model, EXPERTS, groups["dp"])
+            ep.split_experts(model, experts_at, groups["dp"])
         else:
-            ep.split_experts(model, EXPERTS, groups.get("ep"), copies=groups.get("copies"))
+            ep.split_experts(model, experts_at, groups.get("ep"), copies=groups.get("copies"))
         experts = ep.expert_parameters(model)
-        split = next(m for n, m in model.named_modules() if placement.path_matches(n, EXPERTS))
+        split = next(m for n, m in model.named_modules() if placement.path_matches(n, experts_at))
         r["held"] = {"gate_up_proj": list(split.gate_up_proj.shape), "down_proj": list(split.down_proj.shape),
                      "num_experts": split.num_experts}
         r["exchange"] = split.expert_exchange
@@ -523,7 +527,7 @@ def expert_parallel(ctx, kind, data, rest):
             ep.reduce_expert_gradients(model, data_ranks=data_ranks)
         def whole():
             full = placement.full_state_dict(model, all_ranks=True)
-            first = next(n for n in full if placement.path_matches(n, f"{EXPERTS}.gate_up_proj"))[:-len("gate_up_proj")]
+            first = next(n for n in full if placement.path_matches(n, f"{experts_at}.gate_up_proj"))[:-len("gate_up_proj")]
             r["whole"] = {n: list(full[first + n].shape) for n in ("gate_up_proj", "down_proj")}
             return full
         return module, step, lambda n: placement.clip_grad_norm_(model, n), whole

@@ -67,10 +67,11 @@ def test_qwen3_moe_experts_split_beside_copies_or_tp_train_like_one_process(case
     assert r["norms"]
 
 
-FAMILIES = ["qwen2-moe, all sparse", "olmo2", "apertus", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3"]
+FAMILIES = ["qwen2-moe, all sparse", "olmo2", "apertus", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3",
+            "llama4"]
 FAMILY_AXES = [f"{kind}, {axis}" for kind in FAMILIES for axis in ("tp", "pp 1f1b", "dp", "fsdp", "cp ring", "ft")] + \
     [f"gpt2, {axis}" for axis in ("dp", "fsdp", "cp ring", "ft")] + ["gemma3, tied, ft"] + \
-    [f"{kind}, ep with dp" for kind in ("qwen2-moe, all sparse", "mixtral", "deepseek-v3")] + \
+    [f"{kind}, ep with dp" for kind in ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4")] + \
     ["gemma3, tied, pp 1f1b"]
 
 
@@ -83,7 +84,9 @@ def test_every_family_trains_on_every_axis_it_takes_like_one_process(case):
     split_experts); Gemma 3's head tied to its embedding across the stages. GPT-2 (Conv1D,
     no tp or pp plan) takes the axes that need no plan; tp and pp refuse it, named.
     DeepSeek-V3's plan names no attention: model_plan splits its MLA by heads from its config
-    (test_mla_is_split_by_heads_from_the_config_with_no_entry_written)."""
+    (test_mla_is_split_by_heads_from_the_config_with_no_entry_written). Llama 4's experts
+    take every expert's rows at once (dense): split_experts sends each expert's rows to its
+    rank and back (before 2026-11-30, a TypeError at the first forward)."""
     r = run("axes", 2)[case]
     assert r["ok"], f"{case}: max diff {r['max_diff']}"
     assert r["norms"], f"{case}: a step's global norm differs from one process's"
