@@ -517,7 +517,9 @@ def context_parallel(group=None, buffers=(), seq_dims=(), method="ring", layout=
         ddp.finish_gradient_synchronization()          # the weights' gradients averaged over the group
 
     An attn_mask, attention dropout or shapes it cannot take raise one ValueError on every
-    rank before any exchange, and the next call on the group works.
+    rank before any exchange, and the next call on the group works. Tokens that meet
+    outside SDPA (a Mamba layer's scan, a convolution over the sequence) would meet only
+    within a rank's part: token_mixers(model) lists them, for the caller to refuse.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(buffers) != len(seq_dims):
@@ -536,6 +538,19 @@ def context_parallel(group=None, buffers=(), seq_dims=(), method="ring", layout=
     finally:
         for b, w in zip(buffers, whole):
             b.data = w
+
+
+def token_mixers(model) -> list:
+    """What in ``model`` mixes tokens outside its attention, which context_parallel leaves
+    to each rank's part of the sequence, wrong without the rest: the modules holding a
+    Conv1d over the sequence (Mamba and Mamba-2 mixers, short convolutions, gated delta
+    nets, recurrent blocks), and the layer types its config names that are no softmax
+    attention (MiniMax's linear attention). [] for a model whose tokens meet in SDPA alone."""
+    config = getattr(model, "config", None)
+    kinds = {t for key in ("layer_types", "layers_block_type", "block_types") for t in getattr(config, key, None) or ()
+             if isinstance(t, str) and any(w in t for w in ("linear", "recurrent", "conv", "mamba"))}
+    return sorted({type(m).__name__ for m in model.modules() for c in m.children()
+                   if isinstance(c, torch.nn.Conv1d)}) + [f"its {t!r} layers" for t in sorted(kinds)]
 
 
 class _RoutedAttention:

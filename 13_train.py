@@ -193,6 +193,29 @@ def lr_at(step: int, args) -> float:
 
 
 # ---- the model on the mesh -------------------------------------------------------------
+def cp_problem(model, config: dict, attention: str) -> str | None:
+    """Why --cp cannot train ``model`` (built on meta; ``config``: its config.json;
+    ``attention``: attention_of's), or None: no SDPA attention (transformers computes its
+    own: context parallelism splits SDPA's), attention dropout (its masks do not split over
+    the ranks), or tokens that meet outside attention (11's token_mixers: a Mamba layer's
+    scan, a convolution over the sequence, linear attention), which would meet only within
+    each rank's part of the sequence: Bamba, Jamba and the other hybrids trained so until
+    2026-11-30, caught only by the check against one process."""
+    kind = config.get("model_type")
+    if attention != "sdpa":
+        return (f"--cp: {kind} has no SDPA attention (transformers runs its own for it), and context parallelism "
+                f"splits SDPA's")
+    dropout = attention_dropout(config)
+    if dropout:
+        return (f"--cp: the model's attention dropout ({', '.join(dropout)}) does not split over the ranks: set it "
+                f"to 0 in its config.json to train it on cp")
+    mixers = cpm.token_mixers(model)
+    if mixers:
+        return (f"--cp: {kind} mixes tokens outside its attention ({', '.join(mixers)}): context parallelism "
+                f"splits attention alone, and each rank's part of the sequence would miss the rest")
+    return None
+
+
 def tp_plan_problem(model) -> str | None:
     """Why --tp cannot train ``model`` by the plan it ships, or None: a plan that splits no
     module of its layers, where every rank would compute every layer whole (GraniteMoE's
@@ -1620,13 +1643,8 @@ def check(args):
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     args.attention, meta = attention_of(model)   # (meta: no memory)
-    if args.attention != "sdpa" and sizes["cp"] > 1:
-        raise common.UsageError(f"--cp: {config.get('model_type')} has no SDPA attention (transformers runs its own "
-                                f"for it), and context parallelism splits SDPA's")
-    dropout = attention_dropout(config)
-    if dropout and sizes["cp"] > 1:
-        raise common.UsageError(f"--cp: the model's attention dropout ({', '.join(dropout)}) does not split over the "
-                                f"ranks: set it to 0 in its config.json to train it on cp")
+    if sizes["cp"] > 1 and cp_problem(meta, config, args.attention):
+        raise common.UsageError(cp_problem(meta, config, args.attention))
     if sizes["pp"] > 1 and not pp.pipeline_plan(meta):
         raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan, and none can be read from it "
                                 f"(one list of its decoder layers, and its forward's source): --pp needs one")

@@ -682,3 +682,28 @@ def test_tp_takes_the_plan_of_a_decoder_off_its_prefix_and_refuses_one_that_spli
     assert train.tp_plan_problem(hunyuan).startswith(
         "--tp: hunyuan_v1_dense's tensor-parallel plan splits none of its layers' modules (only model.embed_tokens; "
         "gate_proj, up_proj, down_proj: not in the model's plan")
+
+
+def test_cp_refuses_a_model_whose_tokens_meet_outside_its_attention():
+    """Context parallelism splits attention; a Mamba layer's scan or a convolution over the
+    sequence would see only a rank's part. Bamba, Falcon-H1, GraniteMoeHybrid, Jamba, LFM2,
+    MiniMax, NemotronH, Qwen3-Next and RecurrentGemma trained so on --cp 2 until 2026-11-30,
+    caught only by the check against one process (9e-04); now refused before any worker
+    starts, naming what mixes the tokens. A decoder of attention alone is not refused."""
+    import torch
+    import transformers
+    train = load("13_train")
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    with torch.device("meta"):
+        bamba = transformers.BambaForCausalLM(transformers.BambaConfig(
+            **small, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1))
+        minimax = transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+            **small, head_dim=8, num_local_experts=2, layer_types=["linear_attention", "full_attention"]))
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    assert train.cp_problem(bamba, {"model_type": "bamba"}, "sdpa") == (
+        "--cp: bamba mixes tokens outside its attention (BambaMixer, its 'linear_attention' layers): context "
+        "parallelism splits attention alone, and each rank's part of the sequence would miss the rest")
+    assert "(its 'linear_attention' layers)" in train.cp_problem(minimax, {"model_type": "minimax"}, "sdpa")
+    assert train.cp_problem(llama, {"model_type": "llama"}, "sdpa") is None
+    assert "no SDPA attention" in train.cp_problem(llama, {"model_type": "llama"}, "eager")
