@@ -193,15 +193,19 @@ def lr_at(step: int, args) -> float:
 
 
 # ---- the model on the mesh -------------------------------------------------------------
-def cp_problem(model, config: dict, attention: str) -> str | None:
+def cp_problem(model, config: dict, attention: str, context: int) -> str | None:
     """Why --cp cannot train ``model`` (built on meta; ``config``: its config.json;
-    ``attention``: attention_of's), or None: no SDPA attention (transformers computes its
-    own: context parallelism splits SDPA's), attention dropout (its masks do not split over
-    the ranks), or tokens that meet outside attention (11's token_mixers: a Mamba layer's
-    scan, a convolution over the sequence, linear attention), which would meet only within
-    each rank's part of the sequence: Bamba, Jamba and the other hybrids trained so until
-    2026-11-30, caught only by the check against one process."""
-    kind = config.get("model_type")
+    ``attention``: attention_of's) on sequences of ``context`` tokens, or None: no SDPA
+    attention (transformers computes its own: context parallelism splits SDPA's), attention
+    dropout (its masks do not split over the ranks), a sliding window or attention chunk
+    shorter than the sequence (a mask that is no longer causal: refused by 11 at the first
+    step, after the workers started), or tokens that meet outside attention (11's
+    token_mixers: a Mamba layer's scan, a convolution over the sequence, linear attention),
+    which would meet only within each rank's part of the sequence: Bamba, Jamba and the
+    other hybrids trained so until 2026-11-30, caught only by the check against one
+    process."""
+    kind, own = config.get("model_type"), model.config
+    types = set(getattr(own, "layer_types", None) or ())
     if attention != "sdpa":
         return (f"--cp: {kind} has no SDPA attention (transformers runs its own for it), and context parallelism "
                 f"splits SDPA's")
@@ -209,6 +213,13 @@ def cp_problem(model, config: dict, attention: str) -> str | None:
     if dropout:
         return (f"--cp: the model's attention dropout ({', '.join(dropout)}) does not split over the ranks: set it "
                 f"to 0 in its config.json to train it on cp")
+    for name, used in (("sliding_window", not types or "sliding_attention" in types),
+                       ("attention_chunk_size", not types or "chunked_attention" in types)):
+        window = getattr(own, name, None)
+        if used and isinstance(window, int) and window < context:
+            return (f"--cp: {kind}'s {name}={window} is shorter than --context-length {context}: its attention is "
+                    f"masked beyond causal there, and context parallelism splits causal attention alone (give "
+                    f"--context-length {window} or less)")
     mixers = cpm.token_mixers(model)
     if mixers:
         return (f"--cp: {kind} mixes tokens outside its attention ({', '.join(mixers)}): context parallelism "
@@ -1643,8 +1654,8 @@ def check(args):
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     args.attention, meta = attention_of(model)   # (meta: no memory)
-    if sizes["cp"] > 1 and cp_problem(meta, config, args.attention):
-        raise common.UsageError(cp_problem(meta, config, args.attention))
+    if sizes["cp"] > 1 and cp_problem(meta, config, args.attention, args.context_length):
+        raise common.UsageError(cp_problem(meta, config, args.attention, args.context_length))
     if sizes["pp"] > 1 and not pp.pipeline_plan(meta):
         raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan, and none can be read from it "
                                 f"(one list of its decoder layers, and its forward's source): --pp needs one")

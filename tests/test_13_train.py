@@ -689,7 +689,8 @@ def test_cp_refuses_a_model_whose_tokens_meet_outside_its_attention():
     sequence would see only a rank's part. Bamba, Falcon-H1, GraniteMoeHybrid, Jamba, LFM2,
     MiniMax, NemotronH, Qwen3-Next and RecurrentGemma trained so on --cp 2 until 2026-11-30,
     caught only by the check against one process (9e-04); now refused before any worker
-    starts, naming what mixes the tokens. A decoder of attention alone is not refused."""
+    starts, naming what mixes the tokens. A decoder of attention alone is not refused, nor
+    one whose sliding window or attention chunk holds the whole sequence."""
     import torch
     import transformers
     train = load("13_train")
@@ -701,9 +702,16 @@ def test_cp_refuses_a_model_whose_tokens_meet_outside_its_attention():
         minimax = transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
             **small, head_dim=8, num_local_experts=2, layer_types=["linear_attention", "full_attention"]))
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
-    assert train.cp_problem(bamba, {"model_type": "bamba"}, "sdpa") == (
+        llama4 = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            **small, head_dim=8, intermediate_size_mlp=64, num_local_experts=2, attention_chunk_size=16))
+    assert train.cp_problem(bamba, {"model_type": "bamba"}, "sdpa", 32) == (
         "--cp: bamba mixes tokens outside its attention (BambaMixer, its 'linear_attention' layers): context "
         "parallelism splits attention alone, and each rank's part of the sequence would miss the rest")
-    assert "(its 'linear_attention' layers)" in train.cp_problem(minimax, {"model_type": "minimax"}, "sdpa")
-    assert train.cp_problem(llama, {"model_type": "llama"}, "sdpa") is None
-    assert "no SDPA attention" in train.cp_problem(llama, {"model_type": "llama"}, "eager")
+    assert "(its 'linear_attention' layers)" in train.cp_problem(minimax, {"model_type": "minimax"}, "sdpa", 32)
+    assert train.cp_problem(llama, {"model_type": "llama"}, "sdpa", 32) is None
+    assert "no SDPA attention" in train.cp_problem(llama, {"model_type": "llama"}, "eager", 32)
+    # Llama 4's chunked attention (a mask that is no longer causal past its chunk): refused up front, where it had
+    # been refused by 11 at the first step in every rank; a sequence within one chunk is causal and trains
+    assert train.cp_problem(llama4, {"model_type": "llama4_text"}, "sdpa", 32).startswith(
+        "--cp: llama4_text's attention_chunk_size=16 is shorter than --context-length 32")
+    assert train.cp_problem(llama4, {"model_type": "llama4_text"}, "sdpa", 16) is None
