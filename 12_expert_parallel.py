@@ -425,11 +425,12 @@ def split_experts(model: nn.Module, pattern: str, process_group=None, copies=Non
     choices to the rank of their expert (all-to-all, sizes following the router) and the
     outputs back, summed per token. One called with every expert's rows instead (Llama
     4's ``experts(hidden_states [E x T, D])``, its tokens repeated an expert, gated before)
-    gets each expert's rows sent to its rank and back. Dropless, as transformers' models are: their balancing
-    loss, computed by the model from its router's logits, is unchanged. ``copies``: the
-    ranks holding the same experts in other ep groups, as for MoE.distribute. Recorded as
-    a shard over the group (and a replica over ``copies``), so clip_grad_norm_,
-    full_state_dict and materialize see the E experts whole under the model's own name.
+    gets each expert's rows sent to its rank and back. Dropless, as transformers' models
+    are: their balancing loss, computed by the model from its router's logits, is
+    unchanged. ``copies``: the ranks holding the same experts in other ep groups, as for
+    MoE.distribute. Recorded as a shard over the group (and a replica over ``copies``), so
+    clip_grad_norm_, full_state_dict and materialize see the E experts whole under the
+    model's own name.
 
         split_experts(model, "model.layers.*.mlp.experts", ep_group)
         wrapped = DDPBucketed(model, 25, ignore_parameters=expert_parameters(model))   # or FSDP(ignore=...)
