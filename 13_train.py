@@ -1654,13 +1654,13 @@ def check(args):
     config = json.loads((model / "config.json").read_text())
     check_mesh_fits(config, sizes, args)
     args.attention, meta = attention_of(model)   # (meta: no memory)
-    if sizes["cp"] > 1 and cp_problem(meta, config, args.attention, args.context_length):
-        raise common.UsageError(cp_problem(meta, config, args.attention, args.context_length))
+    if sizes["cp"] > 1 and (why := cp_problem(meta, config, args.attention, args.context_length)):
+        raise common.UsageError(why)
     if sizes["pp"] > 1 and not pp.pipeline_plan(meta):
         raise common.UsageError(f"{config.get('model_type')} ships no pipeline plan, and none can be read from it "
                                 f"(one list of its decoder layers, and its forward's source): --pp needs one")
-    if sizes["tp"] > 1 and not args.plan and tp_plan_problem(meta):
-        raise common.UsageError(tp_plan_problem(meta))
+    if sizes["tp"] > 1 and not args.plan and (why := tp_plan_problem(meta)):
+        raise common.UsageError(why)
     args.n_params = sum(p.numel() for p in meta.parameters())
     args.flops_per_token = train_flops_per_token(meta, args.context_length)
     del meta
