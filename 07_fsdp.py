@@ -1231,10 +1231,14 @@ class StepPeak:
         marks = sorted((e for e in events if e.name == "measured step"), key=lambda e: e.start_time_ns)
         allocs = sorted((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size) for e in events
                         if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu")
+        if not allocs:   # (a block that allocated nothing: one that failed first, say)
+            return
         base = allocs[0][1] - allocs[0][2]   # what an earlier block in this process left alive
         for mark in marks:                   # each measured step; the highest peak, the last one's held bytes
             before = [total for when, total, _ in allocs if when < mark.start_time_ns][-1:]   # the step starts there
             during = [total for when, total, _ in allocs if mark.start_time_ns <= when <= mark.end_time_ns]
+            if not during:   # (a step that allocated nothing)
+                continue
             self.peak = max(self.peak or 0, max(before + during) - base)
             self.held = during[-1] - during[0]   # the two markers' totals
 

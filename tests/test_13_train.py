@@ -715,3 +715,57 @@ def test_cp_refuses_a_model_whose_tokens_meet_outside_its_attention():
     assert train.cp_problem(llama4, {"model_type": "llama4_text"}, "sdpa", 32).startswith(
         "--cp: llama4_text's attention_chunk_size=16 is shorter than --context-length 32")
     assert train.cp_problem(llama4, {"model_type": "llama4_text"}, "sdpa", 16) is None
+
+
+def test_the_larger_bench_model_repeats_per_layer_patterns_or_says_why_it_cannot(tmp_path):
+    """--bench's second setting doubles the width and the layers. Llama 4's no_rope_layers
+    (a flag a layer) stayed at its length and building the model failed (IndexError), and
+    Bamba's config refuses twice the width (its Mamba heads are tied to it): --bench ended
+    in a traceback. Now the per-layer patterns are repeated, and a config that does not take
+    it is a ValueError naming why (report_bench: a SKIP line), nothing written."""
+    import argparse
+    import transformers
+    train = load("13_train")
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **small, head_dim=8, intermediate_size_mlp=64, num_local_experts=2)).save_pretrained(tmp_path / "llama4")
+    folder = train.larger_model(argparse.Namespace(model=str(tmp_path / "llama4"), seed=0), tmp_path / "run1")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert (config.hidden_size, config.num_hidden_layers, len(config.no_rope_layers), len(config.layer_types)) == \
+        (64, 4, 4, 4)
+    transformers.BambaForCausalLM(transformers.BambaConfig(
+        **small, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1)).save_pretrained(tmp_path / "bamba")
+    with pytest.raises(ValueError, match=re.escape("bamba's config does not take twice the width and depth "
+                                                   "(ValueError: The dimensions for the Mamba head state")):
+        train.larger_model(argparse.Namespace(model=str(tmp_path / "bamba"), seed=0), tmp_path / "run2")
+    assert not (tmp_path / "run2").exists()
+
+
+def test_bench_sets_a_skip_line_where_torchs_side_cannot_take_the_model(tiny, tmp_path, one_rank, monkeypatch):
+    """torch's side failing in its first steps (Llama 4's shared expert under torch's TP:
+    "Output 0 of _ToTorchTensor is a view and is being modified inplace") ended --bench in
+    every rank's traceback, ours' numbers lost; now bench_steps returns the reason, the same
+    on every rank, for report_bench's SKIP line. Ours failing still raises."""
+    import argparse
+    import torch
+    import corpus
+    train = load("13_train")
+    index = corpus.prepare(corpus.parse_sources([str(tiny / "text.txt")]), str(tiny / "model"), str(tmp_path / "c"),
+                           say=lambda line: None)
+    args = argparse.Namespace(corpus=index, context_length=16, batch_size=2, seed=0)
+    ctx, stepped = argparse.Namespace(device=torch.device("cpu"), rank=0, world_size=1), []
+
+    def method(ctx, args, sizes, folder, m, plan):
+        if m == "torch":
+            raise RuntimeError("Output 0 of _ToTorchTensor is a view and is being modified inplace.\n(more)")
+        return lambda x, y: stepped.append(tuple(x.shape)), None, None
+    monkeypatch.setattr(train, "bench_method", method)
+    monkeypatch.setattr(train, "bench_plan", lambda *a: {})
+    assert train.bench_steps(ctx, args, {}, str(tiny / "model")) == {
+        "skip": "RuntimeError: Output 0 of _ToTorchTensor is a view and is being modified inplace."}
+    assert stepped == [(2, 16)] * 3   # ours was built and stepped
+    monkeypatch.setattr(train, "bench_method", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train.bench_steps(ctx, args, {}, str(tiny / "model"))
