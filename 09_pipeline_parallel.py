@@ -325,16 +325,22 @@ class ModelStage(PipelineStage):
                 blocks[i] = _Skip(self._unpacks, blocks[i])
         for name, child in model.named_children():   # the model's own names: stage.state_dict() is its
             self.add_module(name, child)
-        self._model, self._after, self._n = [model], after, len(blocks)
+        self._model, self._after, self._n, self._stand_ins = [model], after, len(blocks), {}
+
+    def _stand_in(self, name, kind):
+        """The _Skip or _Exit for the layer ``name``, made once (a plain dict: not a submodule)."""
+        if (name, kind) not in self._stand_ins:
+            layer = self._model[0].get_submodule(name)
+            self._stand_ins[name, kind] = _Skip(self._unpacks, layer) if kind is _Skip else _Exit(layer)
+        return self._stand_ins[name, kind]
 
     def forward(self, *xs, chunk=0):
         model, (lo, hi) = self._model[0], self.ranges[chunk]
         start, end = self.first and chunk == 0, self.last and chunk == len(self.ranges) - 1
         at = lambda i: f"{self.layers_name}.{i}" if i < self._n else self._after[0]   # noqa: E731 (the head after)
-        swaps = {at(i): _Skip(self._unpacks, model.get_submodule(at(i)))
-                 for lo2, hi2 in self.ranges if lo2 != lo for i in range(lo2, hi2)}
+        swaps = {at(i): self._stand_in(at(i), _Skip) for lo2, hi2 in self.ranges if lo2 != lo for i in range(lo2, hi2)}
         if not end:     # hand on the hidden state where the next stage's first layer would run
-            swaps[at(hi)] = _Exit(model.get_submodule(at(hi)))
+            swaps[at(hi)] = self._stand_in(at(hi), _Exit)
         if not start:   # the activation received enters at this chunk's first layer (or the norm)
             swaps[at(lo)] = _Enter(model.get_submodule(at(lo)), xs[0])
         kept = {name: model.get_submodule(name) for name in swaps}
