@@ -909,6 +909,7 @@ def model_plan(model: nn.Module) -> tuple:
         parallelize(model, plan, tp_group)
     """
     config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config   # (a multimodal model's)
     hf = getattr(config, "base_model_tp_plan", None)
     if not hf:
         raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan): "
@@ -947,7 +948,8 @@ def model_plan(model: nn.Module) -> tuple:
     for name, m in modules.items():   # linear layers the plan leaves whole, by their module (MLA, routers)
         planned = [k for k in [*plan, *whole] if path_matches(name, k) or any(
             path_matches(f"{name}.{c}", k) for c, _ in m.named_children())]
-        if any(isinstance(c, nn.Linear) for c in m.children()) and not planned and ".layers." in f".{name}.":
+        if any(isinstance(c, nn.Linear) for c in m.children()) and not planned and ".layers." in f".{name}." \
+                and name.startswith(base):
             key = ".".join("*" if part.isdigit() else part for part in name.split("."))
             whole.setdefault(key, f"{', '.join(n for n, c in m.named_children() if isinstance(c, nn.Linear))}: "
                                   f"not in the model's plan, kept whole on every rank")
@@ -958,7 +960,14 @@ def _base_prefix(model) -> str:
     """The name a transformers model holds its base model under (the decoder its plan's keys
     are relative to), and a dot: its ``base_model_prefix``, or where it holds nothing by
     that name (Llama4ForCausalLM's "language_model": its decoder is under "model"), its one
-    child that is a transformers model; "" for a base model itself."""
+    child that is a transformers model; a multimodal model's, its language model's (Gemma
+    3's "model.language_model.", Llama 4's "language_model.model.": under the outermost
+    module built from its text config); "" for a base model itself."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        inner = next(((n, m) for n, m in model.named_modules() if n and getattr(m, "config", None) is text), None)
+        return f"{inner[0]}.{_base_prefix(inner[1])}" if inner else ""
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):
         return prefix + "."

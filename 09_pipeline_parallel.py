@@ -280,7 +280,7 @@ class ModelStage(PipelineStage):
 
     def __init__(self, model, stage: int, n_stages: int, chunks: int = 1, costs=None, cuts=None):
         nn.Module.__init__(self)
-        config, kind = getattr(model, "config", None), type(model).__name__
+        config, kind = _text_config(model), type(model).__name__
         plan, base = pipeline_plan(model), _base_of(model)
         if not plan or base is None:
             raise ValueError(f"{kind} ships no pipeline plan (config.base_model_pp_plan) and none can be read from it: "
@@ -289,7 +289,7 @@ class ModelStage(PipelineStage):
         if getattr(config, "output_router_logits", False):
             raise ValueError(f"{kind} has output_router_logits=True: its balancing loss is over every layer's router, "
                              f"which no one stage runs; build it with output_router_logits=False")
-        prefix = "" if base is model else next(n for n, m in model.named_children() if m is base) + "."
+        prefix = "" if base is model else next(n for n, m in model.named_modules() if m is base) + "."
         keys = [k for k in plan if _has(base, k)]
         at = [k for k in keys if isinstance(base.get_submodule(k), nn.ModuleList)]
         if len(at) != 1:
@@ -302,7 +302,9 @@ class ModelStage(PipelineStage):
                              'not "measure"')
         i = keys.index(at[0])
         before, after = [prefix + k for k in keys[:i]], [prefix + k for k in keys[i + 1:]]
-        after += [n for n, m in model.named_children() if m is not base]   # the head: the last stage's
+        aside = _beside(model, prefix[:-1])   # the head: the last stage's; a vision tower: the first's
+        after += [n for n in aside if config is getattr(model, "config", None) or _holds_head(model, n)]
+        before_too = [n for n in aside if n not in after]
         stray = sorted({prefix + n.rpartition(".")[0] for n, _ in base.named_parameters()
                         if not any(n.startswith(k + ".") for k in keys)})
         if stray:
@@ -314,7 +316,7 @@ class ModelStage(PipelineStage):
         firsts = {id(p) for n in before for p in model.get_submodule(n).parameters()}
         self.tied = [p for n in after for p in model.get_submodule(n).parameters() if id(p) in firsts] \
             if self.first != self.last else []   # (the same tensor, under the embedding's name or the head's)
-        for names, holds in ((before, self.first), (after, self.last)):
+        for names, holds in ((before, self.first), (after, self.last), (before_too, self.first)):
             for n in names if not holds else ():
                 if any(True for _ in model.get_submodule(n).parameters()):
                     _put(model, n, _Absent(n, stage, model.get_submodule(n) if names is before else None))
@@ -365,8 +367,9 @@ def pipeline_plan(model) -> list:
     itself: the one nn.ModuleList of its decoder layers (its ``_no_split_modules``; where it
     names none, the one outermost list of modules of one kind), and the
     modules beside it in the order the forward of the module holding it names them (its
-    source, read, not run). [] where it cannot tell."""
-    config, base = getattr(model, "config", None), _base_of(model)
+    source, read, not run). A multimodal model's is its language model's (its text config's
+    plan, under that model's base). [] where it cannot tell."""
+    config, base = _text_config(model), _base_of(model)
     plan = getattr(config, "base_model_pp_plan", None)
     if plan or base is None:
         return list(plan or ())
@@ -391,16 +394,47 @@ def pipeline_plan(model) -> list:
     return [f"{path}.{n}" if path else n for n in order]
 
 
+def _text_config(model):
+    """A transformers model's config, or a multimodal model's text config (the language
+    model's: ``get_text_config()``)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _base_of(model):
     """A transformers model's base model (its decoder, under the head): ``model.base_model``,
     or where that is the model itself because its ``base_model_prefix`` names nothing it
     holds (Llama4ForCausalLM's "language_model": its decoder is under "model"), its one
-    child that is a transformers model itself. None for a model that is no transformers'."""
+    child that is a transformers model itself; a multimodal model's, its language model's
+    (Gemma 3's model.language_model, Llama 4's language_model.model: the outermost module
+    built from its text config). None for a model that is no transformers'."""
+    text = _text_config(model)
+    if text is not getattr(model, "config", None):
+        inner = next((m for m in model.modules() if m is not model and getattr(m, "config", None) is text), None)
+        return _base_of(inner) if inner is not None else None
     base = getattr(model, "base_model", None)
     if base is model:
         inner = [m for _, m in model.named_children() if hasattr(m, "base_model_prefix")]
         base = inner[0] if len(inner) == 1 else base
     return base
+
+
+def _beside(model, path: str) -> list:
+    """The names of the modules beside the path from ``model`` down to the module named
+    ``path`` (the children of each module on it, but the next one): a causal LM's head; a
+    multimodal model's head, vision tower and projector."""
+    names, at = [], ""
+    for part in path.split(".") if path else ():
+        holder = model.get_submodule(at) if at else model
+        names += [f"{at}.{n}" if at else n for n, _ in holder.named_children() if n != part]
+        at = f"{at}.{part}" if at else part
+    return names
+
+
+def _holds_head(model, name) -> bool:
+    """Whether the module ``name`` is or holds the model's output embeddings (its head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and any(m is head for m in model.get_submodule(name).modules())
 
 
 def _unpacked(holder, name) -> int:

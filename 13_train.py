@@ -204,7 +204,7 @@ def cp_problem(model, config: dict, attention: str, context: int) -> str | None:
     which would meet only within each rank's part of the sequence: Bamba, Jamba and the
     other hybrids trained so until 2026-11-30, caught only by the check against one
     process."""
-    kind, own = config.get("model_type"), model.config
+    kind, own = config.get("model_type"), model.config.get_text_config()   # (a multimodal model's: its text's)
     types = set(getattr(own, "layer_types", None) or ())
     if attention != "sdpa":
         return (f"--cp: {kind} has no SDPA attention (transformers runs its own for it), and context parallelism "
@@ -403,6 +403,25 @@ def loss_of(args):
     return torch.compile(lm_loss) if args.compile else lm_loss
 
 
+def auto_class(config):
+    """The transformers Auto class that builds a folder's model (``config``: a folder or its
+    config) as the folder's config.json names it (``architectures``): AutoModelForCausalLM,
+    or AutoModelForImageTextToText for a multimodal folder whose class that one maps to
+    (Llama 4's, Mistral 3's, Qwen2.5-VL's whole folders: AutoModelForCausalLM would build
+    Llama 4's language model alone, its weights' names not found). A multimodal model's
+    language model trains on the text; its vision tower, which text never reaches, gets no
+    gradient and is written back as it came."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = transformers.AutoConfig.from_pretrained(config)
+    kinds = ((transformers.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+             (transformers.AutoModelForImageTextToText, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+    named = getattr(config, "architectures", None) or []
+    return next((cls for cls, names in kinds if names.get(config.model_type) in named),
+                next((cls for cls, names in kinds if config.model_type in names), transformers.AutoModelForCausalLM))
+
+
 def build_on_meta(folder, device=None, attention="sdpa"):
     """The folder's model, its parameters on meta (placement.meta_parameters), its config
     as saved, ``attention`` its attention (attention_of); the buffers its constructor
@@ -412,7 +431,7 @@ def build_on_meta(folder, device=None, attention="sdpa"):
     config = transformers.AutoConfig.from_pretrained(folder)
     config._attn_implementation = attention
     with placement.meta_parameters():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
     for m in model.modules() if device is not None else ():
         for name, b in m._buffers.items():
             if b is not None and not b.is_meta:
@@ -498,12 +517,14 @@ def train_flops_per_token(model, context: int) -> float:
     multiply uses (every one but the input embedding's, which is a lookup; a tied head
     counted as the head), and attention's 12 L T d (the scores and their values, forward
     and backward, the whole T x T square as nanoGPT and PaLM count it; T the context, d the
-    heads' width). A mixture of experts counts every expert: an upper bound of its work."""
-    config = model.config
+    heads' width). A mixture of experts counts every expert: an upper bound of its work. Only
+    the decoder's and the head's count: a multimodal model's vision tower does no work on text."""
+    config = model.config.get_text_config()
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is emb
-    weights = sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
+    used = {id(p): p for p in [*model.get_decoder().parameters(), *(() if head is None else head.parameters())]}
+    used.pop(id(emb)) if head is None or head.weight is not emb else None
+    weights = sum(p.numel() for p in used.values())
     heads = config.num_attention_heads
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
     return 6.0 * weights + 12.0 * config.num_hidden_layers * context * width
@@ -522,7 +543,7 @@ def on_mesh(ctx, args, sizes, folder, plan=None) -> "OnMesh":
     """``folder``'s model built on meta, put on the mesh (OnMesh) and filled from the folder,
     each rank reading its slices."""
     model = build_on_meta(folder, ctx.device, args.attention)
-    layout = hfc.model_layout(model)
+    layout = hfc.model_layout(model, folder)   # (the source's own layout, as its files hold it)
     run = OnMesh(model, sizes, args, ctx.device, plan or read_plan(args.plan))
     hfc.load_hf_checkpoint(run.stage, folder, ctx.device, pieces=layout)
     run.layout = layout   # (the folder written back: the source's layout)
@@ -577,7 +598,7 @@ def verify(ctx, args, sizes):
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
     import transformers
-    ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attention,
+    ref = auto_class(args.model).from_pretrained(args.model, attn_implementation=args.attention,
                                                             dtype=torch.float32).to(ctx.device)
     randomness = random_off(ref)   # (both sides: the check compares the math, not the masks)
     random_off(run.model)
@@ -819,7 +840,7 @@ def torch_composition(ctx, folder, sizes, plan, recompute=False, compile_layers=
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention,
+    model = auto_class(folder).from_pretrained(folder, attn_implementation=attention,
                                                               dtype=torch.float32).to(ctx.device)
     model.train()   # (from_pretrained leaves it in eval mode, where transformers skips its checkpointing)
     if recompute:
@@ -991,17 +1012,18 @@ def larger_model(args, run_dir: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     config = transformers.AutoConfig.from_pretrained(args.model)
-    n = config.num_hidden_layers
+    text = config.get_text_config()   # (a multimodal model's language model: its vision tower as it is)
+    n = text.num_hidden_layers
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers"):
-        setattr(config, key, 2 * getattr(config, key))
-    for key, value in list(vars(config).items()):   # a layer's type or flag, one a layer: the pattern twice
+        setattr(text, key, 2 * getattr(text, key))
+    for key, value in list(vars(text).items()):   # a layer's type or flag, one a layer: the pattern twice
         if isinstance(value, list) and len(value) == n and all(isinstance(v, str) or v in (0, 1) for v in value):
-            setattr(config, key, value * 2)
+            setattr(text, key, value * 2)
     try:
         if hasattr(config, "validate"):   # (what save_pretrained checks: transformers 5.24's)
             config.validate()
         with torch.device("meta"):
-            transformers.AutoModelForCausalLM.from_config(config)
+            auto_class(config).from_config(config)
     except Exception as e:   # (whatever the family's config or its modules raise)
         why = e.__cause__ or e
         raise ValueError(f"{config.model_type}'s config does not take twice the width and depth "
@@ -1009,7 +1031,7 @@ def larger_model(args, run_dir: Path) -> Path:
     torch.manual_seed(args.seed)
 
     def fill(tmp):
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        auto_class(config).from_config(config).save_pretrained(tmp)
         for name in tokenizer_files(args.model):
             shutil.copy(Path(args.model) / name, tmp / name)
     written_aside(folder, fill)
@@ -1446,7 +1468,7 @@ def sample(folder: Path, prompt: str, tokens: int) -> str:
     generate() continues ``prompt`` greedily."""
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model = auto_class(folder).from_pretrained(folder)
     ids = tok(prompt, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
     return tok.decode(out[0], skip_special_tokens=True)
@@ -1683,7 +1705,7 @@ def check(args):
         raise common.UsageError(str(e)) from None
     args.data_label = ", ".join(corpus.label(d, s) for d, s in zip(args.data, sources))
     config = json.loads((model / "config.json").read_text())
-    check_mesh_fits(config, sizes, args)
+    check_mesh_fits(config.get("text_config") or config, sizes, args)   # (a multimodal model's: its text's)
     args.attention, meta = attention_of(model)   # (meta: no memory)
     if sizes["cp"] > 1 and (why := cp_problem(meta, config, args.attention, args.context_length)):
         raise common.UsageError(why)
@@ -1694,6 +1716,11 @@ def check(args):
         raise common.UsageError(why)
     args.n_params = sum(p.numel() for p in meta.parameters())
     args.flops_per_token = train_flops_per_token(meta, args.context_length)
+    if sizes["pp"] > 1:   # (what every rank's stage would refuse, refused here: on meta, the model used up)
+        try:
+            pp.ModelStage(meta, 0, sizes["pp"], args.chunks)
+        except ValueError as e:
+            raise common.UsageError(f"--pp: {e}") from None
     del meta
     cache = Path(args.data_cache) if args.data_cache else data_cache(sources[0], model, run_dir)
     say = (lambda line: print(line, flush=True)) if common.is_reporter() else (lambda line: None)
@@ -1805,7 +1832,10 @@ EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 
 def _class_has_plan(config: dict, attr: str) -> bool:
     import transformers
-    cfg = transformers.AutoConfig.for_model(config["model_type"])
+    try:
+        cfg = transformers.AutoConfig.for_model(config.get("model_type"))
+    except (ValueError, KeyError):   # (a text config saved without its model_type)
+        return False
     return bool(getattr(cfg, attr, None))
 
 
@@ -2180,7 +2210,7 @@ def replay_replicas(args, schedule, final: Path) -> dict:
     anchors = [0] + sorted(k for k in saved if 0 < k < last) + [last]
 
     def fresh():
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attention,
+        model = auto_class(args.model).from_pretrained(args.model, attn_implementation=args.attention,
                                                                   dtype=torch.float32).to(device)
         return model, adamw(model.parameters(), args)
 
@@ -2225,7 +2255,7 @@ def replay_replicas(args, schedule, final: Path) -> dict:
             got, _ = fresh()
             sharded_checkpoint.load_sharded(got, None, str(saved[b]))
         else:
-            got = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+            got = auto_class(final).from_pretrained(final, dtype=torch.float32)
         diff = apart(got.state_dict(), want)
         floor = None
         if diff >= tol:   # past float32's horizon, or a wrong step: the stretch's own floor tells which

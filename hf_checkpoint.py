@@ -168,23 +168,26 @@ def per_expert_layout(experts="mlp.experts", gate_up=("gate_proj", "up_proj"), d
 
 
 
-def model_layout(model):
+def model_layout(model, folder=None):
     """load_hf_checkpoint's ``pieces`` for a transformers model, read from the model's own
     checkpoint conversion mapping (what from_pretrained applies to the files save_pretrained
     writes and the Hub holds): its renamings, reversed (GPT-NeoX's lm_head is embed_out in
     its files, Mixtral's mlp its block_sparse_moe), its experts kept one tensor per
     expert, merged into the model's fused [E, ...] tensors (stacked along dim 0, several
-    sources concatenated along one dimension: gate and up, Mixtral's w1 and w3), and a head
-    tied to the embedding (``tie_word_embeddings``) read from the embedding's tensor, which
-    is all save_pretrained writes of the two (the last pipeline stage's copy too). A
-    conversion of another kind that touches one of the model's tensors is a ValueError
-    naming it. Needs transformers; call it on the model (not a stage or wrapper), before
-    the axes are applied or after: the names are the model's."""
+    sources concatenated along one dimension: gate and up, Mixtral's w1 and w3), a tensor
+    the files hold transposed (Qwen3-VL-MoE's experts, [E, in, out] on the Hub: where the
+    conversion transposes only a shape that differs from the model's, as transformers
+    does, ``folder``'s shapes tell; without a folder, the model's own shape, as
+    save_pretrained writes it), and a head tied to the embedding (``tie_word_embeddings``)
+    read from the embedding's tensor, which is all save_pretrained writes of the two (the
+    last pipeline stage's copy too). A conversion of another kind that touches one of the
+    model's tensors is a ValueError naming it. Needs transformers; call it on the model (not
+    a stage or wrapper), before the axes are applied or after: the names are the model's."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
     transforms = get_model_conversion_mapping(model, add_legacy=False)
     renames = [t.reverse_transform() for t in transforms if type(t) is WeightRenaming]
-    merges, names = [], [n for n, _ in model.named_parameters()]
+    merges, flips, names = [], [], [n for n, _ in model.named_parameters()]
     for t in transforms:
         if type(t) is WeightRenaming:
             continue
@@ -194,6 +197,10 @@ def model_layout(model):
                 ["MergeModulelist"], ["MergeModulelist", "Concatenate"]) and t.operations[0].dim == 0:
             merges.append((target, [s.lstrip(".") for s in t.source_patterns],
                            t.operations[1].dim if len(ops) > 1 else None))
+        elif isinstance(t, WeightConverter) and ops == ["Transpose"] and len(t.source_patterns) == 1 \
+                and len(t.target_patterns) == 1 and "\\" not in t.source_patterns[0] + t.target_patterns[0]:
+            flip = t.operations[0]
+            flips.append((target, t.source_patterns[0].lstrip("."), (flip.dim0, flip.dim1), flip.check_dims))
         elif any(n.endswith(target) for n in names):
             raise ValueError(f"{type(model).__name__}'s checkpoint conversion {t.source_patterns} -> "
                              f"{t.target_patterns} ({', '.join(ops)}) is not one the kit reads")
@@ -205,10 +212,17 @@ def model_layout(model):
 
     tied = dict(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}) \
         if getattr(model.config, "tie_word_embeddings", False) else {}
+    stored = _stored_shape(folder)
 
     def pieces(name, shape):
         if name in tied:   # a head tied to the embedding: save_pretrained leaves it out of the files
             return [(on_disk(tied[name]), (0,) * len(shape))]
+        for target, source, dims, check in flips:
+            if name.endswith(target) and (name == target or name[-len(target) - 1] == "."):
+                disk = on_disk(name[:-len(target)] + source)
+                if not check or (stored(disk) or list(shape)) != list(shape):   # (transformers' check_dims)
+                    return [(disk, (0,) * len(shape), dims)]
+                return [(disk, (0,) * len(shape))] if disk != name else None
         for target, sources, dim in merges:
             if name.endswith(target) and (name == target or name[-len(target) - 1] == "."):
                 prefix = name[:-len(target)]
@@ -224,8 +238,8 @@ def model_layout(model):
         got = pieces(name, shape)
         if got is None or name in tied:
             return None
-        if len(got) == 1:
-            return [(got[0][0], (slice(None),) * len(shape))]
+        if len(got) == 1:   # (with the dims it is stored transposed in)
+            return [(got[0][0], (slice(None),) * len(shape), *got[0][2:])]
         dims = next(dim for target, _, dim in merges if name.endswith(target))
         step = shape[dims] // (len(got) // shape[0]) if dims is not None else None
         return [(disk, (at[0], *(slice(o, o + step) if d == dims else slice(None) for d, o in enumerate(at) if d)))
@@ -233,6 +247,32 @@ def model_layout(model):
     pieces.tied = tied   # {head: embedding}: save_hf_checkpoint(layout=) writes the embedding only
     pieces.on_disk = on_disk_parts
     return pieces
+
+
+def _stored_shape(folder):
+    """name -> its shape in ``folder``'s files (None: not there, or no folder)."""
+    if folder is None:
+        return lambda name: None
+    weight_map, files = _weight_map(folder), {}
+
+    def shape(name):
+        if name not in weight_map:
+            return None
+        if weight_map[name] not in files:
+            f = SafetensorsFile(os.path.join(folder, weight_map[name]))
+            f.close()
+            files[weight_map[name]] = f.header
+        return list(files[weight_map[name]][name]["shape"])
+    return shape
+
+
+def _swapped(items, dims):
+    """``items`` (a list, one entry a dim) with the entries of ``dims`` swapped."""
+    items = list(items)
+    if dims:
+        items[dims[0]], items[dims[1]] = items[dims[1]], items[dims[0]]
+    return items
+
 
 def _runs_of(at) -> list:
     """Positions 0..n-1 of ``at`` (indices into a stored tensor) as runs of consecutive
@@ -259,7 +299,8 @@ def _read_into(target, record, shape, pieces, file_of) -> tuple:
     """Copy into ``target`` (this rank's part of a tensor shaped ``shape``, laid out as
     ``record``) every element it holds, from ``pieces`` [(checkpoint name, offsets)], each a
     checkpoint tensor placed at ``offsets`` in the whole (with leading dims of one where it
-    has fewer). Only this rank's elements are read: a box for each run of consecutive
+    has fewer; a third entry, two dims: the tensor is stored with those two swapped). Only
+    this rank's elements are read: a box for each run of consecutive
     indices (one run a dim, unless an axis reordered it: a fused qkv's heads), from
     ``file_of(name)``, the SafetensorsFile that holds it. Returns (elements read, elements
     this rank holds, its padding aside)."""
@@ -270,10 +311,11 @@ def _read_into(target, record, shape, pieces, file_of) -> tuple:
         if (idx < 0).any():
             flat.index_fill_(d, (idx < 0).nonzero().flatten(), 0)
     read, held = 0, math.prod(int((idx >= 0).sum()) for idx in want)
-    for name, offsets in pieces:
+    for name, offsets, *flip in pieces:
         offsets = tuple(offsets) + (0,) * (len(want) - len(offsets))   # (a 0-dim tensor: one place)
         file = file_of(name)
-        own = file.shape(name)
+        flip = flip[0] if flip else None
+        own = _swapped(file.shape(name), flip)   # (in the whole's order)
         size = [1] * (len(want) - len(own)) + own
         to, runs = [], []
         for d, idx in enumerate(want):
@@ -284,7 +326,8 @@ def _read_into(target, record, shape, pieces, file_of) -> tuple:
             continue
         for box in itertools.product(*runs):
             stored = [(i, i + n) for _, i, n in box][len(want) - len(own):]
-            part = file.read(name, stored).reshape([n for _, _, n in box])
+            part = file.read(name, _swapped(stored, flip)).reshape(_swapped([n for _, _, n in box], flip))
+            part = part.transpose(*flip) if flip else part
             read += part.numel()
             where = [_as_slice(to[d][pos:pos + n]) for d, (pos, _, n) in enumerate(box)]   # this rank's positions
             if all(isinstance(w, slice) for w in where):
@@ -314,8 +357,9 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
     for names, t in _saved_tensors(module):
         whole = tuple(_whole_shape(t, placements(t)))
         found = next((n for n in names if n in weight_map), None)
-        parts = [(found, (0,) * len(whole))] if found else next(
-            (p for p in ((pieces(n, whole) if pieces else None) for n in names) if p), [(names[0], None)])
+        laid = [p for p in ((pieces(n, whole) if pieces else None) for n in names) if p]
+        parts = next((p for p in laid if len(p[0]) > 2), None) or (   # (stored transposed, under its own name)
+            [(found, (0,) * len(whole))] if found else laid[0] if laid else [(names[0], None)])
         plan.append((names[0], t, whole, parts))
     files, stats = {}, {"read": 0, "held": 0}
 
@@ -324,10 +368,10 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
             files[weight_map[name]] = SafetensorsFile(os.path.join(folder, weight_map[name]))
         return files[weight_map[name]]
     try:
-        missing = sorted({n for _, _, _, parts in plan for n, _ in parts if n not in weight_map})
+        missing = sorted({n for _, _, _, parts in plan for n, *_ in parts if n not in weight_map})
         wrong = [f"{parts[0][0]}: {file_of(parts[0][0]).shape(parts[0][0])} in the folder, {list(whole)} here"
-                 for _, _, whole, parts in plan if not missing and len(parts) == 1
-                 and tuple(file_of(parts[0][0]).shape(parts[0][0])) != whole]
+                 for _, _, whole, parts in plan if not missing and len(parts) == 1   # (a transposed one: swapped back)
+                 and tuple(_swapped(file_of(parts[0][0]).shape(parts[0][0]), parts[0][2:] and parts[0][2])) != whole]
         saved = {id(t) for _, t, _, _ in plan}
         unmade = [n for n, ts in _tensors(module).items() for t in ts if t.is_meta and id(t) not in saved]
         _agree(missing, wrong, folder, unmade)   # every rank refuses, before anything is read
@@ -424,8 +468,9 @@ def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
     for names, t, _ in plan:
         shape = tuple(_whole_shape(t, placements(t)))
         parts[id(t)] = [p for n in names for p in (on_disk(n, shape) or [(n, (slice(None),) * len(shape))])]
-    entries = [(n, t.dtype, torch.empty(_whole_shape(t, placements(t)), device="meta")[at].shape)
-               for names, t, digits in plan if _writes(digits) for n, at in parts[id(t)]]
+    entries = [(n, t.dtype, _swapped(torch.empty(_whole_shape(t, placements(t)), device="meta")[at].shape,
+                                     flip and flip[0]))
+               for names, t, digits in plan if _writes(digits) for n, at, *flip in parts[id(t)]]
     sizes = {n: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for n, dtype, shape in entries}
     counts = [sizes]   # every rank's {name: bytes}: who writes, and the index
     if world > 1:
@@ -446,8 +491,9 @@ def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
         if whole is not None and out is not None and error is None:
             whole = whole.to("cpu").contiguous()
             try:
-                for _, at in parts[id(t)]:
-                    out.write(_bytes(whole[at].contiguous()))
+                for _, at, *flip in parts[id(t)]:   # (stored transposed, as the source was)
+                    piece = (whole[at].transpose(*flip[0]) if flip else whole[at]).contiguous()   # (held: _bytes
+                    out.write(_bytes(piece))                                                     # does not keep it)
             except OSError as e:
                 error = f"rank {rank}: {e}"
         del whole

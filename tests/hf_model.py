@@ -37,6 +37,9 @@ EXPERTS = "model.layers.*.mlp.experts"
 # whole (an all-sparse MoE's plan names a dense MLP it does not build); where HF gathers (Phi-3's
 # fused qkv_proj and gate_up_proj, GLM-4's gate_up_proj, OLMo-2's projections normed over every
 # head) the kit splits by heads; GPT-NeoX's embedding is split by vocabulary
+VISION = dict(vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+              mm_tokens_per_image=4, image_token_id=255, boi_token_index=254, eoi_token_index=253)
 FAMILIES = {
     "qwen2-moe, all sparse": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
         intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
@@ -57,7 +60,11 @@ FAMILIES = {
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(   # its decoder under "model", not its prefix's name;
         intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,   # layer 1 a MoE whose experts take
-        interleave_moe_layer_step=2))}                                          # every expert's rows (dense)
+        interleave_moe_layer_step=2)),                                          # every expert's rows (dense)
+    # a multimodal folder (Gemma 3 from 4B up): its language model trains, under
+    # model.language_model; its vision tower, which text never reaches, gets no gradient
+    "gemma3, multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
+        text_config=dict(model_type="gemma3_text", intermediate_size=128), tie_word_embeddings=False, **VISION))}
 MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4")   # experts of their own: ep splits them
 EXPERTS_OF = {"llama4": "model.layers.*.feed_forward.experts"}   # (the others': EXPERTS)
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
@@ -86,7 +93,7 @@ def tiny(kind, layers=2, router_loss=True, experts=4, tied=False):
     if kind in FAMILIES:   # the other families, each as transformers builds it
         cls, cfg_cls, own = FAMILIES[kind]
         own = {**own, "tie_word_embeddings": True} if tied else own   # (Gemma 3's own default)
-        return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**common_cfg, **own}))
+        return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**with_text(common_cfg, own)))
     cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=2,
                                       output_router_logits=router_loss, router_aux_loss_coef=AUX, **common_cfg)
     return transformers.Qwen3MoeForCausalLM(cfg)
@@ -106,8 +113,12 @@ def output_loss(out, y):
 
 def loss_of(model, x, y, positions=None, seen=None):
     """The LM's cross-entropy on the ModelOutput's logits, plus the model's own balancing
-    loss where it returns one. ``seen``: a list the output's type name is appended to."""
-    out = model(input_ids=x, position_ids=None if positions is None else positions[None])
+    loss where it returns one. ``seen``: a list the output's type name is appended to. With
+    ``positions`` (a context-parallel rank's, which skip), a mask of ones, as 13 gives: without
+    one, a model that makes no cache (Gemma 3's multimodal class) takes the skip for packed
+    sequences and masks, which context_parallel refuses."""
+    out = model(input_ids=x, position_ids=None if positions is None else positions[None],
+                attention_mask=None if positions is None else torch.ones_like(x))
     if seen is not None:
         seen.append(type(out).__name__)
     loss = lm_loss(out["logits"], y)
@@ -264,7 +275,8 @@ def replicas(ctx, kind, data, tied=False, inner=None, join=2):
     r = compare(full, ref)
     r["norms"] = max(abs(norms[i] - want[i]) / want[i] for i in stepped[ctx.rank]) < 1e-4
     weights = sum(p.numel() * p.element_size() for p in module.parameters())   # (this rank's: a shard under FSDP)
-    r.update(stepped=stepped, heals=heals, weights=weights, refused=refused)
+    trained = sum(p.numel() * p.element_size() for p in module.parameters() if opt.state.get(p))   # (AdamW's moments:
+    r.update(stepped=stepped, heals=heals, weights=weights, trained=trained, refused=refused)   # not a vision tower's)
     return r
 
 
@@ -356,6 +368,8 @@ STAGE_FAMILIES = {
     # (Mamba-2, MoE, attention, MLP): a layer's stand-in reads it through
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(intermediate_size_mlp=128, num_local_experts=4,
                                                              interleave_moe_layer_step=2, attention_chunk_size=8)),
+    "gemma3, multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(   # its head under the top,
+        text_config=dict(model_type="gemma3_text", sliding_window=8), **VISION)),       # its decoder two down
     "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1, n_routed_experts=4,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=32))}
@@ -368,7 +382,17 @@ def stage_family(kind):
                head_dim=8, intermediate_size=128, max_position_embeddings=64, attn_implementation="eager",
                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     return getattr(transformers, cls)(getattr(transformers, cfg_cls)(
-        **{k: v for k, v in {**cfg, **own}.items() if v is not None}))   # (None: a key the family does not take)
+        **{k: v for k, v in with_text(cfg, own).items() if v is not None}))   # (None: a key the family does not take)
+
+
+def with_text(sizes, own):
+    """A family's config keywords: ``sizes`` and its ``own``; a multimodal family's sizes
+    (and attention) go to its language model's config (its text_config)."""
+    if "text_config" not in own:
+        return {**sizes, **own}
+    text = {k: v for k, v in sizes.items() if k not in ("attn_implementation", "tie_word_embeddings")}
+    return {**own, "text_config": {**text, **own["text_config"]}, "attn_implementation": sizes["attn_implementation"],
+            "tie_word_embeddings": own.get("tie_word_embeddings", sizes.get("tie_word_embeddings"))}
 
 
 def stage_against_forward(kind, n_stages, chunks=1, build=stage_of, positions=False):
@@ -682,7 +706,7 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
     sharded folder), trained beside ``ref`` (one process, same steps), saved by
     save_hf_checkpoint to ``out`` and loaded back by from_pretrained. ``put(model)`` returns
     (the module whose names are the model's, the module stepped, step(x, y))."""
-    model = _from_meta(kind, ref.config.num_hidden_layers)
+    model = _from_meta(kind, ref.config.get_text_config().num_hidden_layers)
     r = {"buffers": all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers()),
          "meta": all(p.is_meta for p in model.parameters())}
     layout = hfc.model_layout(model)   # the model's own file names (GPT-NeoX's embed_out, Mixtral's experts)
@@ -703,7 +727,7 @@ def _checkpoint_round(ctx, kind, label, put, data, src, out, ref):
         r["layout"] = a == b   # the source's names and shapes
         r["layout diff"] = sorted(set(a) ^ set(b))[:6] + [(k, a[k], b[k]) for k in a if k in b and a[k] != b[k]][:6]
         back = type(ref).from_pretrained(os.path.join(out, label))
-        plain = tiny(kind, ref.config.num_hidden_layers, router_loss=False)
+        plain = tiny(kind, ref.config.get_text_config().num_hidden_layers, router_loss=False)
         plain.load_state_dict(full)
         x = data[0][0]
         r["logits"] = torch.equal(back(input_ids=x).logits, plain(input_ids=x).logits)

@@ -769,3 +769,117 @@ def test_bench_sets_a_skip_line_where_torchs_side_cannot_take_the_model(tiny, tm
     monkeypatch.setattr(train, "bench_method", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train.bench_steps(ctx, args, {}, str(tiny / "model"))
+
+
+def qwen3_vl_moe(vocab=512, layers=2):
+    """A tiny Qwen3-VL-MoE as its config builds it (its experts 8 wide, its hidden 32: every
+    expert tensor's two inner dims differ, so a transposed one cannot pass for the other)."""
+    import transformers
+    return transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=8, num_experts=4,
+                         num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "mrope_section": [1, 1, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
+                           deepstack_visual_indexes=[0], num_position_embeddings=16),
+        image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 4))
+
+
+def test_a_multimodal_folder_trains_its_language_model_and_comes_back_in_its_own_layout(tiny, tmp_path):
+    """The folders people fine-tune on text are often multimodal (Gemma 3 from 4B up, Mistral
+    Small 3, Qwen-VL, Llama 4). Before 2026-11-30 13 ended every one in a traceback: Gemma
+    3's config has no num_attention_heads (its text config has), the others are no causal LM
+    to AutoModelForCausalLM (and Llama 4's whole folder was built as its language model
+    alone), and Qwen3-VL-MoE's experts, transposed in the Hub's files, were refused. Here
+    Qwen3-VL-MoE as the Hub holds it, on pp 2 (its vision tower on the first stage): the
+    check against one process passes, the folder written back has the source's names and
+    shapes (its experts transposed as they came), the vision tower bit for bit as it was
+    (text never reaches it: no gradient), every tensor of the language model trained."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    source = _folder(tiny, tmp_path / "qwen3-vl-moe", qwen3_vl_moe())
+    stored = load_file(source / "model.safetensors")
+    save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in stored.items()},
+              source / "model.safetensors", metadata={"format": "pt"})   # [E, in, out], as on the Hub
+    run = tmp_path / "run"
+    p = run_inline("13_train.py", "--model", str(source), "--data", str(tiny / "text.txt"), "--pp", "2",
+                   "--steps", "1", "--eval-every", "1", "--eval-batches", "1", "--context-length", "32",
+                   "--batch-size", "8", "--verify-steps", "2", "--sample-tokens", "2", "--run-dir", str(run),
+                   "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "verify 13_train on pp 2: PASS" in p.stdout
+    final = run / "final"
+    assert tensors_in(final) == tensors_in(source)
+    assert tensors_in(final)["model.language_model.layers.0.mlp.experts.down_proj"] == (4, 8, 32)
+    got = {}
+    for f in final.glob("*.safetensors"):
+        got.update(load_file(f))
+    was = load_file(source / "model.safetensors")
+    vision = [k for k in was if k.startswith("model.visual.")]
+    assert vision and all(torch.equal(got[k], was[k]) for k in vision)
+    assert not [k for k in was if k not in vision and torch.equal(got[k], was[k])]
+    assert "sample: " in p.stdout   # generate() on the folder, loaded as its own class
+
+
+def test_a_multimodal_model_is_built_as_its_folder_names_it_and_measured_by_its_language_model():
+    """auto_class: the class a folder's config.json names (Llama 4's whole folder is no
+    Llama4ForCausalLM, which AutoModelForCausalLM builds from its config, its weights' names
+    then not found; Gemma 3's multimodal class is what AutoModelForCausalLM maps it to;
+    Mistral 3 names none here: its image-text-to-text class). MFU's FLOPs count the
+    language model and its head alone (a vision tower does no work on text: the same count
+    as the language model's own causal LM), and --cp reads the text config's sliding window
+    (Gemma 3's multimodal config has none of its own: AttributeError, before)."""
+    import torch
+    import transformers
+    train = load("13_train")
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    gemma = transformers.Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=16),
+                                      vision_config=dict(vision, model_type="siglip_vision_model"), mm_tokens_per_image=4,
+                                      image_token_id=63, boi_token_index=62, eoi_token_index=61)
+    llama4 = transformers.Llama4Config(text_config=dict(text, intermediate_size_mlp=64, num_local_experts=2),
+                                       vision_config=dict(vision, vision_output_dim=32, projector_input_dim=32,
+                                                          projector_output_dim=32, pixel_shuffle_ratio=0.5),
+                                       image_token_index=63, architectures=["Llama4ForConditionalGeneration"])
+    mistral3 = transformers.Mistral3Config(text_config=dict(text, model_type="mistral"))
+    assert train.auto_class(llama4) is transformers.AutoModelForImageTextToText
+    assert train.auto_class(mistral3) is transformers.AutoModelForImageTextToText
+    assert train.auto_class(gemma) is transformers.AutoModelForCausalLM
+    assert train.auto_class(gemma.text_config) is transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        whole = train.auto_class(gemma).from_config(gemma)
+        alone = transformers.Gemma3ForCausalLM(gemma.text_config)
+    assert type(whole).__name__ == "Gemma3ForConditionalGeneration"
+    assert train.train_flops_per_token(whole, 32) == train.train_flops_per_token(alone, 32)
+    assert train.cp_problem(whole, gemma.to_dict(), "sdpa", 32).startswith(
+        "--cp: gemma3's sliding_window=16 is shorter than --context-length 32")
+    assert train.cp_problem(whole, gemma.to_dict(), "sdpa", 16) is None
+
+
+def test_what_a_multimodal_models_language_model_cannot_take_is_refused_before_any_worker_starts(tiny, tmp_path):
+    """Gemma 4's per-layer embeddings (beside its decoder layers, outside its pipeline plan)
+    on --pp: refused by every rank's stage at the first step, after the workers started; now
+    before, in one line. Qwen3-VL's plan splits only its embedding, under
+    model.language_model: --tp is refused, naming it."""
+    import transformers
+    text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    gemma4 = _folder(tiny, tmp_path / "gemma4", transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=dict(text, vocab_size_per_layer_input=512, hidden_size_per_layer_input=8, global_head_dim=8,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=8, patch_size=14, position_embedding_size=64),
+        image_token_id=511, boi_token_id=510, eoi_token_id=509)))
+    assert refused("13_train.py", "--model", str(gemma4), "--data", str(tiny / "text.txt"), "--pp", "2").startswith(
+        "13_train.py: error: --pp: Gemma4ForConditionalGeneration's model.language_model.embed_tokens_per_layer, ")
+    qwen3_vl = _folder(tiny, tmp_path / "qwen3-vl", transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": [1, 1, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
+                           deepstack_visual_indexes=[0], num_position_embeddings=16),
+        image_token_id=511, video_token_id=510, vision_start_token_id=509, vision_end_token_id=508)))
+    assert "--tp: qwen3_vl's tensor-parallel plan splits none of its layers' modules (only " \
+        "model.language_model.embed_tokens;" in refused("13_train.py", "--model", str(qwen3_vl), "--data",
+                                                        str(tiny / "text.txt"), "--tp", "2")

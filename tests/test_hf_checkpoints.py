@@ -6,6 +6,8 @@ of tests/hf_model.py on pp 2 x fsdp 2 x tp 2 by its own plans (the packed projec
 heads, the norms over all heads, GPT-NeoX's embedding by vocabulary); trained like one
 process, saved as a folder from_pretrained loads with the same logits, bit for bit. One
 spawned job of 8 ranks serves every case (tests/hf_model.py's checkpoints)."""
+from pathlib import Path
+
 import pytest
 
 import common
@@ -18,7 +20,8 @@ def results(tmp_path_factory):
                          world_size=8)
 
 
-FAMILIES = ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3"]
+FAMILIES = ["qwen2-moe, all sparse", "olmo2", "gpt-neox", "phi3", "glm4", "qwen3", "gemma3", "mixtral", "deepseek-v3",
+            "gemma3, multimodal"]   # (its vision tower on the first stage, written back as it came)
 CASES = [f"{kind}, {mesh}" for kind in ("llama", "qwen3-moe")
          for mesh in ("fsdp 8", "dp 4 x tp 2", "pp 2 x fsdp 2 x tp 2")] + ["qwen3-moe, ep 4 x 2 copies"] + \
     [f"{kind}, pp 2 x fsdp 2 x tp 2" for kind in FAMILIES]   # Phi-3's packed rows, OLMo-2's split norms, a vocabulary
@@ -74,3 +77,42 @@ def test_a_fused_qkv_split_by_heads_reads_each_ranks_rows_and_nothing_more(resul
 def test_a_model_built_in_bf16_takes_the_float32_checkpoint_cast(results, kind):
     for r in results[f"{kind}, bf16 from float32"]:
         assert r == {"dtypes": ["torch.bfloat16"], "equal": True}
+
+
+def test_experts_the_files_hold_transposed_are_read_and_written_back_as_the_source_held_them(tmp_path):
+    """Qwen3-VL-MoE's experts are [E, in, out] in the Hub's files and [E, out, in] in the
+    model: transformers transposes a shape that differs from the model's (check_dims).
+    model_layout refused that conversion, so 13 could not load the family at all (before
+    2026-11-30). One process, both layouts: the Hub's and the model's own (what save_pretrained
+    writes) are read into a model built on meta, equal to from_pretrained's; written back, each
+    folder has its source's names and shapes, and from_pretrained reads it back the same."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    import hf_checkpoint as hfc
+    import placement
+    from test_13_train import qwen3_vl_moe, tensors_in
+    auto = transformers.AutoModelForImageTextToText
+    torch.manual_seed(0)
+    qwen3_vl_moe(vocab=64, layers=1).save_pretrained(tmp_path / "own")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "config.json").write_text((tmp_path / "own" / "config.json").read_text())
+    stored = load_file(tmp_path / "own" / "model.safetensors")
+    save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in stored.items()},
+              hub / "model.safetensors", metadata={"format": "pt"})
+    experts = "model.language_model.layers.0.mlp.experts."
+    for folder in (tmp_path / "own", hub):
+        want = auto.from_pretrained(folder).state_dict()
+        with placement.meta_parameters():
+            model = auto.from_config(transformers.AutoConfig.from_pretrained(folder))
+        layout = hfc.model_layout(model, str(folder))
+        hfc.load_hf_checkpoint(model, str(folder), pieces=layout)
+        assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items()), folder.name
+        out = hfc.save_hf_checkpoint(model, str(tmp_path / f"{folder.name}-out"), config=model.config, layout=layout)
+        assert tensors_in(Path(out)) == tensors_in(folder), folder.name
+        back = auto.from_pretrained(out).state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in back.items()), folder.name
+    assert tensors_in(hub)[experts + "down_proj"] == (4, 8, 32)        # [E, in, out] on the Hub,
+    assert tensors_in(tmp_path / "own")[experts + "down_proj"] == (4, 32, 8)   # the model's [E, out, in]
