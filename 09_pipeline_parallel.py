@@ -259,7 +259,9 @@ class ModelStage(PipelineStage):
     layer takes the activation received, and a stage that is not the last hands on the
     hidden state its last layer gave. The first stage holds the modules before the layers,
     the last those after them and the head (``lm_head``); a module with parameters that the
-    plan does not place is refused, named.
+    plan does not place is refused, named. A multimodal model (Gemma 3's, Qwen-VL's class)
+    is staged by its language model (its text config's plan), its vision tower and
+    projector, which text never reaches, held by the first stage.
 
         stage = ModelStage(model, rank, n_stages)              # the model's own names: its checkpoints
         pipe = Pipeline(stage, 8, lambda out, y: F.cross_entropy(out["logits"].flatten(0, 1), y.flatten()))
