@@ -523,7 +523,8 @@ def train_flops_per_token(model, context: int) -> float:
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     used = {id(p): p for p in [*model.get_decoder().parameters(), *(() if head is None else head.parameters())]}
-    used.pop(id(emb)) if head is None or head.weight is not emb else None
+    if head is None or head.weight is not emb:   # (the embedding a lookup; a tied one counted as the head)
+        used.pop(id(emb))
     weights = sum(p.numel() for p in used.values())
     heads = config.num_attention_heads
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -597,7 +598,6 @@ def verify(ctx, args, sizes):
         return {"skipped": why}
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run = on_mesh(ctx, args, sizes, args.model)
-    import transformers
     ref = auto_class(args.model).from_pretrained(args.model, attn_implementation=args.attention,
                                                             dtype=torch.float32).to(ctx.device)
     randomness = random_off(ref)   # (both sides: the check compares the math, not the masks)
@@ -836,7 +836,6 @@ def torch_composition(ctx, folder, sizes, plan, recompute=False, compile_layers=
     each decoder layer and the root over the data ranks (``recompute``: the model's own
     gradient checkpointing first, as ours; ``compile_layers``: each decoder layer through
     torch.compile before its fully_shard, as torchtitan does, FSDP2's hooks around it)."""
-    import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -2197,7 +2196,6 @@ def replay_replicas(args, schedule, final: Path) -> dict:
     stretch whose floor is below 1e-4 had a wrong step; one past float32's horizon (its
     floor above) passes within REPLAY_FLOORS floors, and the result names it ("beyond":
     checked only that far)."""
-    import transformers
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     data = corpus.Reader(args.corpus, args.context_length, args.batch_size, args.seed)
     run_dir, one = Path(args.run_dir), argparse.Namespace(**vars(args))

@@ -266,8 +266,8 @@ def _stored_shape(folder):
     return shape
 
 
-def _swapped(items, dims):
-    """``items`` (a list, one entry a dim) with the entries of ``dims`` swapped."""
+def _swapped(items, dims=None):
+    """``items`` (a list, one entry a dim) with the entries of ``dims`` swapped (none: as they are)."""
     items = list(items)
     if dims:
         items[dims[0]], items[dims[1]] = items[dims[1]], items[dims[0]]
@@ -371,7 +371,7 @@ def load_hf_checkpoint(module, folder, device=None, pieces=None) -> dict:
         missing = sorted({n for _, _, _, parts in plan for n, *_ in parts if n not in weight_map})
         wrong = [f"{parts[0][0]}: {file_of(parts[0][0]).shape(parts[0][0])} in the folder, {list(whole)} here"
                  for _, _, whole, parts in plan if not missing and len(parts) == 1   # (a transposed one: swapped back)
-                 and tuple(_swapped(file_of(parts[0][0]).shape(parts[0][0]), parts[0][2:] and parts[0][2])) != whole]
+                 and tuple(_swapped(file_of(parts[0][0]).shape(parts[0][0]), *parts[0][2:])) != whole]
         saved = {id(t) for _, t, _, _ in plan}
         unmade = [n for n, ts in _tensors(module).items() for t in ts if t.is_meta and id(t) not in saved]
         _agree(missing, wrong, folder, unmade)   # every rank refuses, before anything is read
@@ -469,7 +469,7 @@ def save_hf_checkpoint(module, folder, config=None, layout=None) -> str:
         shape = tuple(_whole_shape(t, placements(t)))
         parts[id(t)] = [p for n in names for p in (on_disk(n, shape) or [(n, (slice(None),) * len(shape))])]
     entries = [(n, t.dtype, _swapped(torch.empty(_whole_shape(t, placements(t)), device="meta")[at].shape,
-                                     flip and flip[0]))
+                                     *flip))
                for names, t, digits in plan if _writes(digits) for n, at, *flip in parts[id(t)]]
     sizes = {n: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for n, dtype, shape in entries}
     counts = [sizes]   # every rank's {name: bytes}: who writes, and the index
