@@ -203,7 +203,8 @@ def cp_problem(model, config: dict, attention: str, context: int) -> str | None:
     token_mixers: a Mamba layer's scan, a convolution over the sequence, linear attention),
     which would meet only within each rank's part of the sequence: Bamba, Jamba and the
     other hybrids trained so until 2026-11-30, caught only by the check against one
-    process."""
+    process. Only the decoder is looked at: an audio tower's convolutions (Voxtral's,
+    Granite Speech's), which text never reaches, had refused those models."""
     kind, own = config.get("model_type"), model.config.get_text_config()   # (a multimodal model's: its text's)
     types = set(getattr(own, "layer_types", None) or ())
     if attention != "sdpa":
@@ -220,7 +221,8 @@ def cp_problem(model, config: dict, attention: str, context: int) -> str | None:
             return (f"--cp: {kind}'s {name}={window} is shorter than --context-length {context}: its attention is "
                     f"masked beyond causal there, and context parallelism splits causal attention alone (give "
                     f"--context-length {window} or less)")
-    mixers = cpm.token_mixers(model)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    mixers = cpm.token_mixers(model if decoder is None else decoder)
     if mixers:
         return (f"--cp: {kind} mixes tokens outside its attention ({', '.join(mixers)}): context parallelism "
                 f"splits attention alone, and each rank's part of the sequence would miss the rest")
@@ -408,15 +410,18 @@ def auto_class(config):
     config) as the folder's config.json names it (``architectures``): AutoModelForCausalLM,
     or AutoModelForImageTextToText for a multimodal folder whose class that one maps to
     (Llama 4's, Mistral 3's, Qwen2.5-VL's whole folders: AutoModelForCausalLM would build
-    Llama 4's language model alone, its weights' names not found). A multimodal model's
-    language model trains on the text; its vision tower, which text never reaches, gets no
-    gradient and is written back as it came."""
+    Llama 4's language model alone, its weights' names not found), or AutoModelForMultimodalLM
+    for one only that maps (an audio tower's: Voxtral, Granite Speech). A multimodal model's
+    language model trains on the text; its vision or audio tower, which text never reaches,
+    gets no gradient and is written back as it came."""
     import transformers
     from transformers.models.auto import modeling_auto as auto
     if not isinstance(config, transformers.PretrainedConfig):
         config = transformers.AutoConfig.from_pretrained(config)
     kinds = ((transformers.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-             (transformers.AutoModelForImageTextToText, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+             (transformers.AutoModelForImageTextToText, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+             (getattr(transformers, "AutoModelForMultimodalLM", None),   # (transformers 5)
+              getattr(auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {})))
     named = getattr(config, "architectures", None) or []
     return next((cls for cls, names in kinds if names.get(config.model_type) in named),
                 next((cls for cls, names in kinds if config.model_type in names), transformers.AutoModelForCausalLM))
@@ -1464,13 +1469,24 @@ def _progress(run_dir: Path, history: list):
 
 def sample(folder: Path, prompt: str, tokens: int) -> str:
     """The saved folder through transformers as a user loads it: from_pretrained, then
-    generate() continues ``prompt`` greedily."""
+    generate() continues ``prompt`` greedily: the sample's text, quoted. The folder must
+    load; where transformers' own generate() fails on text alone (Qwen2.5-Omni's thinker
+    asks its config for a vision token it does not hold), that is said in its place, and
+    the run's row and files are still written (NoSample)."""
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     model = auto_class(folder).from_pretrained(folder)
     ids = tok(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    try:
+        out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    except Exception as e:   # noqa: BLE001 (transformers' generation, not the run's weights)
+        raise NoSample(f"none: the folder loads, and transformers' {type(model).__name__}.generate() fails on "
+                       f"text ({type(e).__name__}: {e})") from e
     return tok.decode(out[0], skip_special_tokens=True)
+
+
+class NoSample(Exception):
+    """generate() failed in transformers on a folder that loads (sample's)."""
 
 
 # ---- flags, and what is refused before any worker starts -------------------------------
@@ -1889,9 +1905,13 @@ def summarize(args, sizes, result, name):
     """The sample from the saved folder, the run's row and its files in --out."""
     evals = [r for r in result["history"] if "eval" in r]
     hist = [r for r in result["history"] if "loss" in r]
-    text = sample(Path(result["final"]), args.prompt, args.sample_tokens)
+    try:
+        text = sample(Path(result["final"]), args.prompt, args.sample_tokens)
+        said = repr(text)
+    except NoSample as e:
+        text = said = str(e)
     print(f"final weights sha256 {result['sha256']}\n{common.wrote(result['final'])} (from_pretrained loads it)\n"
-          f"sample: {text!r}", flush=True)
+          f"sample: {said}", flush=True)
     reached = max((r["step"] for r in result["history"]), default=0)   # (a resumed run's may be past --steps)
     row = {"mesh": mesh_label(sizes, args.ep), "steps": reached, "first loss": hist[0]["loss"] if hist else None,
            "last loss": hist[-1]["loss"] if hist else None, "first eval": evals[0]["eval"] if evals else None,

@@ -3,6 +3,7 @@ out. The folder is the script's own tiny Llama-style model (its byte-level BPE t
 trained on Python's help text), written once for the file; the runs are short (6 steps of
 8 sequences of 32 tokens), each through the command line as a user types it."""
 import contextlib
+import io
 import json
 import os
 import re
@@ -825,10 +826,13 @@ def test_a_multimodal_model_is_built_as_its_folder_names_it_and_measured_by_its_
     """auto_class: the class a folder's config.json names (Llama 4's whole folder is no
     Llama4ForCausalLM, which AutoModelForCausalLM builds from its config, its weights' names
     then not found; Gemma 3's multimodal class is what AutoModelForCausalLM maps it to;
-    Mistral 3 names none here: its image-text-to-text class). MFU's FLOPs count the
-    language model and its head alone (a vision tower does no work on text: the same count
-    as the language model's own causal LM), and --cp reads the text config's sliding window
-    (Gemma 3's multimodal config has none of its own: AttributeError, before)."""
+    Mistral 3 names none here: its image-text-to-text class; Voxtral's, with an audio tower,
+    only AutoModelForMultimodalLM maps: "Unrecognized configuration class", before). MFU's
+    FLOPs count the language model and its head alone (a vision or audio tower does no work
+    on text: the same count as the language model's own causal LM), and --cp reads the text
+    config's sliding window (Gemma 3's multimodal config has none of its own: AttributeError,
+    before) and looks for tokens mixed outside attention in the decoder alone (Voxtral's audio
+    tower's convolutions had refused it)."""
     import torch
     import transformers
     train = load("13_train")
@@ -856,6 +860,44 @@ def test_a_multimodal_model_is_built_as_its_folder_names_it_and_measured_by_its_
     assert train.cp_problem(whole, gemma.to_dict(), "sdpa", 32).startswith(
         "--cp: gemma3's sliding_window=16 is shorter than --context-length 32")
     assert train.cp_problem(whole, gemma.to_dict(), "sdpa", 16) is None
+    voxtral = transformers.VoxtralConfig(text_config=dict(text, model_type="llama"),
+                                         audio_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                           num_attention_heads=2, num_mel_bins=16))
+    assert train.auto_class(voxtral) is transformers.AutoModelForMultimodalLM
+    with torch.device("meta"):
+        whole, alone = train.auto_class(voxtral).from_config(voxtral), transformers.LlamaForCausalLM(voxtral.text_config)
+    assert type(whole).__name__ == "VoxtralForConditionalGeneration"
+    assert train.train_flops_per_token(whole, 32) == train.train_flops_per_token(alone, 32)
+    # its audio tower's convolutions mix no text: --cp looks at the decoder alone (refused, before)
+    assert train.cp_problem(whole, voxtral.to_dict(), "sdpa", 32) is None
+
+
+def test_a_sample_transformers_cannot_generate_is_said_and_the_runs_row_is_still_written(tiny, tmp_path, monkeypatch):
+    """The run's end (summarize) on a folder that loads but whose generate() fails in
+    transformers on text alone (Qwen2.5-Omni's thinker reads a vision token its config does
+    not hold: AttributeError): the sample line says so, and the run's row and table are
+    written, the reason with them; before, the traceback ended the run after training, its
+    summary lost. A folder that does not load still fails the run."""
+    import transformers
+    train = load("13_train")
+    args = train.parser().parse_args(["--model", str(tiny / "model"), "--data", str(tiny / "text.txt"), "--run-dir",
+                                      str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--sample-tokens", "2"])
+    result = {"final": str(tiny / "model"), "sha256": "0" * 64,
+              "history": [{"step": 1, "loss": 5.0, "seconds": 0.1}, {"step": 1, "eval": 4.0}]}
+
+    def fails(self, *a, **kw):
+        raise AttributeError("'Qwen2_5OmniThinkerConfig' object has no attribute 'vision_start_token_id'")
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", fails)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.summarize(args, {"fsdp": 1}, result, "13_train")
+    assert ("sample: none: the folder loads, and transformers' LlamaForCausalLM.generate() fails on text "
+            "(AttributeError: 'Qwen2_5OmniThinkerConfig' object has no attribute 'vision_start_token_id')") \
+        in out.getvalue(), out.getvalue()
+    saved = json.loads((tmp_path / "out" / "13_train.json").read_text())
+    assert saved["rows"][0]["last loss"] == 5.0 and "generate() fails" in saved["sample"]
+    with pytest.raises(OSError):   # (the folder itself must load)
+        train.sample(tmp_path / "nothing", "x", 2)
 
 
 def test_what_a_multimodal_models_language_model_cannot_take_is_refused_before_any_worker_starts(tiny, tmp_path):
