@@ -1469,7 +1469,7 @@ def _progress(run_dir: Path, history: list):
 
 def sample(folder: Path, prompt: str, tokens: int) -> str:
     """The saved folder through transformers as a user loads it: from_pretrained, then
-    generate() continues ``prompt`` greedily: the sample's text, quoted. The folder must
+    generate() continues ``prompt`` greedily: returns the sample's text. The folder must
     load; where transformers' own generate() fails on text alone (Qwen2.5-Omni's thinker
     asks its config for a vision token it does not hold), that is said in its place, and
     the run's row and files are still written (NoSample)."""
