@@ -945,6 +945,7 @@ def model_plan(model: nn.Module) -> tuple:
         else:
             whole[key] = HF_KEPT_WHOLE[style]
     _by_heads(config, gathered, plan, whole)
+    _whole_across(modules, plan, whole)
     for name, m in modules.items():   # linear layers the plan leaves whole, by their module (MLA, routers)
         planned = [k for k in [*plan, *whole] if path_matches(name, k) or any(
             path_matches(f"{name}.{c}", k) for c, _ in m.named_children())]
@@ -954,6 +955,24 @@ def model_plan(model: nn.Module) -> tuple:
             whole.setdefault(key, f"{', '.join(n for n, c in m.named_children() if isinstance(c, nn.Linear))}: "
                                   f"not in the model's plan, kept whole on every rank")
     return plan, whole
+
+
+def _whole_across(modules: dict, plan: dict, whole: dict):
+    """model_plan's modules whose forward takes a statistic across the features a column
+    split spreads, which a rank's slice would take over its own features alone: an MLP with
+    activation sparsity (Gemma 3n's first layers: its gate's cutoff is the mean plus a
+    multiple of the spread of every intermediate feature) stays whole on every rank, each
+    plan key that matched its projections narrowed to the layers that have none."""
+    across = [n for n, m in modules.items() if (getattr(m, "activation_sparsity", 0) or 0) > 0]
+    if not across:
+        return
+    inside = lambda n: any(n.startswith(a + ".") for a in across)   # noqa: E731
+    for key in [k for k in plan if any(path_matches(n, k) and inside(n) for n in modules)]:
+        kind = plan.pop(key)
+        plan.update({n: kind for n in modules if path_matches(n, key) and not inside(n)})
+    for name in across:
+        whole[name] = (f"activation sparsity {modules[name].activation_sparsity}: its gate's cutoff is taken over every "
+                       f"intermediate feature, which a column split spreads: kept whole on every rank")
 
 
 def _base_prefix(model) -> str:

@@ -1824,8 +1824,10 @@ def check_mesh_fits(config: dict, sizes: dict, args):
         if not config.get("base_model_tp_plan") and not _class_has_plan(config, "base_model_tp_plan") and not args.plan:
             raise common.UsageError(f"{config.get('model_type')} ships no tensor-parallel plan: give --plan FILE "
                                     f"(a JSON plan in 08's words) for --tp")
-        for what, n in (("attention heads", heads), ("key/value heads", kv), ("intermediate size",
-                                                                              config.get("intermediate_size"))):
+        inner = config.get("intermediate_size")   # (Gemma 3n's: a list, a size a layer)
+        for what, n in (("attention heads", heads), ("key/value heads", kv),
+                        *((("intermediate size" + (f" (layer {i})" if isinstance(inner, list) else ""), m)
+                           for i, m in enumerate(inner if isinstance(inner, list) else [inner])))):
             if n and n % T:
                 raise common.UsageError(f"--tp {T} does not divide the model's {n} {what}")
     layers = config.get("num_hidden_layers")

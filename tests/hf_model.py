@@ -65,6 +65,13 @@ FAMILIES = {
     # model.language_model; its vision tower, which text never reaches, gets no gradient
     "gemma3, multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
         text_config=dict(model_type="gemma3_text", intermediate_size=128), tie_word_embeddings=False, **VISION))}
+# Gemma 3n on tp alone (its altup streams, per-layer inputs and shared key/value layers
+# have no pipeline plan): layer 0's MLP with activation sparsity, whose gate's cutoff is
+# the mean and spread of every intermediate feature, which model_plan keeps whole
+TP_FAMILIES = {"gemma3n": ("Gemma3nForCausalLM", "Gemma3nTextConfig", dict(
+    intermediate_size=128, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, laurel_rank=8,
+    num_kv_shared_layers=0, activation_sparsity_pattern=[0.95, 0.0], sliding_window=64,
+    layer_types=["sliding_attention", "full_attention"]))}
 MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4")   # experts of their own: ep splits them
 EXPERTS_OF = {"llama4": "model.layers.*.feed_forward.experts"}   # (the others': EXPERTS)
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
@@ -90,8 +97,8 @@ def tiny(kind, layers=2, router_loss=True, experts=4, tied=False):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=256, n_embd=64, n_layer=layers, n_head=8, n_positions=64, attn_implementation="sdpa",
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
-    if kind in FAMILIES:   # the other families, each as transformers builds it
-        cls, cfg_cls, own = FAMILIES[kind]
+    if kind in FAMILIES or kind in TP_FAMILIES:   # the other families, each as transformers builds it
+        cls, cfg_cls, own = FAMILIES.get(kind) or TP_FAMILIES[kind]
         own = {**own, "tie_word_embeddings": True} if tied else own   # (Gemma 3's own default)
         return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**with_text(common_cfg, own)))
     cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=2,
@@ -589,6 +596,10 @@ def axes(ctx, args):
         out[f"{kind}, cp ring"] = context_parallel(ctx, kind, data, "ring")
         out[f"{kind}, ft"] = replicas(ctx, kind, data)
     out["gemma3, tied, ft"] = replicas(ctx, "gemma3", data, tied=True)
+    for kind in TP_FAMILIES:
+        own = {}
+        out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
+        out["own plans"][kind] = (own["plan"], own["whole"])
     for kind in MOE_FAMILIES:
         out[f"{kind}, ep with dp"] = expert_parallel(ctx, kind, batches(), "dp")
     out["gemma3, tied, pp 1f1b"] = pipeline(ctx, "gemma3", data, "1f1b", tied=True)   # its own default

@@ -665,6 +665,21 @@ def test_a_family_that_counts_its_experts_by_another_name_is_split_by_ep():
         train.check_mesh_fits(config, sizes, argparse.Namespace(ep=3, plan=None, chunks=1))
 
 
+def test_intermediate_sizes_given_a_layer_each_are_each_checked_against_tp():
+    """Gemma 3n's config gives its intermediate size as a list, one a layer: --tp ended in a
+    TypeError (a list modulo an int) before any worker started; each layer's is checked."""
+    import argparse
+    train = load("13_train")
+    config = {"model_type": "gemma3n_text", "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"},
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+              "intermediate_size": [128, 128, 96]}
+    flags = argparse.Namespace(ep=1, plan=None, chunks=1)
+    train.check_mesh_fits(config, {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 2}, flags)
+    with pytest.raises(kit.UsageError, match=r"^--tp 64 does not divide the model's 96 intermediate size \(layer 2\)$"):
+        train.check_mesh_fits({**config, "num_attention_heads": 64, "num_key_value_heads": 64},
+                              {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 64}, flags)
+
+
 def test_tp_takes_the_plan_of_a_decoder_off_its_prefix_and_refuses_one_that_splits_only_the_embedding():
     """Llama 4's decoder is under "model", not its base_model_prefix ("language_model", its
     multimodal sibling's): its plan matched nothing, and --tp was refused as splitting

@@ -181,6 +181,23 @@ def test_a_family_trains_by_its_own_tp_plan_like_one_process(kind):
         assert "expert parallelism" in " ".join(whole.values())
 
 
+def test_an_mlp_whose_gate_is_cut_by_statistics_of_all_its_features_stays_whole_under_tp():
+    """Gemma 3n's MLPs with activation sparsity (its first ten layers) cut their gate's
+    output at its mean plus a multiple of its spread over every intermediate feature; split
+    by columns, each rank took its own half's, and 13 on Gemma 3n at tp 2 failed its check
+    against one process (max diff 9e-4). model_plan keeps such an MLP whole on every rank
+    and splits the others' (here layer 1's); Gemma 3n then trains like one process."""
+    r = run("axes", 2)
+    assert r["gemma3n, tp"]["ok"], f"max diff {r['gemma3n, tp']['max_diff']}"
+    assert r["gemma3n, tp"]["norms"]
+    plan, whole = r["own plans"]["gemma3n"]
+    assert {k: v for k, v in plan.items() if ".mlp." in k} == {
+        "model.layers.1.mlp.gate_proj": "column", "model.layers.1.mlp.up_proj": "column",
+        "model.layers.1.mlp.down_proj": "row"}
+    assert whole["model.layers.0.mlp"].startswith("activation sparsity 0.95: its gate's cutoff")
+    assert plan["model.layers.*.self_attn.q_proj"] == "column"   # its attention split in every layer
+
+
 def test_mla_is_split_by_heads_from_the_config_with_no_entry_written():
     """DeepSeek-V3's plan names no attention; its config describes MLA (kv_lora_rank,
     qk_rope_head_dim), so model_plan takes MLA's own plan (transformers' DeepSeek-V2 one):
