@@ -1019,9 +1019,11 @@ def larger_model(args, run_dir: Path) -> Path:
     text = config.get_text_config()   # (a multimodal model's language model: its vision tower as it is)
     n = text.num_hidden_layers
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers"):
-        setattr(text, key, 2 * getattr(text, key))
-    for key, value in list(vars(text).items()):   # a layer's type or flag, one a layer: the pattern twice
-        if isinstance(value, list) and len(value) == n and all(isinstance(v, str) or v in (0, 1) for v in value):
+        value = getattr(text, key)   # (Gemma 3n's intermediate size: a list, one a layer)
+        setattr(text, key, [2 * v for v in value] * 2 if isinstance(value, list) else 2 * value)
+    for key, value in list(vars(text).items()):   # a layer's type, flag or fraction, one a layer: the pattern twice
+        if isinstance(value, list) and len(value) == n and all(
+                isinstance(v, str) or v in (0, 1) or (isinstance(v, float) and 0 <= v <= 1) for v in value):
             setattr(text, key, value * 2)
     try:
         if hasattr(config, "validate"):   # (what save_pretrained checks: transformers 5.24's)

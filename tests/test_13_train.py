@@ -737,7 +737,8 @@ def test_the_larger_bench_model_repeats_per_layer_patterns_or_says_why_it_cannot
     """--bench's second setting doubles the width and the layers. Llama 4's no_rope_layers
     (a flag a layer) stayed at its length and building the model failed (IndexError), and
     Bamba's config refuses twice the width (its Mamba heads are tied to it): --bench ended
-    in a traceback. Now the per-layer patterns are repeated, and a config that does not take
+    in a traceback. Now the per-layer patterns are repeated (Gemma 3n's intermediate sizes,
+    a list, each doubled), and a config that does not take
     it is a ValueError naming why (report_bench: a SKIP line), nothing written."""
     import argparse
     import transformers
@@ -750,6 +751,16 @@ def test_the_larger_bench_model_repeats_per_layer_patterns_or_says_why_it_cannot
     config = transformers.AutoConfig.from_pretrained(folder)
     assert (config.hidden_size, config.num_hidden_layers, len(config.no_rope_layers), len(config.layer_types)) == \
         (64, 4, 4, 4)
+    # Gemma 3n: an intermediate size a layer (a list, repeated whole before) and a fraction of
+    # sparsity a layer (not repeated: IndexError, a SKIP line where the setting could run)
+    transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(
+        **{**small, "intermediate_size": [64, 48]}, head_dim=8, hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=64, laurel_rank=4, num_kv_shared_layers=0, activation_sparsity_pattern=[0.95, 0.0],
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16)).save_pretrained(tmp_path / "gemma3n")
+    folder = train.larger_model(argparse.Namespace(model=str(tmp_path / "gemma3n"), seed=0), tmp_path / "run3")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert (config.hidden_size, config.intermediate_size, config.activation_sparsity_pattern) == \
+        (64, [128, 96, 128, 96], [0.95, 0.0, 0.95, 0.0])
     transformers.BambaForCausalLM(transformers.BambaConfig(
         **small, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
         mamba_n_groups=1)).save_pretrained(tmp_path / "bamba")
