@@ -473,8 +473,8 @@ class _SplitProbe(torch.overrides.TorchFunctionMode):
                 shape = tuple(getattr(*self.owners[name]).shape)
                 raise ValueError(f"{name} {shape}: a parameter the plan leaves whole meets features split over the "
                                  f"group's {dist.get_world_size(self.group)} ranks and does not fit their part "
-                                 f"({str(e).splitlines()[0]}): split it with its layers (name it in the plan) or keep "
-                                 f"the layers around it whole") from e
+                                 f"({str(e).splitlines()[0]}): split it with its layers (name it in the plan; \"heads\" "
+                                 f"for one entry a head) or keep the layers around it whole") from e
             raise
         if split:
             self.mark(out)
@@ -708,7 +708,7 @@ def sync_rng(process_group=None):
         torch.cuda.set_rng_state(states[1])
 
 
-KINDS = ("column", "row", "dropout", "divide", "sum", "norm", "vocab", "shared")
+KINDS = ("column", "row", "dropout", "divide", "sum", "norm", "vocab", "shared", "heads")
 
 
 def _count_path(key):
@@ -747,7 +747,10 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
     (start, stop)): an nn.Linear every rank holds whole whose output (those features) every
     rank's heads use directly, not through a column layer (MLA's rotary key, a key/value
     projection the group's size does not divide): its gradient summed over the group in
-    backward, each rank's being its own heads' part. "divide" may name a count
+    backward, each rank's being its own heads' part. "heads": a parameter (the key names it,
+    "layers.*.self_attn.sinks") holding one entry a head along its first dim, as GPT-OSS's
+    attention sinks: this rank's rows, the heads its column layers compute (a placement
+    record's shard). "divide" may name a count
     in the module's config ("layers.*.self_attn.config.num_attention_heads", for a forward
     that slices by it): the module gets a config of its own first, the model's unchanged. A
     "column" layer's output slice is the input slice of the "row" layer that follows it;
@@ -772,13 +775,15 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         if kind not in KINDS or (parts is not None and kind not in ("column", "shared")):
             raise ValueError(f"plan[{key!r}]: unknown kind {plan[key]!r} ({', '.join(KINDS)}, or (\"column\", parts) "
                              f"or (\"shared\", (start, stop)))")
-        owner_key, attr = _count_path(key) if kind == "divide" else (key, "")
+        owner_key, attr = _count_path(key) if kind in ("divide", "heads") else (key, "")
         found = [n for n in modules if path_matches(n, owner_key)]
         if kind == "divide":
             found = [n for n in found if isinstance(_attribute(modules[n], attr), int)]
+        if kind == "heads":
+            found = [n for n in found if isinstance(modules[n]._parameters.get(attr), nn.Parameter)]
         if not found:
-            raise ValueError(f"plan key {key!r} matches no {'integer attribute' if kind == 'divide' else 'module'} "
-                             f"of the model")
+            what = {"divide": "integer attribute", "heads": "parameter"}.get(kind, "module")
+            raise ValueError(f"plan key {key!r} matches no {what} of the model")
         for name in found:
             target = modules[name]
             if kind == "divide" and _attribute(target, attr) % tp:
@@ -801,6 +806,10 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
                 _rms_eps(target)
                 if target.weight.numel() % tp:
                     raise ValueError(f"{name}: {target.weight.numel()} features do not divide over {tp} ranks")
+            if kind == "heads" and getattr(target, attr).shape[0] % tp:
+                raise ValueError(f"{(name + '.') if name else ''}{attr}: its {getattr(target, attr).shape[0]} heads do "
+                                 f"not divide over the "
+                                 f"group's {tp} ranks")
             if kind == "vocab" and (not isinstance(target, nn.Embedding) or target.num_embeddings % tp):
                 raise ValueError(f"{name}: a vocabulary-parallel layer must be an nn.Embedding whose vocabulary the "
                                  f"group's {tp} ranks divide")
@@ -817,6 +826,13 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
                 own.add(id(target))
             holder = _attribute(target, ".".join(path)) if path else target
             setattr(holder, leaf, getattr(holder, leaf) // tp)
+            continue
+        if kind == "heads":   # this rank's heads' rows, as a column layer's
+            whole = getattr(target, attr)
+            n, r = whole.shape[0] // tp, dist.get_rank(process_group)
+            part = nn.Parameter(whole.detach()[r * n:(r + 1) * n].clone(), requires_grad=whole.requires_grad)
+            place(part, "shard", process_group, 0, tuple(whole.shape))
+            setattr(target, attr, part)
             continue
         if kind == "sum":
             for p in target.parameters():
@@ -838,8 +854,8 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
         else:
             new = RowParallelLinear.from_linear(target, process_group)
         setattr(module.get_submodule(parent_name), child, new)
-    placed = {id(p) for name, kind, _, _ in todo if kind not in ("divide",)
-              for p in module.get_submodule(name).parameters()}
+    placed = {id(p) for name, kind, attr, _ in todo if kind != "divide"
+              for p in ([getattr(modules[name], attr)] if kind == "heads" else module.get_submodule(name).parameters())}
     owners = {}   # the parameters no plan entry placed: name -> (module, attribute)
     for mname, m in module.named_modules():
         for attr, p in m.named_parameters(recurse=False):

@@ -31,7 +31,10 @@ ATTENTION = {"model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_a
 MLP = {"model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
        "model.layers.*.mlp.down_proj": "row"}
 HEAD_NORMS = {"model.layers.*.self_attn.q_norm": "sum", "model.layers.*.self_attn.k_norm": "sum"}   # per head
-PLANS = {"llama": {**ATTENTION, **MLP}, "qwen3-moe": {**ATTENTION, **HEAD_NORMS}}   # HF views heads with -1
+PLANS = {"llama": {**ATTENTION, **MLP}, "qwen3-moe": {**ATTENTION, **HEAD_NORMS},   # HF views heads with -1
+         # GPT-OSS's own plan (transformers 5.24's) splits its embedding alone: its attention by a
+         # plan in 08's words, its sinks (one logit a head) split with the heads
+         "gpt-oss": {**ATTENTION, "model.layers.*.self_attn.sinks": "heads"}}
 EXPERTS = "model.layers.*.mlp.experts"
 # More families, tiny, by their own plans (08's model_plan): what each splits, and what it keeps
 # whole (an all-sparse MoE's plan names a dense MLP it does not build); where HF gathers (Phi-3's
@@ -71,7 +74,10 @@ FAMILIES = {
 TP_FAMILIES = {"gemma3n": ("Gemma3nForCausalLM", "Gemma3nTextConfig", dict(
     intermediate_size=128, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, laurel_rank=8,
     num_kv_shared_layers=0, activation_sparsity_pattern=[0.95, 0.0], sliding_window=64,
-    layer_types=["sliding_attention", "full_attention"]))}
+    layer_types=["sliding_attention", "full_attention"])),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig", dict(   # no SDPA: eager attention with its sinks
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager"))}
 MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4")   # experts of their own: ep splits them
 EXPERTS_OF = {"llama4": "model.layers.*.feed_forward.experts"}   # (the others': EXPERTS)
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
@@ -596,10 +602,23 @@ def axes(ctx, args):
         out[f"{kind}, cp ring"] = context_parallel(ctx, kind, data, "ring")
         out[f"{kind}, ft"] = replicas(ctx, kind, data)
     out["gemma3, tied, ft"] = replicas(ctx, "gemma3", data, tied=True)
-    for kind in TP_FAMILIES:
-        own = {}
+    for kind in TP_FAMILIES:   # by its own plan, or (GPT-OSS) by PLANS
+        own = {} if kind not in PLANS else None
         out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
-        out["own plans"][kind] = (own["plan"], own["whole"])
+        if own is not None:
+            out["own plans"][kind] = (own["plan"], own["whole"])
+    try:   # control: GPT-OSS's sinks left whole meet its split heads at the first forward, refused
+        tensor_parallel(ctx, "gpt-oss", data, ATTENTION)
+        out["gpt-oss, tp with its sinks whole"] = "not refused"
+    except ValueError as e:
+        out["gpt-oss, tp with its sinks whole"] = str(e)
+    odd = torch.nn.Module()
+    odd.sinks = torch.nn.Parameter(torch.zeros(3))
+    try:   # (refused before anything changes or any collective)
+        tp.parallelize(odd, {"sinks": "heads"})
+        out["heads that do not divide"] = "not refused"
+    except ValueError as e:
+        out["heads that do not divide"] = str(e)
     for kind in MOE_FAMILIES:
         out[f"{kind}, ep with dp"] = expert_parallel(ctx, kind, batches(), "dp")
     out["gemma3, tied, pp 1f1b"] = pipeline(ctx, "gemma3", data, "1f1b", tied=True)   # its own default

@@ -198,6 +198,22 @@ def test_an_mlp_whose_gate_is_cut_by_statistics_of_all_its_features_stays_whole_
     assert plan["model.layers.*.self_attn.q_proj"] == "column"   # its attention split in every layer
 
 
+def test_a_parameter_with_one_entry_a_head_is_split_with_the_heads():
+    """GPT-OSS's attention adds a learned logit a head (its sinks, shaped [heads]) to each
+    head's softmax; its plan (transformers 5.24's) splits only the embedding, and 08's words
+    had none for such a parameter, so no plan could split its attention. "heads" gives each
+    rank its heads' rows, beside its column-split projections: GPT-OSS trains like one
+    process at tp 2. Left whole, the sinks meet the split heads at the first forward,
+    refused naming them and the word."""
+    r = run("axes", 2)
+    assert r["gpt-oss, tp"]["ok"], f"max diff {r['gpt-oss, tp']['max_diff']}"
+    assert r["gpt-oss, tp"]["norms"]
+    assert r["gpt-oss, tp with its sinks whole"].startswith("model.layers.0.self_attn.sinks (8,): a parameter the plan "
+                                                           "leaves whole meets features split")
+    assert '"heads" for one entry a head' in r["gpt-oss, tp with its sinks whole"]
+    assert r["heads that do not divide"] == "sinks: its 3 heads do not divide over the group's 2 ranks"
+
+
 def test_mla_is_split_by_heads_from_the_config_with_no_entry_written():
     """DeepSeek-V3's plan names no attention; its config describes MLA (kv_lora_rank,
     qk_rope_head_dim), so model_plan takes MLA's own plan (transformers' DeepSeek-V2 one):
@@ -365,7 +381,8 @@ def test_the_new_plan_words_refuse_what_they_cannot_split_before_changing_anythi
     for plan, words in (({"model.layers.*.self_attn.qkv_proj": ("column", (64, 16, 15))}, "parts [64, 16, 15] must add"),
                         ({"model.layers.*.self_attn.qkv_proj": ("row", (64, 16, 16))}, "unknown kind"),
                         ({"model.layers.*.mlp.down_proj": "vocab"}, "must be an nn.Embedding"),
-                        ({"model.layers.*.self_attn.nope.num_heads": "divide"}, "matches no integer attribute")):
+                        ({"model.layers.*.self_attn.nope.num_heads": "divide"}, "matches no integer attribute"),
+                        ({"model.layers.*.self_attn.qkv_proj.bias": "heads"}, "matches no parameter")):
         with pytest.raises(ValueError, match=re.escape(words)):
             tp.parallelize(model, plan)
     ln = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
