@@ -915,7 +915,8 @@ def model_plan(model: nn.Module) -> tuple:
     the module's head counts divided (in a config of its own), a fused gate and up as
     ("column", (up, up)), a separate projection with a norm over all its heads as "column"
     and that norm as "norm". What it cannot split (a layout it cannot tell, experts, which
-    12's split_experts splits, an embedding tied to the head) stays whole on every rank,
+    12's split_experts splits, an embedding tied to the head, an MLP whose gate is cut by
+    statistics of all its features: _whole_across) stays whole on every rank,
     which computes the same numbers, and goes into ``whole`` ({key: why}); so does an entry
     naming a parameter rather than a module. Entries for modules this configuration does not
     build (a dense MLP in an all-sparse MoE) are left out. ValueError: no plan, or a style
