@@ -808,8 +808,7 @@ def parallelize(module: nn.Module, plan: dict, process_group=None, sync=True) ->
                     raise ValueError(f"{name}: {target.weight.numel()} features do not divide over {tp} ranks")
             if kind == "heads" and getattr(target, attr).shape[0] % tp:
                 raise ValueError(f"{(name + '.') if name else ''}{attr}: its {getattr(target, attr).shape[0]} heads do "
-                                 f"not divide over the "
-                                 f"group's {tp} ranks")
+                                 f"not divide over the group's {tp} ranks")
             if kind == "vocab" and (not isinstance(target, nn.Embedding) or target.num_embeddings % tp):
                 raise ValueError(f"{name}: a vocabulary-parallel layer must be an nn.Embedding whose vocabulary the "
                                  f"group's {tp} ranks divide")

@@ -1827,9 +1827,9 @@ def check_mesh_fits(config: dict, sizes: dict, args):
             raise common.UsageError(f"{config.get('model_type')} ships no tensor-parallel plan: give --plan FILE "
                                     f"(a JSON plan in 08's words) for --tp")
         inner = config.get("intermediate_size")   # (Gemma 3n's: a list, a size a layer)
-        for what, n in (("attention heads", heads), ("key/value heads", kv),
-                        *((("intermediate size" + (f" (layer {i})" if isinstance(inner, list) else ""), m)
-                           for i, m in enumerate(inner if isinstance(inner, list) else [inner])))):
+        inners = [(f"intermediate size (layer {i})", m) for i, m in enumerate(inner)] if isinstance(inner, list) \
+            else [("intermediate size", inner)]
+        for what, n in [("attention heads", heads), ("key/value heads", kv), *inners]:
             if n and n % T:
                 raise common.UsageError(f"--tp {T} does not divide the model's {n} {what}")
     layers = config.get("num_hidden_layers")
