@@ -429,6 +429,42 @@ class _SharedOutput(torch.autograd.Function):
         grad[..., ctx.start:ctx.stop] = part
         return grad, None, None, None
 
+
+# ops that take a statistic along a dim: (where the dim is among the arguments, input first;
+# its default, None for every dim); layer_norm, rms_norm and group_norm by their shapes
+_ACROSS = {**dict.fromkeys(("sum", "nansum", "mean", "nanmean", "std", "var", "std_mean", "var_mean", "prod", "amax",
+                            "amin", "aminmax", "logsumexp", "argmax", "argmin", "median", "nanmedian", "max", "min",
+                            "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
+                            "logcumsumexp"), (1, None)),
+           **dict.fromkeys(("norm", "linalg_norm", "linalg_vector_norm", "quantile", "nanquantile"), (2, None)),
+           "sort": (1, -1), "argsort": (1, -1), "topk": (2, -1), "kthvalue": (2, -1), "normalize": (2, 1)}
+# ops whose output may have its input's shape with its features moved (not followed through)
+_LAYOUT = {"transpose", "transpose_", "permute", "swapaxes", "swapdims", "movedim", "moveaxis", "t", "__get__",
+           "flip", "fliplr", "flipud", "roll", "rot90", "view", "reshape", "view_as", "reshape_as", "unflatten",
+           "flatten", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "einsum", "tensordot", "linear", "gather",
+           "scatter", "scatter_add", "index_select", "take_along_dim", "__getitem__", "as_strided", "expand",
+           "expand_as", "squeeze", "unsqueeze"}
+
+
+def _dims_across(name: str, args, kwargs, ndim: int) -> set:
+    """The dims of an ``ndim``-dim input (``args[0]``) that the op ``name`` takes a statistic
+    along (empty for any other op, and for max / min of two tensors)."""
+    if name in ("layer_norm", "rms_norm"):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
+        return set(range(ndim - (1 if isinstance(shape, int) else len(shape)), ndim))
+    if name == "group_norm":
+        return set(range(1, ndim))
+    if name not in _ACROSS or not ndim or "other" in kwargs:
+        return set()
+    at, default = _ACROSS[name]
+    dim = args[at] if len(args) > at else kwargs.get("dim", default)
+    if isinstance(dim, (torch.Tensor, str)):   # (max of two tensors; a named dim)
+        return set()
+    if dim is None or isinstance(dim, bool) or (isinstance(dim, (tuple, list)) and not dim):   # (std(x, unbiased))
+        return set(range(ndim))
+    return {d % ndim for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+
+
 class _SplitProbe(torch.overrides.TorchFunctionMode):
     """parallelize's look at a region's first eager forward (the module holding a row
     layer, from its start to its end): a tensor a column layer returned is split over the
@@ -438,14 +474,20 @@ class _SplitProbe(torch.overrides.TorchFunctionMode):
     its gradient there (a learned activation's scalars between the column and the row
     layer, a scale every head uses): that op gets it through f (its gradient summed over the
     group), and from then on its module's forward sees it through f (_summed_in_forward).
+    An op that takes a statistic along the split features themselves (a mean, a spread, a
+    softmax or a norm over them: Gemma 3n's sparse gate) would take it over this rank's part
+    alone, a different model: refused, naming the op and the region (the dim a column layer
+    split is followed through ops that keep their input's shape; a module with a true
+    ``sums_over_group``, SplitRMSNorm, sums its statistic over the group itself).
     ``whole``: id -> name of the parameters no plan entry placed, as the modules hold them
     now (07's FSDP lends its whole tensors); ``owners``: name -> (module, attribute);
-    ``met``: the names found."""
+    ``met``: the names found; ``where``: the region's name."""
 
-    def __init__(self, whole: dict, owners: dict, group):
+    def __init__(self, whole: dict, owners: dict, group, where=""):
         super().__init__()
-        self.whole, self.owners, self.group = whole, owners, group
+        self.whole, self.owners, self.group, self.where = whole, owners, group, where
         self.split, self.origin, self.met, self.used_whole = {}, {}, set(), set()
+        self.dims, self.quiet = {}, 0   # id of a split tensor -> the dim holding the split features
 
     def __enter__(self):
         super().__enter__()
@@ -459,6 +501,8 @@ class _SplitProbe(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         split = any(id(t) in self.split for t in flat)
+        if split and not self.quiet and args and id(args[0]) in self.dims:
+            self.refuse_across(func, args, kwargs)
         mine = set().union(*(self.sources(t) for t in flat))
         if split and mine:   # each rank's part of their gradient here: summed over the group
             self.met |= mine
@@ -476,11 +520,12 @@ class _SplitProbe(torch.overrides.TorchFunctionMode):
                                  f"({str(e).splitlines()[0]}): split it with its layers (name it in the plan; \"heads\" "
                                  f"for one entry a head) or keep the layers around it whole") from e
             raise
-        if split:
-            self.mark(out)
-        elif mine:
+        if split:   # (an op that keeps its input's shape keeps where its features are split)
+            self.mark(out, dims=[] if getattr(func, "__name__", "") in _LAYOUT else
+                      [(t.shape, self.dims[id(t)]) for t in flat if id(t) in self.dims])
+        elif mine:   # (indices and masks carry no gradient back: topk's indices of whole scores, DSA's)
             for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                     self.origin[id(t)] = (t, mine)
         return out
 
@@ -503,17 +548,36 @@ class _SplitProbe(torch.overrides.TorchFunctionMode):
                              f"(\"shared\" with the output features every rank's heads use, or split it with its "
                              f"layers)")
 
-    def mark(self, out, split=True):
+    def mark(self, out, split=True, dims=None):
         """A column layer's output (``split``) or a row layer's (whole): what they computed
         from whole parameters before them no longer counts (their input's gradient is
-        all-reduced, or their output is the same on every rank)."""
+        all-reduced, or their output is the same on every rank). A column layer's output has
+        its features split in its last dim; an op's (``dims``: (shape, dim) of its split
+        inputs) keeps the dim of an input of its own shape, and has none known otherwise."""
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.origin.pop(id(t), None)
-                if split:
-                    self.split[id(t)] = t   # (held until the region ends: an id is not reused meanwhile)
-                else:
+                if not split:
                     self.split.pop(id(t), None)
+                    self.dims.pop(id(t), None)
+                    continue
+                self.split[id(t)] = t   # (held until the region ends: an id is not reused meanwhile)
+                dim = (t.dim() - 1 if t.dim() else None) if dims is None else \
+                    next((d for shape, d in dims if shape == t.shape), None)
+                if dim is None:
+                    self.dims.pop(id(t), None)
+                else:
+                    self.dims[id(t)] = dim
+
+    def refuse_across(self, func, args, kwargs):
+        """ValueError where ``func`` takes a statistic along the split features of its input."""
+        x, name = args[0], getattr(func, "__name__", str(func))
+        if self.dims[id(x)] not in _dims_across(name, args, kwargs, x.dim()):
+            return
+        tp, n = dist.get_world_size(self.group), x.shape[self.dims[id(x)]]
+        raise ValueError(f"{self.where}: {name} over the {n * tp} features its column layers split over the group's "
+                         f"{tp} ranks would be taken over each rank's {n} alone, a different model: keep this "
+                         f"module's layers whole (leave them out of the plan; an RMS norm over them: \"norm\")")
 
 
 def _summed_in_forward(owner: nn.Module, attr: str, group):
@@ -547,12 +611,13 @@ def _probe_regions(module: nn.Module, owners: dict, group) -> set:
     met, state, columns = set(), {"probe": None}, []
     regions = {module.get_submodule(n.rpartition(".")[0]) for n, m in module.named_modules()
                if isinstance(m, RowParallelLinear)}
+    names = {id(m): n or type(m).__name__ for n, m in module.named_modules()}
     handles = {}
 
     def enter(m, args, kwargs):
         if state["probe"] is None and not torch.compiler.is_compiling():
             whole = {id(getattr(o, a)): name for name, (o, a) in owners.items()}   # (as lent now, under FSDP)
-            state["probe"], state["region"] = _SplitProbe(whole, owners, group).__enter__(), m
+            state["probe"], state["region"] = _SplitProbe(whole, owners, group, names[id(m)]).__enter__(), m
 
     def leave(m, args, kwargs, out):
         probe = state["probe"]
@@ -571,9 +636,17 @@ def _probe_regions(module: nn.Module, owners: dict, group) -> set:
             _summed_in_forward(*owners[name], group)
         met.update(probe.met)
 
-    def mark(m, args, out):   # a column's output is split; a row's is whole again
+    def mark(m, args, out):   # a column's output is split (unless gathered); a row's is whole again
         if state["probe"] is not None:
-            state["probe"].mark(out, isinstance(m, ColumnParallelLinear))
+            state["probe"].mark(out, isinstance(m, ColumnParallelLinear) and not m.gather_output)
+
+    def hush(m, args):   # a module that sums its statistics over the group itself
+        if state["probe"] is not None:
+            state["probe"].quiet += 1
+
+    def unhush(m, args, out):
+        if state["probe"] is not None and state["probe"].quiet:
+            state["probe"].quiet -= 1
 
     def into_column(m, args):
         if state["probe"] is not None:
@@ -584,6 +657,8 @@ def _probe_regions(module: nn.Module, owners: dict, group) -> set:
     columns += [m.register_forward_hook(mark) for m in module.modules()
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     columns += [m.register_forward_pre_hook(into_column) for m in module.modules() if isinstance(m, ColumnParallelLinear)]
+    for m in (m for m in module.modules() if getattr(m, "sums_over_group", False)):
+        columns += [m.register_forward_pre_hook(hush), m.register_forward_hook(unhush, always_call=True)]
     return met
 
 
@@ -622,6 +697,8 @@ class SplitRMSNorm(nn.Module):
     q_norm over the q of every head): this rank's slice of the weight; the mean of squares
     is over every rank's features (the ranks' sums all-reduced), so each rank normalizes its
     slice exactly as the whole norm would. ``from_norm(norm)`` checks the norm's form first."""
+
+    sums_over_group = True   # (parallelize's look at the first forward: its sum over a rank's part is summed)
 
     def __init__(self, features, eps, process_group=None, device=None, dtype=None):
         super().__init__()
@@ -897,7 +974,7 @@ HF_KEPT_WHOLE = {
                     "experts: split them by expert parallelism (12's split_experts)"),
     "all_reduce": "outputs summed over ranks (experts under tensor parallelism): kept whole on every rank",
     "mla_kv_a_proj": "MLA's key/value down-projection, in a config without qk_rope_head_dim: kept whole",
-    "local_params": "parameters each rank keeps whole: kept whole",
+    "local_params": "the module's own parameters as plain tensors: those the plan names split, the rest kept whole",
     "replicate": "kept whole on every rank, as the plan says"}
 
 
@@ -907,7 +984,8 @@ def model_plan(model: nn.Module) -> tuple:
     ``model.`` or ``gpt_neox.``, put in front where ``model`` holds the base model):
     (plan, whole). colwise, rowwise, replicated_with_grad_allreduce and embedding_rowwise
     become column, row, sum and vocab; mla_kv_a_proj ("shared") sums the gradient of MLA's
-    rotary key, which every head uses. Where HF gathers a column split's output again
+    rotary key, which every head uses; colwise naming a 1-D parameter (attention sinks, a
+    gate's bias, one entry a head) becomes "heads". Where HF gathers a column split's output again
     (colwise_gather_output or colwise_rep, then rowwise_split_input or rowwise_rep), or packs
     a linear layer (packed_colwise), the kit splits by heads instead, from
     the layout the config gives: a fused q, k and v projection as ("column", (q, k, v)) with
@@ -932,10 +1010,10 @@ def model_plan(model: nn.Module) -> tuple:
                          f"write one for parallelize")
     base = _base_prefix(model)
     modules = dict(model.named_modules())
-    parameters = [n for n, _ in model.named_parameters()]
+    parameters = dict(model.named_parameters())
     plan, whole, gathered = {}, {}, {}
-    rope = getattr(config, "qk_rope_head_dim", None)   # (MLA's rotary key: the tail of kv_a_proj_with_mqa)
-    if rope and getattr(config, "kv_lora_rank", None) and not any(".self_attn." in f".{k}" for k in hf):
+    rope = _uniform(config, "qk_rope_head_dim")   # (MLA's rotary key: the tail of kv_a_proj_with_mqa)
+    if rope and _uniform(config, "kv_lora_rank") and not any(".self_attn." in f".{k}" for k in hf):
         hf = {**HF_MLA_PLAN, **hf}   # MLA (a config with its ranks) whose plan names no attention: MLA's own plan
     for key, style in hf.items():
         key = base + key
@@ -944,7 +1022,10 @@ def model_plan(model: nn.Module) -> tuple:
                              f"({', '.join([*HF_STYLES, *HF_KEPT_WHOLE])}): write the plan yourself")
         found = [n for n in modules if path_matches(n, key)]
         if not found:
-            if any(path_matches(n, key) for n in parameters):   # (experts' 3D tensors)
+            named = [p for n, p in parameters.items() if path_matches(n, key)]
+            if named and style == "colwise" and ".experts." not in f".{key}." and all(p.dim() == 1 for p in named):
+                plan[key] = "heads"   # (one entry a head, its dim 0 split as the heads are: attention sinks)
+            elif named:   # (experts' 3D tensors)
                 whole[key] = HF_KEPT_WHOLE["packed_colwise"] if ".experts." in f".{key}." else \
                     "a parameter, not a module: kept whole on every rank"
             continue   # a module this configuration does not build
@@ -962,6 +1043,12 @@ def model_plan(model: nn.Module) -> tuple:
             whole[key] = HF_KEPT_WHOLE[style]
     _by_heads(config, gathered, plan, whole)
     _whole_across(modules, plan, whole)
+    for key in [k for k, kind in plan.items() if kind == "heads"]:   # (split only beside its module's split heads)
+        owner = key.rpartition(".")[0]
+        if not any(k.rpartition(".")[0] == owner and (kind if isinstance(kind, str) else kind[0]) == "column"
+                   for k, kind in plan.items()):
+            plan.pop(key)
+            whole[key] = "one entry a head of an attention kept whole: kept whole on every rank"
     for name, m in modules.items():   # linear layers the plan leaves whole, by their module (MLA, routers)
         planned = [k for k in [*plan, *whole] if path_matches(name, k) or any(
             path_matches(f"{name}.{c}", k) for c, _ in m.named_children())]
@@ -1010,16 +1097,34 @@ def _base_prefix(model) -> str:
     return inner[0] + "." if len(inner) == 1 else ""
 
 
+def layer_values(config, name: str) -> list:
+    """A transformers config's ``name``, one value a layer (``config.num_hidden_layers`` of
+    them; one where it gives no count): each layer's own where the config is heterogeneous
+    and gives it a layer (transformers' per_layer_config: Gemma 4's full-attention layers
+    have a head_dim of their own, and reading config.head_dim then raises), else the one
+    value repeated; None where the config has none."""
+    layers = getattr(config, "num_hidden_layers", None) or 1
+    if getattr(config, "is_heterogeneous", False) and name in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(layer, name, None) for layer in config.per_layer_config]
+    return [getattr(config, name, None)] * layers
+
+
+def _uniform(config, name: str):
+    """``config.name`` where every layer has the same (layer_values), else None."""
+    values = layer_values(config, name)
+    return values[0] if all(v == values[0] for v in values) else None
+
+
 def _by_heads(config, gathered, plan, whole):
     """model_plan's split by heads of what HF gathers or packs: each such projection whose
     output the config's counts account for and whose module has a row partner to take it
     split (Qwen3-Next's linear attention gathers its out_proj, whose width is the heads'
     by chance: kept whole), and its row partners in the same module (kept whole with it
     where it is)."""
-    n_q = getattr(config, "num_attention_heads", None)
-    n_kv = getattr(config, "num_key_value_heads", None) or n_q
-    hd = getattr(config, "head_dim", None) or (config.hidden_size // n_q if n_q else None)
-    up = getattr(config, "intermediate_size", None)
+    n_q = _uniform(config, "num_attention_heads")   # (None where the layers differ: their layout kept whole)
+    n_kv = _uniform(config, "num_key_value_heads") or n_q
+    hd = _uniform(config, "head_dim") or (config.hidden_size // n_q if n_q else None)
+    up = _uniform(config, "intermediate_size")
     split = set()
     partnered = {key.rpartition(".")[0] for key, (style, _, _) in gathered.items() if style in HF_SPLIT_INPUT}
     for key, (style, linear, parent) in gathered.items():

@@ -158,10 +158,12 @@ class LearnedActivation(torch.nn.Module):
 class ScaledBlock(torch.nn.Module):
     """Attention-like heads with a learned scale per head dimension that every head uses
     (between the column q and the row o), then an MLP through LearnedActivation; with
-    ``gain``, a learned gain per hidden feature of the MLP, which its split divides."""
+    ``gain``, a learned gain per hidden feature of the MLP, which its split divides; with
+    ``center``, the MLP's hidden features centered on their mean (a statistic over them all)."""
 
-    def __init__(self, d=32, hidden=64, heads=4, gain=False):
+    def __init__(self, d=32, hidden=64, heads=4, gain=False, center=False):
         super().__init__()
+        self.center = center
         self.q, self.o = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
         self.scale = torch.nn.Parameter(1 + 0.1 * torch.randn(d // heads))
         self.norm = torch.nn.RMSNorm(d)
@@ -172,6 +174,7 @@ class ScaledBlock(torch.nn.Module):
         q = self.q(x)
         x = x + self.o((q.unflatten(-1, (-1, self.scale.numel())) * self.scale).flatten(-2).tanh())
         h = self.act(self.up(self.norm(x)))
+        h = h - h.mean(-1, keepdim=True) if self.center else h
         return x + self.down(h * self.gain if self.gain is not None else h)
 
 
@@ -181,8 +184,8 @@ SCALED_PLAN = {"q": "column", "o": "row", "up": "column", "down": "row"}
 def between_split_layers():
     """parallelize on ScaledBlock at tp 2 against one process (4 clipped AdamW steps): the
     parameters it leaves whole between the split layers found at the first forward and
-    summed (summed_whole), the norm outside them not; with a gain per split feature, the
-    first forward refused naming it."""
+    summed (summed_whole), the norm outside them not; with a gain per split feature, or a
+    mean taken over the split features, the first forward refused naming it."""
     torch.manual_seed(0)
     ref = ScaledBlock()
     model = tp.parallelize(copy.deepcopy(ref), SCALED_PLAN)
@@ -191,14 +194,15 @@ def between_split_layers():
     norms = _train_scaled(model, data, lambda m: tp.clip_grad_norm_(m, MAX_NORM))
     r = compare(tp.full_state_dict(model, all_ranks=True), ref)
     r.update(norms=max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4, summed=tp.summed_whole(model))
-    torch.manual_seed(0)
-    gained = tp.parallelize(ScaledBlock(gain=True), SCALED_PLAN)
-    try:
-        gained(data[0][0])
-        refused = "not refused"
-    except ValueError as e:
-        refused = str(e)
-    return {"between split layers": r, "a gain per split feature": refused}
+    refused = {}
+    for case, block in (("a gain per split feature", dict(gain=True)), ("a mean over split features", dict(center=True))):
+        torch.manual_seed(0)
+        try:
+            tp.parallelize(ScaledBlock(**block), SCALED_PLAN)(data[0][0])
+            refused[case] = "not refused"
+        except ValueError as e:
+            refused[case] = str(e)
+    return {"between split layers": r, **refused}
 
 
 def _train_scaled(model, data, clip=None):

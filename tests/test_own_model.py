@@ -42,6 +42,16 @@ def test_a_whole_parameter_that_does_not_fit_the_split_features_is_refused_namin
                           "ranks and does not fit their part"), msg
 
 
+def test_a_statistic_taken_over_the_split_features_is_refused_at_the_first_forward_naming_it():
+    """Split by columns, the MLP's hidden features centered on their mean would be centered
+    on each rank's half's mean: no parameter tells (its shapes all fit), and it trains as a
+    different model. parallelize's look at the first forward follows where the features are
+    split and refuses the op that takes a statistic over them, naming it and its module."""
+    msg = run("tensor_parallel", 2)["a mean over split features"]
+    assert msg.startswith("ScaledBlock: mean over the 64 features its column layers split over the group's 2 ranks "
+                          "would be taken over each rank's 32 alone, a different model"), msg
+
+
 @pytest.mark.parametrize("case, words", [
     ("no match", "plan key 'layers.*.attention.wqkv' matches no module"),
     ("heads", "layers.0.attention.n_kv_heads = 1 does not divide over the group's 2 ranks"),
