@@ -522,8 +522,9 @@ def train_flops_per_token(model, context: int) -> float:
     multiply uses (every one but the input embedding's, which is a lookup; a tied head
     counted as the head), and attention's 12 L T d (the scores and their values, forward
     and backward, the whole T x T square as nanoGPT and PaLM count it; T the context, d the
-    heads' width). A mixture of experts counts every expert: an upper bound of its work. Only
-    the decoder's and the head's count: a multimodal model's vision tower does no work on text."""
+    heads' width, L d summed layer by layer where the layers' heads differ, as Gemma 4's).
+    A mixture of experts counts every expert: an upper bound of its work. Only the decoder's
+    and the head's count: a multimodal model's vision tower does no work on text."""
     config = model.config.get_text_config()
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
@@ -531,9 +532,9 @@ def train_flops_per_token(model, context: int) -> float:
     if head is None or head.weight is not emb:   # (the embedding a lookup; a tied one counted as the head)
         used.pop(id(emb))
     weights = sum(p.numel() for p in used.values())
-    heads = config.num_attention_heads
-    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return 6.0 * weights + 12.0 * config.num_hidden_layers * context * width
+    width = sum(h * (d or config.hidden_size // h) for h, d in   # (each layer's heads: Gemma 4's differ)
+                zip(tp.layer_values(config, "num_attention_heads"), tp.layer_values(config, "head_dim")))
+    return 6.0 * weights + 12.0 * context * width
 
 
 def adamw(params, args):
@@ -1008,7 +1009,7 @@ def bench_steps(ctx, args, sizes, folder, tag="given"):
 def larger_model(args, run_dir: Path) -> Path:
     """The --bench larger setting: the model's config with twice the width and twice the
     layers (its patterns of one entry a layer, as Llama 4's no_rope_layers and the layer
-    types, repeated), its weights initialised (seeded), the tokenizer copied: a folder
+    types, and a layer's own values, as Gemma 4's per_layer_config, repeated), its weights initialised (seeded), the tokenizer copied: a folder
     beside the run. ValueError, naming why, where the family's config does not take it
     (Bamba's Mamba heads are tied to its width): built on meta first, nothing written."""
     import transformers
@@ -1018,6 +1019,10 @@ def larger_model(args, run_dir: Path) -> Path:
     config = transformers.AutoConfig.from_pretrained(args.model)
     text = config.get_text_config()   # (a multimodal model's language model: its vision tower as it is)
     n = text.num_hidden_layers
+    own = {int(i): values for i, values in (text.to_dict().get("per_layer_config") or {}).items()} \
+        if getattr(text, "is_heterogeneous", False) else {}   # (a layer's own values: Gemma 4's head_dim)
+    if own:
+        text.per_layer_config = None   # (set again below, for twice the layers)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers"):
         value = getattr(text, key)   # (Gemma 3n's intermediate size: a list, one a layer)
         setattr(text, key, [2 * v for v in value] * 2 if isinstance(value, list) else 2 * value)
@@ -1025,6 +1030,10 @@ def larger_model(args, run_dir: Path) -> Path:
         if isinstance(value, list) and len(value) == n and all(
                 isinstance(v, str) or v in (0, 1) or (isinstance(v, float) and 0 <= v <= 1) for v in value):
             setattr(text, key, value * 2)
+    if own:   # each layer's own values again, the widths among them doubled, for both copies of the layers
+        text.per_layer_config = {i + n * copy: {k: 2 * v if k in ("hidden_size", "intermediate_size") else v
+                                                for k, v in values.items()}
+                                 for copy in (0, 1) for i, values in own.items()}
     try:
         if hasattr(config, "validate"):   # (what save_pretrained checks: transformers 5.24's)
             config.validate()
@@ -1829,7 +1838,12 @@ def check_mesh_fits(config: dict, sizes: dict, args):
         inner = config.get("intermediate_size")   # (Gemma 3n's: a list, a size a layer)
         inners = [(f"intermediate size (layer {i})", m) for i, m in enumerate(inner)] if isinstance(inner, list) \
             else [("intermediate size", inner)]
-        for what, n in [("attention heads", heads), ("key/value heads", kv), *inners]:
+        own = [(f"{what} (layer {i})", n) for i, values in sorted((config.get("per_layer_config") or {}).items(),
+                                                                   key=lambda kv: int(kv[0]))   # (Gemma 4's layers
+               for key, what in (("num_attention_heads", "attention heads"),                 # of full attention)
+                                 ("num_key_value_heads", "key/value heads"), ("intermediate_size", "intermediate size"))
+               if isinstance(n := values.get(key), int)]
+        for what, n in [("attention heads", heads), ("key/value heads", kv), *inners, *own]:
             if n and n % T:
                 raise common.UsageError(f"--tp {T} does not divide the model's {n} {what}")
     layers = config.get("num_hidden_layers")

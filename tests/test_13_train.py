@@ -680,6 +680,29 @@ def test_intermediate_sizes_given_a_layer_each_are_each_checked_against_tp():
                               {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 64}, flags)
 
 
+def test_a_config_with_values_of_its_own_a_layer_is_read_layer_by_layer():
+    """Gemma 4's config is heterogeneous (transformers' per_layer_config): its full-attention
+    layers have a head_dim and key/value heads of their own, and reading config.head_dim
+    raises. 13 on a Gemma 4 folder ended in that traceback on every axis (in the FLOPs a
+    token, before any worker); now the attention term sums each layer's heads' width, and
+    --tp is checked against each layer's own head counts."""
+    import argparse
+    import transformers
+    train = load("13_train")
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, sliding_window=16))
+    weights = sum(p.numel() for n, p in model.named_parameters() if n != "model.embed_tokens.weight") + \
+        model.model.embed_tokens.weight.numel()   # (its head tied: the embedding counted once, as the head)
+    assert train.train_flops_per_token(model, 32) == 6.0 * weights + 12.0 * 32 * (4 * 8 + 4 * 16)
+    config = model.config.to_dict()
+    assert config["per_layer_config"] == {"1": {"head_dim": 16, "num_key_value_heads": 1}}
+    flags = argparse.Namespace(ep=1, plan=None, chunks=1)
+    with pytest.raises(kit.UsageError, match=r"^--tp 2 does not divide the model's 1 key/value heads \(layer 1\)$"):
+        train.check_mesh_fits(config, {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 2}, flags)
+
+
 def test_tp_takes_the_plan_of_a_decoder_off_its_prefix_and_refuses_one_that_splits_only_the_embedding():
     """Llama 4's decoder is under "model", not its base_model_prefix ("language_model", its
     multimodal sibling's): its plan matched nothing, and --tp was refused as splitting
@@ -738,7 +761,7 @@ def test_the_larger_bench_model_repeats_per_layer_patterns_or_says_why_it_cannot
     (a flag a layer) stayed at its length and building the model failed (IndexError), and
     Bamba's config refuses twice the width (its Mamba heads are tied to it): --bench ended
     in a traceback. Now the per-layer patterns are repeated (Gemma 3n's intermediate sizes,
-    a list, each doubled), and a config that does not take
+    a list, each doubled; Gemma 4's values of a layer's own), and a config that does not take
     it is a ValueError naming why (report_bench: a SKIP line), nothing written."""
     import argparse
     import transformers
@@ -761,6 +784,15 @@ def test_the_larger_bench_model_repeats_per_layer_patterns_or_says_why_it_cannot
     config = transformers.AutoConfig.from_pretrained(folder)
     assert (config.hidden_size, config.intermediate_size, config.activation_sparsity_pattern) == \
         (64, [128, 96, 128, 96], [0.95, 0.0, 0.95, 0.0])
+    # Gemma 4: values of its own a layer (per_layer_config: its full-attention layers' head_dim),
+    # at layer 1 alone before: layer 3, of full attention too, differed ("not homogeneous")
+    transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+        **small, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, sliding_window=16)).save_pretrained(
+        tmp_path / "gemma4")
+    folder = train.larger_model(argparse.Namespace(model=str(tmp_path / "gemma4"), seed=0), tmp_path / "run4")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert [(c.head_dim, t) for c, t in zip(config.per_layer_config, config.layer_types)] == \
+        [(8, "sliding_attention"), (16, "full_attention")] * 2 and config.hidden_size == 64
     transformers.BambaForCausalLM(transformers.BambaConfig(
         **small, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
         mamba_n_groups=1)).save_pretrained(tmp_path / "bamba")
