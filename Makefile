@@ -21,6 +21,9 @@
 # make data-bench (13) its corpus prepared by every core beside a nanoGPT-style datasets.map(num_proc), and
 #            each rank's peak memory and data time a step at 1x, 10x and 100x a 10 MB corpus
 #            (results/13_data_bench_*.md; about 2 minutes; not in `all`)
+# make tp-families (08) every text family transformers ships a tensor-parallel plan for, built tiny, split at
+#            tp 2 by its own plan (08's model_plan) and checked beside one process: PASS, refused or skipped
+#            a family (results/tp_families.md; about a minute; not in `all`)
 # make hf-checkpoint (13) the medium LM as a sharded safetensors folder, set up from it and saved again on 8
 #            ranks (ours on pp 2 x fsdp 2 x tp 2 and fsdp 8, torch.distributed.checkpoint's Hugging Face
 #            reader and writer on FSDP2): each rank's peak host memory and the time (about 30 s; not in `all`)
@@ -47,7 +50,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SCRIPTS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14
 
-.PHONY: all test setup docs train train-bench torchft-bench data-bench clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
+.PHONY: all test setup docs train train-bench torchft-bench data-bench tp-families clean-results collectives levers cp-sweep checkpoints per-param recorder-cost setup-memory hf-checkpoint $(SCRIPTS)
 
 all: $(STAMP)
 	@MAKE="$(MAKE)" $(PY) tools/report.py all $(SCRIPTS)
@@ -146,6 +149,11 @@ data-bench: $(TEST_STAMP)
 	$(PY) -m pip install --no-compile -q datasets
 	test -f runs/13_tiny_model/config.json || $(MAKE) train
 	$(PY) tools/data_bench.py --out results
+
+# 08's model_plan on every transformers text family with a tp plan, tiny, at tp 2 beside one process
+# (tools/tp_families.py; about a minute)
+tp-families: $(TEST_STAMP)
+	$(PY) tools/tp_families.py --out results
 
 checkpoints: $(STAMP)
 	$(PY) 07_fsdp.py --no-verify --checkpoint-bench --out results

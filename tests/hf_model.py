@@ -4,6 +4,7 @@ sdpa; Qwen3-MoE with 4 experts of its own, 3D tensors, top 2), built from their 
 classes and never changed, put on every axis with documented calls only and compared with
 the same model trained in one process (clipped AdamW steps). Their forward returns a
 ModelOutput (a dict and a dataclass), which the loss reads by name."""
+import argparse
 import contextlib
 import copy
 import json
@@ -64,6 +65,14 @@ FAMILIES = {
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(   # its decoder under "model", not its prefix's name;
         intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,   # layer 1 a MoE whose experts take
         interleave_moe_layer_step=2)),                                          # every expert's rows (dense)
+    # Gemma 4's MoE shape (26B-A4B's: a dense MLP beside experts in every layer, keys that are
+    # also its values on full attention): a heterogeneous config, the full-attention layers'
+    # head_dim and key/value heads their own (per_layer_config), which reading config.head_dim
+    # refuses
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        intermediate_size=128, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True, sliding_window=16, global_head_dim=16,
+        num_global_key_value_heads=4, tie_word_embeddings=False)),   # (ties: Gemma 3's cases)
     # a multimodal folder (Gemma 3 from 4B up): its language model trains, under
     # model.language_model; its vision tower, which text never reaches, gets no gradient
     "gemma3, multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
@@ -77,9 +86,18 @@ TP_FAMILIES = {"gemma3n": ("Gemma3nForCausalLM", "Gemma3nTextConfig", dict(
     layer_types=["sliding_attention", "full_attention"])),
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig", dict(   # no SDPA: eager attention with its sinks
         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager"))}
-MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4")   # experts of their own: ep splits them
-EXPERTS_OF = {"llama4": "model.layers.*.feed_forward.experts"}   # (the others': EXPERTS)
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")),
+    # its plan names the sinks (one a head) "colwise": split with the heads
+    "granite-swa": ("GraniteSWAForCausalLM", "GraniteSWAConfig", dict(intermediate_size=128, sliding_window=8,
+                                                                       attn_implementation="eager")),
+    # DeepSeek-V3.2's MLA with its indexer (DSA): scores of whole tensors whose top 8 keys a
+    # query mask every split head's attention; the indices carry no gradient back
+    "deepseek-v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", dict(
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, num_key_value_heads=8, head_dim=4,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=8))}
+MOE_FAMILIES = ("qwen2-moe, all sparse", "mixtral", "deepseek-v3", "llama4", "gemma4")   # experts of their own: ep splits them
+EXPERTS_OF = {"llama4": "model.layers.*.feed_forward.experts", "gemma4": "model.layers.*.experts"}   # (others': EXPERTS)
 FIRST, LAST = ["model.embed_tokens", "model.rotary_emb"], ["model.norm", "lm_head"]
 # AdamW's rate: HF's init (std 0.02) gives gradients small enough that at 1e-2 one process
 # differs from itself by 2e-5 when only its batch is summed in two halves (AdamW's division
@@ -607,6 +625,14 @@ def axes(ctx, args):
         out[f"{kind}, tp"] = tensor_parallel(ctx, kind, data, own=own)
         if own is not None:
             out["own plans"][kind] = (own["plan"], own["whole"])
+    spread, _ = tp.model_plan(tiny("gemma3n"))   # its sparse MLP split too, as transformers' plan has it
+    spread = {**{k: v for k, v in spread.items() if ".mlp." not in k}, "model.layers.*.mlp.gate_proj": "column",
+              "model.layers.*.mlp.up_proj": "column", "model.layers.*.mlp.down_proj": "row"}
+    try:   # its gate's cutoff over each rank's half of the features: refused at the first forward
+        loss_of(tp.parallelize(tiny("gemma3n"), spread), *data[0])
+        out["gemma3n, tp with its sparse MLP split"] = "not refused"
+    except ValueError as e:
+        out["gemma3n, tp with its sparse MLP split"] = str(e)
     try:   # control: GPT-OSS's sinks left whole meet its split heads at the first forward, refused
         tensor_parallel(ctx, "gpt-oss", data, ATTENTION)
         out["gpt-oss, tp with its sinks whole"] = "not refused"
@@ -639,6 +665,9 @@ def axes(ctx, args):
         ctx, "phi3", data, {k: "column" if isinstance(v, tuple) else v for k, v in packed.items()})
     out["refusals"] = split_refusals()
     out["packed pipeline"] = packed_pipeline(ctx, data)
+    sweep = common.load_script(os.path.join(common.ROOT, "tools", "tp_families.py")).sweep   # (make tp-families)
+    out["tp families"] = sweep(ctx, argparse.Namespace(quiet=True), [("granite_swa", "GraniteSWAForCausalLM"),
+                                                                   ("doge", "DogeForCausalLM")])
     return out
 
 
