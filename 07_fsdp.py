@@ -283,10 +283,14 @@ class FSDP(nn.Module):
         root's (its embedding's gradient is mostly the last of the backward) is copied in
         now and issued at the next hook or at finish_gradient_synchronization, after
         autograd has dropped its whole-size gradients: they and the collective's buffers are
-        never alive together."""
+        never alive together. A unit whose backward comes again in the same step (its
+        forward ran twice) first adds the reduction of the one before to its gradients."""
         self._launch_staged()
         if self._reducing is not None:
             self._reducing.wait_reduction()
+        if unit.reduced is not None:   # its second backward this step (a unit the forward runs twice, a
+            unit.wait_reduction()       # recurrent depth's loop): the first's gradients go in first
+            unit.assign_grads([1] * len(unit.params) if unit.had_all else unit.reduced[1].tolist())
         unit.reduce(grads, launch=unit is not self._root)
         self._reducing = unit
 

@@ -498,6 +498,38 @@ def test_several_forwards_before_their_backwards_as_a_pipeline_runs_them(gatheri
     assert log.events.count("gather") == 3 * 2 * 2 + 1 and log.events.count("reduce_scatter") == 4
 
 
+def test_a_unit_the_forward_runs_twice_gets_both_gradients(gathering):
+    """A recurrent depth (Dory's loop runs its middle layers twice a forward): a unit's
+    backward comes twice in one step, and each reduced its gradients into the same buffer,
+    the second replacing the first before they were taken: FSDP at 2 ranks on Dory trained
+    away from one process (1.5e-3 in 3 steps). The first reduction's gradients now go in
+    before the second's; the looped layer's gradient is both calls' (here each unit's run
+    twice and its backward twice, with its activations recomputed the second time round)."""
+    import copy
+    from torch.utils.checkpoint import checkpoint
+
+    class Looped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            for loop in range(2):   # the layers run twice, the second time through activation checkpointing
+                for layer in self.layers:
+                    x = x + torch.tanh(layer(x) if loop == 0 else checkpoint(layer, x, use_reentrant=False))
+            return self.head(x).square().mean()
+    torch.manual_seed(0)
+    ref, x = Looped(), torch.randn(4, 8)
+    model = fsdp.FSDP(copy.deepcopy(ref))
+    assert len([u for u in model._units if u.module is not None]) == 2
+    ref(x).backward()
+    model(x).backward()
+    model.finish_gradient_synchronization()
+    for n, p in model.module.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad)
+
+
 def test_at_most_one_unit_reduces_at_a_time_and_nothing_stays_gathered(one_rank):
     torch.manual_seed(0)
     model = fsdp.FSDP(common.TransformerLM(32, 64, 4, 4, context_length=16))
