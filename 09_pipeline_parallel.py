@@ -61,6 +61,7 @@ import contextlib
 import inspect
 import textwrap
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -330,6 +331,7 @@ class ModelStage(PipelineStage):
         for name, child in model.named_children():   # the model's own names: stage.state_dict() is its
             self.add_module(name, child)
         self._model, self._after, self._n, self._stand_ins = [model], after, len(blocks), {}
+        self._kind, self._counted = kind, False
 
     def _stand_in(self, name, kind):
         """The _Skip or _Exit for the layer ``name``, made once (a plain dict: not a submodule)."""
@@ -347,14 +349,35 @@ class ModelStage(PipelineStage):
             swaps[at(hi)] = self._stand_in(at(hi), _Exit)
         if not start:   # the activation received enters at this chunk's first layer (or the norm)
             swaps[at(lo)] = _Enter(model.get_submodule(at(lo)), xs[0])
+        calls = None if self._counted else []   # (the first forward: the order the model runs its layers in,
+        handed, seen = set(), _FromLayers()     # and what they hand each other; eager)
+        if calls is not None:
+            swaps.update({at(i): _Counted(swaps.get(at(i)) or model.get_submodule(at(i)), i, calls, handed, seen,
+                                          frozenset(range(lo, hi))) for i in range(self._n)})
+            self._counted = True
         kept = {name: model.get_submodule(name) for name in swaps}
         for name, m in swaps.items():
             _put(model, name, m)
         kw = dict(zip(("position_ids", "attention_mask"), xs[1:]))
         try:
-            if start:
-                return model(input_ids=xs[0], use_cache=False, **kw)
-            return model(inputs_embeds=xs[0].detach(), use_cache=False, **kw)
+            try:
+                with seen if calls is not None else contextlib.nullcontext(), \
+                        torch.compiler.set_stance("force_eager") if calls is not None else contextlib.nullcontext():
+                    if start:
+                        return model(input_ids=xs[0], use_cache=False, **kw)
+                    return model(inputs_embeds=xs[0].detach(), use_cache=False, **kw)
+            finally:
+                again = sorted({i for i in calls if calls.count(i) > 1}) if calls is not None else []
+                if again or (calls is not None and calls != sorted(calls)):
+                    raise ValueError(f"{self._kind}'s forward runs its layers {again or calls} "
+                                     f"{'more than once each' if again else 'out of their order'} (a recurrent "
+                                     f"depth, as Dory's and Inkling2-Loop's loops): a pipeline stage holds each "
+                                     f"layer once, in order; train it on the other axes")
+                if handed:
+                    raise ValueError(f"{self._kind}'s layers hand each other {', '.join(sorted(handed))} beside "
+                                     f"the hidden state (Inkling2's block states), here from a layer another stage "
+                                     f"holds: only the hidden state crosses between stages; train it on the other "
+                                     f"axes")
         except _Handoff as handoff:
             return (handoff.hidden, *xs[1:]) if len(xs) > 1 else handoff.hidden
         finally:
@@ -475,12 +498,15 @@ def _put(model, name, module):
 
 class _StandIn(nn.Module):
     """A module in a layer's place, through which the layer's own plain attributes are read
-    (NemotronH's forward picks each layer's mask by its ``block_type``)."""
+    (NemotronH's forward picks each layer's mask by its ``block_type``; Inkling2's by a
+    class attribute, ``attention_type``)."""
 
     def __init__(self, layer=None):
         super().__init__()
         self._own = layer._own if isinstance(layer, _StandIn) else {} if layer is None else {
-            k: v for k, v in vars(layer).items() if not k.startswith("_") and k != "training"}
+            **{k: v for cls in reversed(type(layer).__mro__[:-len(nn.Module.__mro__)]) for k, v in vars(cls).items()
+               if not k.startswith("_") and isinstance(v, (str, int, float, bool))},   # (Inkling2's attention_type)
+            **{k: v for k, v in vars(layer).items() if not k.startswith("_") and k != "training"}}
 
     def __getattr__(self, name):
         try:
@@ -505,6 +531,54 @@ class _Skip(_StandIn):
 
     def forward(self, hidden_states, *args, **kwargs):
         return (hidden_states, *[None] * (self.unpacks - 1)) if self.unpacks else hidden_states
+
+
+class _FromLayers(torch.overrides.TorchFunctionMode):
+    """A stage's first forward: which layers (their indices) each tensor the layers gave, or
+    the model's forward made from that, comes from (by id, the tensor weakly held: a tensor
+    gone leaves no stale id)."""
+
+    def __init__(self):
+        super().__init__()
+        self.given = {}
+
+    def origins(self, t) -> frozenset:
+        entry = self.given.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else frozenset()
+
+    def add(self, out, origins):
+        for t in _tensors_in(out):
+            self.given[id(t)] = (weakref.ref(t), origins)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        origins = frozenset().union(*(self.origins(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                                      if torch.is_tensor(t)))
+        if origins:
+            self.add(out, origins)
+        return out
+
+
+class _Counted(_StandIn):
+    """A layer (or its stand-in) whose calls a stage's first forward notes in ``calls``; a
+    layer this chunk runs (``held``: their indices) notes in ``handed`` the names of what it
+    is given beside its hidden state that layers it does not hold gave, or the forward made
+    from that (``seen``, a _FromLayers): that would have to cross between stages too."""
+
+    def __init__(self, layer, index, calls, handed, seen, held):
+        super().__init__(layer)
+        self._inner = [layer, index, calls, handed, seen, held]
+
+    def forward(self, *args, **kwargs):
+        layer, index, calls, handed, seen, held = self._inner
+        calls.append(index)
+        if index in held:
+            rest = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)},
+                    **{k: v for k, v in kwargs.items() if k != "hidden_states"}}
+            handed.update(k for k, v in rest.items() if any(seen.origins(t) - held for t in _tensors_in(v)))
+        out = layer(*args, **kwargs)
+        seen.add(out, frozenset([index]))
+        return out
 
 
 class _Handoff(Exception):

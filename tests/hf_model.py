@@ -403,7 +403,14 @@ STAGE_FAMILIES = {
         text_config=dict(model_type="gemma3_text", sliding_window=8), **VISION)),       # its decoder two down
     "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1, n_routed_experts=4,
-        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32))}
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)),
+    # what a stage cannot hold, refused: layers the forward runs twice (a recurrent depth), and
+    # layers that take every earlier layer's hidden state (Inkling2's block states)
+    "dory": ("DoryForCausalLM", "DoryConfig", dict(n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
+                                                   n_recurrent_loops=2)),
+    "inkling2-loop": ("Inkling2LoopForCausalLM", "Inkling2LoopTextConfig", dict(
+        n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=2)),
+    "inkling2": ("Inkling2ForCausalLM", "Inkling2TextConfig", {})}
 
 
 def stage_family(kind):

@@ -416,6 +416,24 @@ def test_a_stage_refuses_what_the_models_plan_cannot_place():
     assert len(llama.model.layers) == 4 and all(type(b).__name__ == "LlamaDecoderLayer" for b in llama.model.layers)
 
 
+@pytest.mark.parametrize("kind, words", [
+    ("dory", "DoryForCausalLM's forward runs its layers [1, 2] more than once each (a recurrent depth"),
+    ("inkling2-loop", "Inkling2LoopForCausalLM's forward runs its layers [1, 2] more than once each"),
+    ("inkling2", "Inkling2ForCausalLM's layers hand each other argument 1 beside the hidden state (Inkling2's block "
+                 "states), here from a layer another stage holds")])
+def test_a_stage_refuses_layers_run_twice_or_handed_more_than_the_hidden_state(kind, words):
+    """Dory and Inkling2-Loop run their middle layers twice a forward (a recurrent depth);
+    Inkling2's layers each take every earlier layer's hidden state (its block states). On
+    Dory a stage holding part of the layers computed another model, silently (13's check on
+    it a FAIL); both Inkling2s ended in an AttributeError (their forward reads a class
+    attribute of their layers, which the stand-ins did not carry), and with that mended
+    Inkling2's stages computed another model too (logits 0.83 away). A stage's first forward
+    notes the order its layers run in and what they are given: refused, naming why."""
+    import hf_model
+    with pytest.raises(ValueError, match=re.escape(words)):
+        hf_model.stage_against_forward(kind, 2)
+
+
 def test_the_new_plan_words_refuse_what_they_cannot_split_before_changing_anything(one_rank):
     """("column", parts) whose parts do not add up, "norm" on a norm that is not an RMS norm
     (a LayerNorm subtracts the mean: a split would need a second statistic), "vocab" on a
