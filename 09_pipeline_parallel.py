@@ -333,6 +333,21 @@ class ModelStage(PipelineStage):
         self._model, self._after, self._n, self._stand_ins = [model], after, len(blocks), {}
         self._kind, self._counted = kind, False
 
+    def _refuse_unstageable(self, calls, handed):
+        """ValueError where the first forward ran a layer more than once or out of order
+        (``calls``: the layers' indices as they ran), or gave a layer this stage holds what
+        another stage's layers gave (``handed``: its names)."""
+        again = sorted({i for i in calls if calls.count(i) > 1})
+        if again or calls != sorted(calls):
+            raise ValueError(f"{self._kind}'s forward runs its layers {again or calls} "
+                             f"{'more than once each' if again else 'out of their order'} (a recurrent depth, as "
+                             f"Dory's and Inkling2-Loop's loops): a pipeline stage holds each layer once, in order; "
+                             f"train it on the other axes")
+        if handed:
+            raise ValueError(f"{self._kind}'s layers hand each other {', '.join(sorted(handed))} beside the hidden "
+                             f"state (Inkling2's block states), here from a layer another stage holds: only the hidden "
+                             f"state crosses between stages; train it on the other axes")
+
     def _stand_in(self, name, kind):
         """The _Skip or _Exit for the layer ``name``, made once (a plain dict: not a submodule)."""
         if (name, kind) not in self._stand_ins:
@@ -367,17 +382,8 @@ class ModelStage(PipelineStage):
                         return model(input_ids=xs[0], use_cache=False, **kw)
                     return model(inputs_embeds=xs[0].detach(), use_cache=False, **kw)
             finally:
-                again = sorted({i for i in calls if calls.count(i) > 1}) if calls is not None else []
-                if again or (calls is not None and calls != sorted(calls)):
-                    raise ValueError(f"{self._kind}'s forward runs its layers {again or calls} "
-                                     f"{'more than once each' if again else 'out of their order'} (a recurrent "
-                                     f"depth, as Dory's and Inkling2-Loop's loops): a pipeline stage holds each "
-                                     f"layer once, in order; train it on the other axes")
-                if handed:
-                    raise ValueError(f"{self._kind}'s layers hand each other {', '.join(sorted(handed))} beside "
-                                     f"the hidden state (Inkling2's block states), here from a layer another stage "
-                                     f"holds: only the hidden state crosses between stages; train it on the other "
-                                     f"axes")
+                if calls is not None:
+                    self._refuse_unstageable(calls, handed)
         except _Handoff as handoff:
             return (handoff.hidden, *xs[1:]) if len(xs) > 1 else handoff.hidden
         finally:
