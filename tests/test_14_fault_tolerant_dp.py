@@ -4,6 +4,7 @@ during a heal, SIGSTOP, two lost at once) with DDPBucketed and with FSDP inside,
 once (they mostly wait); replicas as torchrun jobs whose coordinator dies, then resumed."""
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -543,6 +544,37 @@ def test_the_benchmark_on_one_gpu_times_torch_ddp_over_gloo_as_ours_and_leaves_t
     assert "SKIP torchft's Manager: its replicas here run on the CPU" in out
     rows = json.loads((tmp_path / "14_fault_tolerant_dp.json").read_text())["rows"]
     assert [(r["replicas"], r["torch_ddp_step_ms"]) for r in rows] == [(2, 10.0), (3, 10.0)]
+
+
+def test_the_check_holds_each_tensor_to_how_far_training_moved_it_and_a_step_a_replica_short_fails_it(monkeypatch):
+    """The replay's criterion. On the H200 (issue 85) correct runs failed the element-wise
+    2e-5 (1.3e-4 and 1.3e-3): AdamW amplifies float32's reordering element by element. Each
+    tensor's distance over how far training moved it leaves reordering (the members summed
+    in another order) far inside, and fails a step whose average had one replica too few,
+    even the last one, and a tensor that did not move but differs; where reordering alone
+    reaches the tolerance, it says it cannot tell. The replay runs on the
+    run's device, and ends inside the run's --deadline, saying how far it got."""
+    import types
+    args = types.SimpleNamespace(model_size="nano", context_length=16, batch_size=4, seed=0)
+    steps = [(s, [0, 1, 2]) for s in range(12)]
+    start, want = ft.start_weights(args), ft.replay(args, steps)
+    assert ft.distance(want, want, start)[:2] == (0.0, 0.0)
+    reordered = ft.replay(args, [(s, m[::-1]) for s, m in steps])
+    diff, rel, _ = ft.distance(reordered, want, start)
+    assert 0 < diff and rel < ft.TOLERANCE
+    for short in (5, 11):
+        got = ft.replay(args, [(s, m[:2] if s == short else m) for s, m in steps])
+        assert ft.distance(got, want, start)[1] > ft.TOLERANCE * 10, short
+    k = next(iter(want))
+    still = {**want, k: want[k] + 1e-7}
+    assert ft.distance(still, want, {**start, k: want[k]})[1:] == (math.inf, k)
+    assert ft.against_replay(args, steps, want)["ok"]
+    monkeypatch.setattr(ft, "TOLERANCE", 1e-9)   # where reordering alone moves the replay past it: it cannot tell
+    told = ft.against_replay(args, steps, want)
+    assert not told["ok"] and "cannot tell, float32's reordering alone moves the replay past 1e-09" in told["words"]
+    with pytest.raises(common.LaunchError, match=r"did not finish inside --deadline: 0 of 12 committed steps "
+                                                 r"replayed on cpu"):
+        ft.replay(args, steps, "cpu", until=time.time() - 1)
 
 
 def test_a_run_past_its_deadline_ends_with_each_replicas_log(monkeypatch):

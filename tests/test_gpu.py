@@ -132,6 +132,25 @@ def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
                       "--out", str(tmp_path), launch=first_job).returncode == 2   # without it: refused
 
 
+def test_14s_smoke_jobs_pass_14s_own_checks_on_a_machine_of_one_gpu(monkeypatch):
+    """Each 14 job as the H200 runs it (NCCL, CUDA, its default size), with one GPU: at
+    121160e its benchmark's job was refused there ('nccl needs one GPU per rank of a
+    replica: 2 ranks, 1 GPU(s)'), lacking --replica-ranks 1."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    ft = load("14_fault_tolerant_dp")
+    monkeypatch.setattr(common, "gpu_count", lambda: 1)
+    jobs = [(name, argv) for name, argv in check.smoke_jobs(["14"], "cuda", "nccl", None) if name.startswith("14_")]
+    assert [name for name, _ in jobs] == [f"14_fault_tolerant_dp.{s}" for s in ("nccl_1rank", "gloo_2ranks", "bench")]
+    for name, argv in jobs:
+        args = ft.parser().parse_args(argv[1:])
+        ft.check_args(args)   # (raises UsageError where the GPU machine would refuse the job)
+        assert args.device == "cuda", name
+        assert args.model_size == ("small" if name.endswith("bench") else "mini"), name   # (verified where it can tell)
+
+
 def test_14s_smoke_jobs_start_first_and_end_inside_the_box_the_budget_leaves(tmp_path):
     """14's runs must end themselves (printing their replicas' logs) before their box kills
     them: they start first, and their --deadline follows the box each one really gets where
