@@ -35,10 +35,11 @@ the replicas that contributed, each replica its own fixed data shard) and compar
 replica's weights bit for bit alike, and the replay's (each tensor within 1e-4 of how far
 training moved it; the replay with its members summed in another order shows float32's
 reordering stays well inside that). It prints the membership timeline (replicas x steps:
-stepped, healed, out) and draws it. The benchmark (--replicas 2, 3 and 4, one rank each) times a step
-without failures beside torch DDP over the same ranks (the quorum's cost), the time from a
-kill to the next committed step, and the heal, each beside torchft's Manager on the same
-model and batches where torchft is installed (make torchft-bench; else a SKIP line says so).
+stepped, healed, out) and draws it. The benchmark (--replicas 2, 3 and 4, one rank each)
+times a step without failures beside torch DDP over the same ranks (the quorum's cost), the
+time from a kill to the next committed step, and the heal, each beside torchft's Manager on
+the same model and batches where torchft is installed (make torchft-bench; else a SKIP line
+says so).
 Writes <out>/14_fault_tolerant_dp.{json,md} (the benchmark), 14_timeline.{json,png}.
 """
 import math
@@ -1020,11 +1021,12 @@ NAME = "14_fault_tolerant_dp"
 SCRIPT = str(Path(__file__).resolve())
 LR, CLIP = 1e-3, 1.0
 # the replicas' weights against the replay's: each tensor's distance over how far the replay moved it from the
-# start. AdamW amplifies float32's reordering element by element (the H200 at 121160e, the small LM: max |diff|
-# 1.3e-4 and 1.3e-3, every replica alike and every heal exact), far less so in that measure: the members summed in another order, 4e-6 (nano, 12
-# steps); a step's average a replica short, 2e-2 to 2e-1 (tests/test_14_fault_tolerant_dp.py). Where the run's
-# own arithmetic amplifies reordering past it the check cannot tell, and says so (the small LM over 40 steps, its
-# gradients off by a relative 1e-7: 4e-2 and more, measured on the CPU).
+# start. AdamW amplifies float32's reordering element by element (the H200 at 121160e, the small LM: max
+# |diff| 1.3e-4 and 1.3e-3, every replica alike and every heal exact), far less so in that measure: the
+# members summed in another order, 4e-6 (nano, 12 steps); a step's average a replica short, 2e-2 to 2e-1
+# (tests/test_14_fault_tolerant_dp.py). Where the run's own arithmetic amplifies reordering past it the check
+# cannot tell, and says so (the small LM over 40 steps, its gradients off by a relative 1e-7: 4e-2 and more,
+# measured on the CPU).
 TOLERANCE = 1e-4
 
 
