@@ -115,11 +115,8 @@ def test_gpu_check_dry_run_passes_with_every_part(tmp_path):
 def test_gpu_smoke_dry_runs_interleaved_job_is_not_refused(tmp_path):
     """The interleaved job (2 stages x 2 chunks) on a dry run's nano, whose 2 blocks cannot
     make 4 chunks: the check gives that job mini's 4, and 09 takes the line."""
-    import importlib.util
     from conftest import run_inline
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = load("tools/gpu_check")
     jobs = dict(check.smoke_jobs(["09"], "cpu", "gloo", "nano"))
     argv = jobs["09_pipeline_parallel.interleaved"][1:]
     assert argv[argv.index("--model-size", argv.index("--model-size") + 1) + 1] == "mini"   # the later flag wins
@@ -136,10 +133,7 @@ def test_14s_smoke_jobs_pass_14s_own_checks_on_a_machine_of_one_gpu(monkeypatch)
     """Each 14 job as the H200 runs it (NCCL, CUDA, its default size), with one GPU: at
     121160e its benchmark's job was refused there ('nccl needs one GPU per rank of a
     replica: 2 ranks, 1 GPU(s)'), lacking --replica-ranks 1."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = load("tools/gpu_check")
     ft = load("14_fault_tolerant_dp")
     monkeypatch.setattr(common, "gpu_count", lambda: 1)
     jobs = [(name, argv) for name, argv in check.smoke_jobs(["14"], "cuda", "nccl", None) if name.startswith("14_")]
@@ -157,11 +151,8 @@ def test_14s_smoke_jobs_start_first_and_end_inside_the_box_the_budget_leaves(tmp
     the budget left is shorter than the box (the H200 at 159e69d: 80 s left, deadline 160).
     Its benchmark's job (2 replicas of one NCCL rank) puts its step, its kill -9 to the next
     commit and its heal into the measured table (issue 85: 14's numbers on the device)."""
-    import importlib.util
     import types
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = load("tools/gpu_check")
     jobs = check.smoke_jobs(["05", "07", "14"], "cpu", "gloo", "nano")
     assert [name for name, _ in jobs[:3]] == ["14_fault_tolerant_dp.gloo_1rank", "14_fault_tolerant_dp.gloo_2ranks",
                                               "14_fault_tolerant_dp.bench"]
@@ -206,10 +197,7 @@ def test_05_is_measured_as_it_runs_and_with_every_gradient_copied(tmp_path):
     """The measured table's 05 jobs: as DDPBucketed runs on NCCL (large gradients reduced where
     they lie), then every gradient copied (the copy's cost, side by side); each job its own
     folder and log, each row naming which it was from the results' settings."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = load("tools/gpu_check")
     jobs = check.measure_jobs(["05", "07", "12"], "cuda", "nccl", None)
     assert len({stem for *_, stem in jobs}) == len(jobs) == 4
     ddp = [cmd for _, cmd, _, stem in jobs if stem.startswith("05")]
