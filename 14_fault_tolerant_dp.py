@@ -62,6 +62,8 @@ from pathlib import Path   # noqa: E402
 import common   # noqa: E402
 
 # ---- begin copy: fault-tolerant replicas (needs torch and the standard library) ----
+import collections
+import concurrent.futures
 import contextlib
 import datetime
 import functools
@@ -105,6 +107,38 @@ class NotJoined(ReplicaStopped):
 
 
 STOPS = {c.__name__: c for c in (CoordinatorGone, Replaced, NotJoined)}
+
+
+class _Digest:
+    """A heal's check: the sha256 of the step and of each tensor's own sha256 in order, the
+    tensors hashed on a few threads while the next ones travel (hashlib lets go of the GIL
+    on large buffers). ``add`` takes a host tensor that nothing writes until ``value()``;
+    at most ``2 * workers`` wait to be hashed (on a GPU, each a host copy). As a context
+    manager it lets go of its threads, whatever happened."""
+
+    def __init__(self, step: int, workers: int = 0):
+        self.workers = workers or max(1, min(4, (os.cpu_count() or 1) // 2))
+        self.pool, self.parts = concurrent.futures.ThreadPoolExecutor(self.workers), collections.deque()
+        self.head, self.done = hashlib.sha256(str(step).encode()), None
+
+    def add(self, t):
+        data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())   # (no copy)
+        self.parts.append(self.pool.submit(lambda: hashlib.sha256(data).digest()))
+        while len(self.parts) > 2 * self.workers:
+            self.head.update(self.parts.popleft().result())
+
+    def value(self) -> bytes:
+        if self.done is None:
+            while self.parts:
+                self.head.update(self.parts.popleft().result())
+            self.done = self.head.digest()
+        return self.done
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _send(sock, msg: dict):
@@ -928,13 +962,6 @@ class ReplicaManager:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         return {"state": state, "groups": groups, "step": self.step}
 
-    @staticmethod
-    def _digest(tensors, step) -> str:
-        h = hashlib.sha256(str(step).encode())
-        for t in tensors:
-            h.update(memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))   # (no copy)
-        return h.hexdigest()
-
     def _send_obj(self, obj, dst):
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
         self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
@@ -949,8 +976,10 @@ class ReplicaManager:
 
     def _heal(self, heal: dict, step: int) -> bool:
         """The source sends each joiner its layout and every tensor of its state (rank k to
-        rank k); a joiner makes its optimizer state to that layout, receives, and checks the
-        sha256. The ranks of a replica agree before a joiner takes the step: where any of
+        rank k), then their digest; a joiner makes its optimizer state to that layout,
+        receives (the next tensor already on its way while it takes one in) and checks the
+        digest against its own state. Each side hashes a tensor while the next one travels
+        (_Digest). The ranks of a replica agree before a joiner takes the step: where any of
         them failed (a peer lost midway), it stays behind (and heals again) and this returns
         False."""
         began, index, joiner = time.perf_counter(), self.members.index, self.replica_id in heal
@@ -971,24 +1000,43 @@ class ReplicaManager:
                 for g, given in zip(self.optimizer.param_groups, layout["groups"]):
                     g.update(given)
                 result["tensors"] = self._state()
-            for i, t in enumerate(result["tensors"]):
-                buf = torch.empty(t.shape, dtype=t.dtype)
-                self.pg.recv([buf], src, 2 + i).wait()
-                with dropped, torch.no_grad():
-                    if abandoned:
-                        return
-                    t.copy_(buf)
-            result["exact"] = self._digest(result["tensors"], layout["step"]) == layout["digest"]
+            state, digest = result["tensors"], _Digest(layout["step"])
+
+            def post(i):   # (a host buffer: gloo receives into CPU tensors only)
+                buf = torch.empty(state[i].shape, dtype=state[i].dtype)
+                return buf, self.pg.recv([buf], src, 2 + i)
+            with digest:
+                coming = post(0) if state else None
+                for i, t in enumerate(state):
+                    buf, work = coming
+                    work.wait()
+                    coming = post(i + 1) if i + 1 < len(state) else None
+                    with dropped, torch.no_grad():
+                        if abandoned:
+                            return
+                        t.copy_(buf)
+                    digest.add(t.detach() if t.device.type == "cpu" else buf)   # (the state itself on a CPU)
+                sent = torch.empty(len(digest.value()), dtype=torch.uint8)
+                self.pg.recv([sent], src, 2 + len(state)).wait()
+                result["exact"] = bytes(sent.numpy()) == digest.value()
             result["step"] = layout["step"]
 
         def send():
-            layout = {**self._layout(), "digest": self._digest(tensors, self.step)}
-            for j in peers:
-                self._send_obj(layout, index(j))
+            layout, digest = self._layout(), _Digest(self.step)
+            with digest:
+                for j in peers:
+                    self._send_obj(layout, index(j))
                 for i, t in enumerate(tensors):
-                    self.pg.send([t.detach().cpu().contiguous()], index(j), 2 + i).wait()
+                    host = t.detach().cpu().contiguous()   # (one copy from a device: sent and hashed)
+                    works = [self.pg.send([host], index(j), 2 + i) for j in peers]
+                    digest.add(host)
+                    for work in works:
+                        work.wait()
                     if self.heal_hook is not None:
                         self.heal_hook(i, len(tensors))
+                end = torch.frombuffer(bytearray(digest.value()), dtype=torch.uint8)
+                for j in peers:
+                    self.pg.send([end], index(j), 2 + len(tensors)).wait()
             result["exact"] = True
         exact = self._abortable(receive if joiner else send) and result.get("exact", False)
         with dropped:

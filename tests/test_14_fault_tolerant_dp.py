@@ -577,6 +577,92 @@ def test_the_check_holds_each_tensor_to_how_far_training_moved_it_and_a_step_a_r
         ft.replay(args, steps, "cpu", until=time.time() - 1)
 
 
+class Wire:
+    """Point-to-point between replicas in one process (gloo's send and recv as a heal calls
+    them): each message kept by (source, destination, tag) until received; ``spoil(tag)``
+    flips a byte of the tensor sent with that tag, as a wrong copy would."""
+
+    def __init__(self):
+        self.boxes, self.lock, self.spoilt = {}, threading.Lock(), set()
+
+    def box(self, key):
+        with self.lock:
+            return self.boxes.setdefault(key, __import__("queue").Queue())
+
+    def end(self, me):
+        wire = self
+
+        class Work:
+            def __init__(self, fn=None):
+                self.fn = fn
+
+            def wait(self):
+                if self.fn is not None:
+                    self.fn()
+
+        class End:
+            def send(self, tensors, dst, tag):
+                t = tensors[0].clone()
+                if tag in wire.spoilt and t.numel():
+                    t.view(-1).view(torch.uint8)[0] ^= 1
+                wire.box((me, dst, tag)).put(t)
+                return Work()
+
+            def recv(self, tensors, src, tag):
+                return Work(lambda: tensors[0].copy_(wire.box((src, me, tag)).get(timeout=30)))
+        return End()
+
+
+def heal_manager(replica, wire, model, steps):
+    """A ReplicaManager as a heal sees it (no coordinator: its step is never aborted), its
+    model trained ``steps`` steps of AdamW on a batch of its own."""
+    torch.manual_seed(replica)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(4, model[0].in_features)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    m = ft.ReplicaManager.__new__(ft.ReplicaManager)
+    m.module, m.optimizer, m.replica_id, m.step, m.size, m.group = model, opt, replica, steps, 1, None
+    m.device, m.members, m.pg, m.heal_hook, m.heals, m.info = torch.device("cpu"), [0, 1, 2], wire.end(replica), None, [], {}
+    m._aborted = lambda: False
+    return m
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3, bias=False))
+
+
+def test_a_heal_copies_weights_and_optimizer_state_exactly_to_each_joiner_and_a_wrong_byte_fails_it():
+    """One source heals two joiners at once (the quorum's {joiner: source}), each a fresh
+    start with other weights and no optimizer state: both end with the source's weights,
+    AdamW state and step bit for bit, and each heal says exact. Then one byte of one tensor
+    flipped on its way: the joiner's digest differs, its heal fails and it keeps its step
+    (it stays behind and heals again). The digest is the source's, sent after the tensors:
+    the joiner's is over its own state as received."""
+    torch.manual_seed(0)
+    wire, models = Wire(), [mlp(), mlp(), mlp()]
+    source = heal_manager(0, wire, models[0], steps=3)
+    joiners = [heal_manager(r, wire, models[r], steps=0) for r in (1, 2)]
+    heal = {1: 0, 2: 0}
+    ok = together(*(lambda m=m: m._heal(heal, 3) for m in (source, *joiners)))
+    assert ok == [True, True, True]
+    for j in joiners:
+        assert j.step == 3 and j.heals[-1]["exact"] and j.heals[-1]["role"] == "joiner"
+        for (name, a), b in zip(source.module.state_dict().items(), j.module.state_dict().values()):
+            assert torch.equal(a, b), name
+        for p, q in zip(source.module.parameters(), j.module.parameters()):
+            sa, sb = source.optimizer.state[p], j.optimizer.state[q]
+            assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert source.heals[-1]["role"] == "source" and source.heals[-1]["peers"] == [1, 2]
+
+    wire, fresh = Wire(), heal_manager(1, Wire(), mlp(), steps=0)
+    source.pg, fresh.pg = wire.end(0), wire.end(1)
+    wire.spoilt.add(2 + 3)   # (the fourth tensor: the second layer's weight)
+    assert together(lambda: source._heal({1: 0}, 3), lambda: fresh._heal({1: 0}, 3)) == [True, False]
+    assert fresh.step == 0 and not fresh.heals
+
+
 def test_a_run_past_its_deadline_ends_with_each_replicas_log(monkeypatch):
     """make gpu-check's 14 jobs pass --deadline below their box: a run that cannot finish
     (its replicas here started as log files only, never stepping) ends itself, naming the
