@@ -90,31 +90,56 @@ def _ranks(group) -> frozenset:
     return got
 
 
+def _counter(process_group, known=()):
+    """A test of whether this rank counts a tensor once in a sum over ``process_group`` (so
+    that every element of the model is counted once over it): it is the first rank of every
+    group that replicates it inside ``process_group``, and of every group of ``known`` (the
+    groups the model's other records name) that its record does not mention: an axis that
+    split or spread the tensor would have said so (a weight a partial tensor-parallel plan
+    left whole is the same on every tp rank). A tensor with no record is one process's, the
+    same on every rank: the group's first rank counts it. A shard or part spread over ranks
+    outside ``process_group`` cannot be summed in it: ValueError. Each group's ranks and this
+    rank's place in it are looked up once for every tensor the test is asked about (a clip
+    asks it of each parameter every step)."""
+    within, me, seen, first = _ranks(process_group), dist.get_rank(), {}, []
+
+    def group(g):   # (its ranks, whether they lie inside process_group, this rank's place in it: looked up once)
+        got = seen.get(id(g))
+        if got is None:
+            ranks = _ranks(g)
+            got = seen[id(g)] = [ranks, ranks <= within, None]
+        return got
+
+    def rank(g, got):
+        if got[2] is None:
+            got[2] = dist.get_rank(g)
+        return got[2]
+    known = [(g, group(g)) for g in known if group(g)[1]]
+
+    def counted(tensor) -> bool:
+        record = placements(tensor)
+        if not record:
+            if not first:
+                first.append(dist.get_rank(process_group) == 0)
+            return first[0]
+        for p in record:
+            got = group(p.group)
+            if p.kind in ("replicate", "tied") and got[1] and rank(p.group, got) != 0:
+                return False
+            if p.kind in ("shard", "part") and not got[1]:
+                raise ValueError(f"a parameter is split ({p.kind}) over ranks outside the process group the norm or "
+                                 f"count is taken over: pass a process_group that holds them (default: every rank)")
+        for g, got in known:
+            if not any((group(p.group)[0] & got[0]) - {me} for p in record) and rank(g, got) != 0:
+                return False
+        return True
+    return counted
+
+
 def _counted(tensor, process_group, known=()) -> bool:
-    """Whether this rank counts ``tensor`` once in a sum over ``process_group`` (so that every
-    element of the model is counted once over it): it is the first rank of every group that
-    replicates it inside ``process_group``, and of every group of ``known`` (the groups the
-    model's other records name) that its record does not mention: an axis that split or
-    spread the tensor would have said so (a weight a partial tensor-parallel plan left whole
-    is the same on every tp rank). A tensor with no record is one process's, the same on
-    every rank: the group's first rank counts it. A shard or part spread over ranks outside
-    ``process_group`` cannot be summed in it: ValueError."""
-    record, within, me = placements(tensor), _ranks(process_group), dist.get_rank()
-    if not record:
-        return dist.get_rank(process_group) == 0
-    for p in record:
-        inside = _ranks(p.group) <= within
-        if p.kind in ("replicate", "tied") and inside and dist.get_rank(p.group) != 0:
-            return False
-        if p.kind in ("shard", "part") and not inside:
-            raise ValueError(f"a parameter is split ({p.kind}) over ranks outside the process group the norm or count "
-                             f"is taken over: pass a process_group that holds them (default: every rank)")
-    for group in known:
-        ranks = _ranks(group)
-        if ranks <= within and not any((_ranks(p.group) & ranks) - {me} for p in record) \
-                and dist.get_rank(group) != 0:
-            return False
-    return True
+    """Whether this rank counts ``tensor`` once in a sum over ``process_group`` (_counter's
+    test, for one tensor)."""
+    return _counter(process_group, known)(tensor)
 
 
 def _known_groups(params) -> list:
@@ -146,15 +171,14 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
     other ranks train something else; a group that replicates a parameter beyond it (data-
     parallel copies, each clipping alike) is left out of the count."""
     params = [p for p in _parameters(model_or_parameters) if p.grad is not None]
-    grads = [p.grad.detach() for p in params]
-    device = grads[0].device if grads else (
+    device = params[0].grad.device if params else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl"
         else torch.device("cpu"))
-    known = _known_groups(params)
-    counted = [g for p, g in zip(params, grads) if _counted(p, process_group, known)]
+    counts, fp32, rest = _counter(process_group, _known_groups(params)), [], []
+    for p in params:   # (torch's fused norms for float32; each other dtype's in float32)
+        if counts(p) and p.grad.numel():
+            (fp32 if p.grad.dtype == torch.float32 else rest).append(p.grad)
     norm_type = float(norm_type)
-    fp32 = [g for g in counted if g.dtype == torch.float32 and g.numel()]   # torch's fused norms
-    rest = [g for g in counted if g.dtype != torch.float32 and g.numel()]   # each in float32
     fused = torch.nn.utils.get_total_norm(fp32, norm_type).to(device) if fp32 else torch.zeros((), device=device)
     inf = math.isinf(norm_type)
     if inf:
@@ -187,8 +211,8 @@ def count_parameters(model_or_parameters, process_group=None) -> int:
     """The whole model's number of parameters, each counted once over ``process_group``
     (collective: every rank of it calls)."""
     params = _parameters(model_or_parameters)
-    known = _known_groups(params)
-    mine = sum(_real_numel(p) for p in params if _counted(p, process_group, known))
+    counts = _counter(process_group, _known_groups(params))
+    mine = sum(_real_numel(p) for p in params if counts(p))
     total = torch.tensor([mine], dtype=torch.float64,
                           device=params[0].device if params else torch.device("cpu"))
     dist.all_reduce(total, group=process_group)

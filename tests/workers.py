@@ -790,7 +790,7 @@ def nd_controls(ctx, args):
     not summed (pp 4), a replicated parameter's gradient counted in the norm on every tp
     rank (tp 2 x pp 2); and clipping must be active in the check."""
     nd = common.load_script(os.path.join(common.ROOT, "10_nd_parallel.py"))
-    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, placement._counted
+    out, real_finish, real_counts = {}, nd.ParallelLM.finish_gradient_synchronization, placement._counter
     clipped, real_clip = [], nd.ParallelLM.clip_grad_norm_
 
     def clip(self, max_norm):
@@ -802,10 +802,10 @@ def nd_controls(ctx, args):
         nd.ParallelLM.finish_gradient_synchronization = lambda self: None   # no DP, no FSDP here: only the sum
         out["untied sum"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=4), nd.Levers(tie=True))
         nd.ParallelLM.finish_gradient_synchronization = real_finish
-        placement._counted = lambda *record: True   # the placement record ignored
+        placement._counter = lambda *groups: lambda tensor: True   # the placement record ignored
         out["norm counted on every tp rank"] = nd.verify_mesh(ctx, args, nd.mesh_of(pp=2, tp=2))
     finally:
-        nd.ParallelLM.finish_gradient_synchronization, placement._counted = real_finish, real_counts
+        nd.ParallelLM.finish_gradient_synchronization, placement._counter = real_finish, real_counts
         nd.ParallelLM.clip_grad_norm_ = real_clip
     out["clipped"] = all(clipped)
     return out
