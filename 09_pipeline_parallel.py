@@ -57,6 +57,7 @@ import common
 
 # ---- begin copy: pipeline parallelism (needs torch, the standard library and placement.py) ----
 import ast
+import builtins
 import contextlib
 import inspect
 import textwrap
@@ -992,11 +993,14 @@ class Pipeline:
         of the schedule is sent (the first step calls it; call it first yourself so that a
         step you count sends only the schedule's messages): ``inputs`` the first stage's
         global batch, as step takes it (None on the others); a collective over the group.
-        Each chunk but the last runs the first micro-batch's forward without autograd, in
-        the model's order (its input received from the chunk before, its output sent to the
-        chunk after as a Python object), the generator states kept as they were; then every
-        rank learns every boundary. A stated activation_shape (and dtype) that disagrees is
-        a ValueError on every rank. Costs one eager forward of a micro-batch per chunk, once."""
+        Each chunk runs the first micro-batch's forward without autograd, in the model's
+        order (its input received from the chunk before, its output sent to the chunk after
+        as a Python object), the generator states kept as they were; then every rank learns
+        every boundary. A forward that raises (a stage refusing its model on its first call,
+        as ModelStage does) sends its words on in place of its output and raises on every
+        rank, the exception itself where it was raised: no stage is left waiting for it. A
+        stated activation_shape (and dtype) that disagrees is a ValueError on every rank.
+        Costs one eager forward of a micro-batch per chunk, once."""
         if self.io is not None:
             return
         x0 = None
@@ -1004,12 +1008,12 @@ class Pipeline:
             x0 = tuple(t.chunk(self.m)[0] for t in inputs) if isinstance(inputs, (tuple, list)) else \
                 inputs.chunk(self.m)[0]
         device = next(self.module.parameters()).device
-        total, found = self.n_stages * self.chunks, {}
+        total, found, failed, raised = self.n_stages * self.chunks, {}, None, None
         devices = [device] if device.type == "cuda" else []
         # eager, even where the stage's layers are compiled: the probe wants shapes, and a
         # compiled layer would compile a second graph for a forward without autograd
         with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
-            for v in range(total - 1):
+            for v in range(total):
                 if v % self.n_stages != self.stage:
                     continue
                 if v == 0:
@@ -1017,14 +1021,30 @@ class Pipeline:
                 else:
                     box = [None]
                     dist.recv_object_list(box, src=self.prev, group=self.group)
-                    x = [t.to(device) for t in box[0]]
-                out = self.module(*x, chunk=v // self.n_stages) if self.chunks > 1 else self.module(*x)
-                outs = _tensors_in(out)
-                found[v + 1] = [(tuple(t.shape), t.dtype) for t in outs]
-                if v + 1 < total - 1:
-                    dist.send_object_list([[t.cpu() for t in outs]], dst=self.next, group=self.group)
+                    x = box[0]
+                    failed = failed or (x if isinstance(x, str) else None)   # (a chunk before failed: its words)
+                if failed is None:
+                    try:
+                        x = [t.to(device) for t in x]
+                        out = self.module(*x, chunk=v // self.n_stages) if self.chunks > 1 else self.module(*x)
+                        outs = _tensors_in(out)
+                    except Exception as e:   # (every rank raises it below, after the gather)
+                        chunk = f" (chunk {v // self.n_stages})" if self.chunks > 1 else ""
+                        failed, raised = f"{type(e).__name__}: stage {self.stage}{chunk}'s first forward: {e}", e
+                if v + 1 < total:
+                    if failed is None:
+                        found[v + 1] = [(tuple(t.shape), t.dtype) for t in outs]
+                    dist.send_object_list([failed or [t.cpu() for t in outs]], dst=self.next, group=self.group)
         parts = [None] * self.n_stages
-        dist.all_gather_object(parts, found, group=self.group)
+        dist.all_gather_object(parts, (found, failed), group=self.group)
+        if raised is not None:
+            raise raised
+        failed = next((f for _, f in parts if f), None)
+        if failed is not None:
+            kind, _, words = failed.partition(": ")
+            kind = getattr(builtins, kind, None)   # (the same kind where it is Python's own: a ValueError)
+            raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(words)
+        parts = [found for found, _ in parts]
         io = {v: io for part in parts for v, io in part.items()}
         if self.stated is not None:
             for v in sorted(io):

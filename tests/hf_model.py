@@ -518,6 +518,21 @@ class _PackedStage(torch.nn.Module):
         return transformers.modeling_outputs.CausalLMOutput(logits=self.piece(xs[0] + xs[1]))
 
 
+def refused_in_a_pipeline(ctx, kind, data):
+    """A family ModelStage refuses at its first forward (Dory's layers run twice, Inkling2's
+    block states handed on: both seen by the last stage), trained in a Pipeline on every
+    rank of the group as a user's loop does: what each rank raised (none may be left
+    waiting for the one that refused)."""
+    pipe = pp.Pipeline(stage_of(stage_family(kind), ctx.rank, ctx.world_size), 2, output_loss, "1f1b")
+    x, y = data[0][:2]
+    try:
+        pipe.step(x if pipe.first else None, y if pipe.last else None)
+        said = "not refused"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    return everyone(said)
+
+
 def packed_pipeline(ctx, data):
     """Two stages returning ModelOutputs (09's Pipeline, 1F1B): the gradients against one
     process's on the same batch."""
@@ -672,6 +687,8 @@ def axes(ctx, args):
         ctx, "phi3", data, {k: "column" if isinstance(v, tuple) else v for k, v in packed.items()})
     out["refusals"] = split_refusals()
     out["packed pipeline"] = packed_pipeline(ctx, data)
+    for kind in ("dory", "inkling2"):
+        out[f"{kind}, refused in a pipeline"] = refused_in_a_pipeline(ctx, kind, data)
     sweep = common.load_script(os.path.join(common.ROOT, "tools", "tp_families.py")).sweep   # (make tp-families)
     out["tp families"] = sweep(ctx, argparse.Namespace(quiet=True), [("granite_swa", "GraniteSWAForCausalLM"),
                                                                    ("doge", "DogeForCausalLM")])

@@ -434,6 +434,22 @@ def test_a_stage_refuses_layers_run_twice_or_handed_more_than_the_hidden_state(k
         hf_model.stage_against_forward(kind, 2)
 
 
+@pytest.mark.parametrize("kind", ["dory", "inkling2"])
+def test_a_stage_that_refuses_in_a_pipeline_raises_on_every_rank_none_left_in_a_receive(kind):
+    """The same refusals in a Pipeline on 2 ranks, as a user's own loop (torchrun's, say)
+    runs it, not in the kit's launcher, which ends the other ranks itself: the stage that
+    refused raises its ValueError, and the other rank the same kind naming that stage, not
+    a wait for its gradients until the group's timeout. Both are refused by the last stage
+    (the first hands on before Dory's layers run again, and before Inkling2's block states
+    cross), whose first forward had run in the schedule, after the first stage's: the first
+    step now runs it before the schedule, as the other stages' (09's infer)."""
+    said, stage = run("axes", 2)[f"{kind}, refused in a pipeline"], 1
+    assert len(said) == 2 and all(s.startswith("ValueError: ") for s in said), said
+    words = "more than once each" if kind == "dory" else "hand each other argument 1 beside the hidden state"
+    assert words in said[stage] and f"stage {stage}'s first forward" not in said[stage], said
+    assert f"stage {stage}'s first forward: " in said[1 - stage] and words in said[1 - stage], said
+
+
 def test_the_new_plan_words_refuse_what_they_cannot_split_before_changing_anything(one_rank):
     """("column", parts) whose parts do not add up, "norm" on a norm that is not an RMS norm
     (a LayerNorm subtracts the mean: a split would need a second statistic), "vocab" on a
