@@ -60,6 +60,7 @@ import ast
 import builtins
 import contextlib
 import inspect
+import pickle
 import textwrap
 import time
 import weakref
@@ -889,6 +890,25 @@ def _weight_gradients(stash, through_autograd=False):
         torch.autograd.backward(list(grads), list(grads.values()))
 
 
+def _send_object(obj, dst, group, wire):
+    """``obj`` pickled to rank ``dst`` of ``group``: its length, then its bytes, two sends of
+    tensors on ``wire`` (torch.distributed's send, which the flight recorder sees: its
+    send_object_list calls a send of its own module that no wrapper reaches, so that a rank
+    waiting in it looked busy in no call to the stall report)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=wire), dst=dst, group=group)
+    dist.send(data.to(wire), dst=dst, group=group)
+
+
+def _recv_object(src, group, wire):
+    """What _send_object sent from rank ``src`` of ``group``."""
+    n = torch.zeros(1, dtype=torch.int64, device=wire)
+    dist.recv(n, src=src, group=group)
+    data = torch.empty(int(n.item()), dtype=torch.uint8, device=wire)
+    dist.recv(data, src=src, group=group)
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
 class Pipeline:
     """Runs this rank's stage of a pipeline over ``process_group`` (default: every rank;
     stage = the rank's place in the group). Each ``step`` splits the global batch into
@@ -1008,7 +1028,7 @@ class Pipeline:
             x0 = tuple(t.chunk(self.m)[0] for t in inputs) if isinstance(inputs, (tuple, list)) else \
                 inputs.chunk(self.m)[0]
         device = next(self.module.parameters()).device
-        total, found, failed, raised = self.n_stages * self.chunks, {}, None, None
+        total, found, failed, raised, wire = self.n_stages * self.chunks, {}, None, None, self._landing(device)
         devices = [device] if device.type == "cuda" else []
         # eager, even where the stage's layers are compiled: the probe wants shapes, and a
         # compiled layer would compile a second graph for a forward without autograd
@@ -1019,9 +1039,7 @@ class Pipeline:
                 if v == 0:
                     x = list(x0) if isinstance(x0, tuple) else [x0]
                 else:
-                    box = [None]
-                    dist.recv_object_list(box, src=self.prev, group=self.group)
-                    x = box[0]
+                    x = _recv_object(self.prev, self.group, wire)
                     failed = failed or (x if isinstance(x, str) else None)   # (a chunk before failed: its words)
                 if failed is None:
                     try:
@@ -1034,7 +1052,7 @@ class Pipeline:
                 if v + 1 < total:
                     if failed is None:
                         found[v + 1] = [(tuple(t.shape), t.dtype) for t in outs]
-                    dist.send_object_list([failed or [t.cpu() for t in outs]], dst=self.next, group=self.group)
+                    _send_object(failed or [t.cpu() for t in outs], self.next, self.group, wire)
         parts = [None] * self.n_stages
         dist.all_gather_object(parts, (found, failed), group=self.group)
         if raised is not None:
@@ -1091,15 +1109,21 @@ class Pipeline:
         """What goes over the wire: ``t`` itself, or its copy in host memory when staging."""
         return t.to("cpu", copy=True) if self._staged else t.contiguous()   # (sends take dense tensors)
 
+    def _landing(self, device):
+        """Where messages travel from and land: host memory where ``host_staging`` says so (by
+        default, where the group is gloo's and the stage on a GPU: gloo's send and recv take
+        CPU tensors only; self._staged), else the stage's device."""
+        self._staged = self.host_staging if self.host_staging is not None else \
+            device.type != "cpu" and dist.get_backend(self.group) == "gloo"
+        return torch.device("cpu") if self._staged else device
+
     def _begin(self, inputs, targets):
         """A step's (or an evaluation's) start: whether messages go through host memory
         (self._staged), the stage's device and where received tensors land, the first
         stage's inputs and the last's targets cut into the micro-batches (one tensor, or a
         tuple of them, each cut along the batch; None elsewhere)."""
         m, device = self.m, next(self.module.parameters()).device
-        self._staged = self.host_staging if self.host_staging is not None else \
-            device.type != "cpu" and dist.get_backend(self.group) == "gloo"
-        wire = torch.device("cpu") if self._staged else device   # where received tensors land
+        wire = self._landing(device)   # where received tensors land
         xs = [None] * m
         if self.first:
             xs = list(zip(*(t.chunk(m) for t in inputs))) if isinstance(inputs, (tuple, list)) else inputs.chunk(m)
