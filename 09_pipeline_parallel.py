@@ -1043,7 +1043,7 @@ class Pipeline:
                     failed = failed or (x if isinstance(x, str) else None)   # (a chunk before failed: its words)
                 if failed is None:
                     try:
-                        x = [t.to(device) for t in x]
+                        x = [t.to(device) for t in x] if v > 0 else x   # (the inputs as given)
                         out = self.module(*x, chunk=v // self.n_stages) if self.chunks > 1 else self.module(*x)
                         outs = _tensors_in(out)
                     except Exception as e:   # (every rank raises it below, after the gather)

@@ -978,7 +978,7 @@ class ReplicaManager:
         """The source sends each joiner its layout and every tensor of its state (rank k to
         rank k), then their digest; a joiner makes its optimizer state to that layout,
         receives (the next tensor already on its way while it takes one in) and checks the
-        digest against its own state. Each side hashes a tensor while the next one travels
+        digest against what it received (on a CPU, its state itself). Each side hashes a tensor while the next one travels
         (_Digest). The ranks of a replica agree before a joiner takes the step: where any of
         them failed (a peer lost midway), it stays behind (and heals again) and this returns
         False."""

@@ -136,12 +136,6 @@ def _counter(process_group, known=()):
     return counted
 
 
-def _counted(tensor, process_group, known=()) -> bool:
-    """Whether this rank counts ``tensor`` once in a sum over ``process_group`` (_counter's
-    test, for one tensor)."""
-    return _counter(process_group, known)(tensor)
-
-
 def _known_groups(params) -> list:
     """Every group the records of ``params`` name (each once)."""
     groups = {}
