@@ -101,7 +101,7 @@ def _counter(process_group, known=()):
     outside ``process_group`` cannot be summed in it: ValueError. Each group's ranks and this
     rank's place in it are looked up once for every tensor the test is asked about (a clip
     asks it of each parameter every step)."""
-    within, me, seen, first = _ranks(process_group), dist.get_rank(), {}, []
+    within, me, seen, first = _ranks(process_group), dist.get_rank(), {}, dist.get_rank(process_group) == 0
 
     def group(g):   # (its ranks, whether they lie inside process_group, this rank's place in it: looked up once)
         got = seen.get(id(g))
@@ -119,9 +119,7 @@ def _counter(process_group, known=()):
     def counted(tensor) -> bool:
         record = placements(tensor)
         if not record:
-            if not first:
-                first.append(dist.get_rank(process_group) == 0)
-            return first[0]
+            return first
         for p in record:
             got = group(p.group)
             if p.kind in ("replicate", "tied") and got[1] and rank(p.group, got) != 0:
