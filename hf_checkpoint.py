@@ -10,92 +10,24 @@ turns), so a rank holds its part and one whole tensor, never the model; a folder
 published complete or not at all. Names are the model's own (a wrapper's
 ``module.`` aside). Used by the tests on transformers' models and by any loop on the kit's
 classes. It needs torch, the standard library, placement.py and sharded_checkpoint.py: a
-copy is these three files (the safetensors format is read and written here); model_layout,
-which reads a transformers model's own checkpoint names, needs transformers too.
+copy is these three files (the safetensors files are read and written by sharded_checkpoint's
+SafetensorsFile and _header); model_layout, which reads a transformers model's own checkpoint
+names, needs transformers too.
 """
-import ctypes
 import itertools
 import json
 import math
 import os
 import shutil
-import struct
 import uuid
 
 import torch
 import torch.distributed as dist
 
 from placement import _gather_shard, _tensors, materialize, placements
-from sharded_checkpoint import _fsync_dir, _indices, _whole_shape
+from sharded_checkpoint import SafetensorsFile, _bytes, _fsync_dir, _header, _indices, _whole_shape
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-
-
-def _bytes(t) -> memoryview:
-    """The bytes of a contiguous host tensor, as a writable view (no copy; keep ``t``)."""
-    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
-
-
-class SafetensorsFile:
-    """One safetensors file (8 bytes of header length, a JSON header of each tensor's dtype,
-    shape and byte range, the data), read a box at a time by positioned reads: only the
-    bytes asked for come into the process (a memory map would keep every page it touched)."""
-
-    def __init__(self, path):
-        self.path, self.fd = path, os.open(path, os.O_RDONLY)
-        n = struct.unpack("<Q", os.pread(self.fd, 8, 0))[0]
-        self.header = json.loads(os.pread(self.fd, n, 8))
-        self.header.pop("__metadata__", None)
-        self.base = 8 + n
-
-    def close(self):
-        os.close(self.fd)
-
-    def shape(self, name) -> list:
-        return list(self.header[name]["shape"])
-
-    def read(self, name, box=None) -> torch.Tensor:
-        """The stored tensor ``name``, or its ``box`` [(start, stop) a dim]: one read for
-        each run of it that lies contiguous in the file (the dims after the last one the
-        box cuts are whole)."""
-        info = self.header[name]
-        shape, dtype = info["shape"], _DTYPES[info["dtype"]]
-        box = [tuple(b) for b in box] if box is not None else [(0, n) for n in shape]
-        out = torch.empty([b - a for a, b in box], dtype=dtype)
-        if out.numel() == 0:
-            return out
-        size = out.element_size()
-        stride = [math.prod(shape[d + 1:]) * size for d in range(len(shape))]
-        cut = max([d for d in range(len(shape)) if box[d] != (0, shape[d])], default=-1)
-        run = (box[cut][1] - box[cut][0]) * stride[cut] if cut >= 0 else out.numel() * size
-        view, pos = _bytes(out), 0
-        for lead in itertools.product(*(range(a, b) for a, b in box[:max(cut, 0)])):
-            at = self.base + info["data_offsets"][0] + sum(i * stride[d] for d, i in enumerate(lead)) + \
-                (box[cut][0] * stride[cut] if cut >= 0 else 0)
-            chunk = view[pos:pos + run]
-            while len(chunk):
-                got = os.preadv(self.fd, [chunk], at)
-                if got == 0:
-                    raise EOFError(f"{self.path}: {name} ends before its data")
-                chunk, at = chunk[got:], at + got
-            pos += run
-        return out
-
-
-def _header(entries) -> bytes:
-    """A safetensors header for [(name, dtype, shape)], their data following in that order."""
-    meta, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape in entries:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        meta[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def _weight_map(folder) -> dict:

@@ -3,16 +3,25 @@ stage's layers, its experts) with an index of where each piece sits in the whole
 and any composition, on any world size, reads back only the pieces it needs
 (``save_sharded``, ``load_sharded``, ``latest_checkpoint``; ``async_save``: the copy to
 host memory now, the writing while training goes on, ``wait_for_saves`` before exit).
-A save is atomic: a folder is complete or ignored. Used by 07's and 10's --train runs and
+Each rank's file is a safetensors file, written a tensor at a time from the tensor's own
+memory (a device's copied to the host by a thread while the one before it is written), so
+a save holds no second copy of the state. A save is atomic: a folder is complete or
+ignored. Used by 07's and 10's --train runs and
 by any loop on the kit's classes. It needs torch, the standard library and placement.py
 (whose record says what each rank holds): a copy is this file and placement.py.
 """
+import collections
 import contextlib
+import ctypes
+import itertools
 import json
+import math
 import os
+import struct
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -62,18 +71,127 @@ def _unruns(runs) -> torch.Tensor:
     return torch.cat([torch.arange(a, b) for a, b in runs]) if runs else torch.zeros(0, dtype=torch.long)
 
 
-def _snapshot(module, optimizer):
-    """This rank's part of the checkpoint: {key: host tensor} and {key: where it lies in the
-    whole}, for every tensor this rank saves (one rank of each group that replicates it)."""
-    tensors, where = {}, {}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+           "U64": getattr(torch, "uint64", None), "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+           "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+_DTYPES = {code: dtype for code, dtype in _DTYPES.items() if dtype is not None}   # (an older torch lacks some)
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+def _bytes(t) -> memoryview:
+    """The bytes of a contiguous host tensor, as a writable view (no copy; keep ``t``)."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+class SafetensorsFile:
+    """One safetensors file (8 bytes of header length, a JSON header of each tensor's dtype,
+    shape and byte range, the data), read a box at a time by positioned reads: only the
+    bytes asked for come into the process (a memory map would keep every page it touched)."""
+
+    def __init__(self, path):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        n = struct.unpack("<Q", os.pread(self.fd, 8, 0))[0]
+        self.header = json.loads(os.pread(self.fd, n, 8))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + n
+
+    def close(self):
+        os.close(self.fd)
+
+    def shape(self, name) -> list:
+        return list(self.header[name]["shape"])
+
+    def read(self, name, box=None) -> torch.Tensor:
+        """The stored tensor ``name``, or its ``box`` [(start, stop) a dim]: one read for
+        each run of it that lies contiguous in the file (the dims after the last one the
+        box cuts are whole)."""
+        info = self.header[name]
+        shape, dtype = info["shape"], _DTYPES[info["dtype"]]
+        box = [tuple(b) for b in box] if box is not None else [(0, n) for n in shape]
+        out = torch.empty([b - a for a, b in box], dtype=dtype)
+        if out.numel() == 0:
+            return out
+        size = out.element_size()
+        stride = [math.prod(shape[d + 1:]) * size for d in range(len(shape))]
+        cut = max([d for d in range(len(shape)) if box[d] != (0, shape[d])], default=-1)
+        run = (box[cut][1] - box[cut][0]) * stride[cut] if cut >= 0 else out.numel() * size
+        view, pos = _bytes(out), 0
+        for lead in itertools.product(*(range(a, b) for a, b in box[:max(cut, 0)])):
+            at = self.base + info["data_offsets"][0] + sum(i * stride[d] for d, i in enumerate(lead)) + \
+                (box[cut][0] * stride[cut] if cut >= 0 else 0)
+            chunk = view[pos:pos + run]
+            while len(chunk):
+                got = os.preadv(self.fd, [chunk], at)
+                if got == 0:
+                    raise EOFError(f"{self.path}: {name} ends before its data")
+                chunk, at = chunk[got:], at + got
+            pos += run
+        return out
+
+
+def _header(entries) -> bytes:
+    """A safetensors header for [(name, dtype, shape)], their data following in that order."""
+    meta, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in entries:
+        if dtype not in _CODES:
+            raise TypeError(f"{name}: a {dtype} tensor has no safetensors type (those kept: {sorted(_DTYPES)})")
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        meta[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+
+def _on_host(t) -> torch.Tensor:
+    t = t.detach()
+    return (t if t.device.type == "cpu" else t.to("cpu")).contiguous()
+
+
+def _stream(f, tensors):
+    """Write {key: tensor} to the open file ``f`` as one safetensors file. A tensor on the
+    host is written from its own memory; one on a device is copied to the host by a thread
+    while the one before it is written, so the copies hide behind the disk and at most two
+    are held at once, never the rank's whole state."""
+    f.write(_header([(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]))
+    todo, ahead = iter(tensors.values()), collections.deque()
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint copy") as pool:
+        def fetch():
+            t = next(todo, None)
+            if t is not None:
+                ahead.append(pool.submit(_on_host, t))
+        fetch()
+        while ahead:
+            host = ahead.popleft().result()
+            fetch()                 # the next one's copy, while this one is written
+            f.write(_bytes(host))   # (held while written: _bytes does not keep it)
+
+
+def _snapshot(module, optimizer, copy):
+    """This rank's part of the checkpoint: {key: tensor} and {key: where it lies in the
+    whole}, for every tensor this rank saves (one rank of each group that replicates it);
+    ``copy``: each tensor copied to host memory now (else the tensor itself, written before
+    the loop goes on). A tensor under several names (a tied weight, its optimizer state) is
+    stored once, the others' entries naming the key it is stored under."""
+    tensors, where, stored = {}, {}, {}
 
     def add(key, t, record):
         if not _sends(record, None):
             return
+        if t.dtype not in _CODES:
+            raise TypeError(f"save_sharded: {key} is a {t.dtype} tensor, which a checkpoint file cannot hold "
+                            f"(its types: {', '.join(str(d) for d in _CODES)})")
         shape = _whole_shape(t, record)
-        tensors[key] = t.detach().to("cpu", copy=True).contiguous()
         where[key] = {"shape": list(shape), "dtype": str(t.dtype).replace("torch.", ""),
                       "index": {str(d): _runs(i) for d, i in _indices(record, shape).items()}}
+        first = stored.setdefault(id(t), key)
+        if first != key:
+            where[key]["key"] = first
+        else:
+            tensors[key] = t.detach().to("cpu", copy=True).contiguous() if copy else t.detach()
     for name, t in module.state_dict(keep_vars=True).items():
         add(f"model/{name}", t, placements(t))
     groups = []
@@ -151,13 +269,18 @@ def save_sharded(module, optimizer, directory, step: int, extra=None, async_save
     dist.broadcast_object_list(nonce, src=0)   # one folder per attempt: two never mix
     final = os.path.join(directory, f"step-{step:09d}")
     partial = os.path.join(directory, f".partial-step-{step:09d}-{nonce[0]}")
-    tensors, where, groups = _snapshot(module, optimizer)
-    rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {})}
-    piece = {"where": where, "groups": groups, "file": f"shard-{rank:05d}.pt"}
+    tensors, where, groups = _snapshot(module, optimizer, copy=async_save)
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_initialized():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    piece = {"where": where, "groups": groups, "file": f"shard-{rank:05d}.safetensors"}
+    if not async_save:   # the copies to the host run on _stream's thread, on its device's default stream
+        for device in {t.device for t in tensors.values() if t.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
 
     def write():
         os.makedirs(partial, exist_ok=True)
-        _write(os.path.join(partial, piece["file"]), lambda f: torch.save({"tensors": tensors, "rng": rng}, f))
+        _write(os.path.join(partial, piece["file"]), lambda f: _stream(f, tensors))
         _write(os.path.join(partial, f"piece-{rank:05d}.json"), lambda f: f.write(json.dumps(piece).encode()))
         if rank != 0:
             return
@@ -207,23 +330,39 @@ def latest_checkpoint(directory):
 
 
 class _Reader:
-    """A checkpoint's files, each opened (memory-mapped) only when a tensor in it is needed."""
+    """A checkpoint's files, each opened only when a tensor in it is needed, and read a box
+    at a time (positioned reads: only the bytes asked for come into the process). A file
+    ``shard-*.pt`` is one an earlier version of this file wrote (torch.save's format):
+    memory-mapped."""
 
     def __init__(self, folder):
         self.folder, self.files = folder, {}
         with open(os.path.join(folder, "metadata.json")) as f:
             self.meta = json.load(f)
 
-    def tensor(self, entry, key):
-        if entry["file"] not in self.files:
-            self.files[entry["file"]] = torch.load(os.path.join(self.folder, entry["file"]), mmap=True,
-                                                   weights_only=True)["tensors"]
-        return self.files[entry["file"]][key]
+    def read(self, entry, key, box=None) -> torch.Tensor:
+        """The piece of ``key`` that ``entry`` says where it was saved, or its ``box``
+        [(start, stop) a dim]."""
+        name, key = entry["file"], entry.get("key", key)   # (a tensor saved under another name)
+        if name not in self.files:
+            path = os.path.join(self.folder, name)
+            self.files[name] = SafetensorsFile(path) if not name.endswith(".pt") else \
+                torch.load(path, mmap=True, weights_only=True)["tensors"]
+        f = self.files[name]
+        if isinstance(f, SafetensorsFile):
+            return f.read(key, box)
+        return f[key][tuple(slice(a, b) for a, b in box)] if box is not None else f[key]
+
+    def close(self):
+        for f in self.files.values():
+            if isinstance(f, SafetensorsFile):
+                f.close()
+        self.files = {}
 
     @torch.no_grad()
     def fill(self, key, target, record):
         """Copy into ``target`` (this rank's part, laid out as ``record``) every element of
-        the whole ``key`` it holds, from the saved pieces that hold them."""
+        the whole ``key`` it holds, reading from each saved piece the box that holds them."""
         entries = self.meta["tensors"].get(key)
         if entries is None:
             raise KeyError(f"the checkpoint lacks {key}")
@@ -235,13 +374,11 @@ class _Reader:
             if pad.numel():
                 flat.index_fill_(d, pad, 0)
         for entry in entries:
-            source = self.tensor(entry, key)
-            source = source.view(1) if source.dim() == 0 else source
             theirs = {int(d): _unruns(r) for d, r in entry["index"].items()}
             to, frm = [], []
             for d in range(flat.dim()):
                 want = mine.get(d, torch.arange(flat.shape[d]))
-                have = theirs.get(d, torch.arange(source.shape[d]))
+                have = theirs.get(d, torch.arange(shape[d] if shape else 1))   # (a dim not cut: whole)
                 lookup = torch.full((max(shape[d] if shape else 1, 1),), -1, dtype=torch.long)
                 lookup[have] = torch.arange(have.numel())
                 pos = lookup[want.clamp(min=0)].masked_fill(want < 0, -1)
@@ -250,9 +387,12 @@ class _Reader:
                 frm.append(pos[keep])
             if any(t.numel() == 0 for t in to):
                 continue
-            part = source
-            for d, f in enumerate(frm):
-                part = part.index_select(d, f.to(part.device))   # (the saved piece: wherever torch.load put it)
+            box = [(int(f.min()), int(f.max()) + 1) for f in frm]
+            part = self.read(entry, key, box if shape else None)
+            part = part.view(1) if part.dim() == 0 else part
+            for d, (f, (lo, hi)) in enumerate(zip(frm, box)):
+                if f.numel() != hi - lo or not torch.equal(f, torch.arange(lo, hi)):
+                    part = part.index_select(d, (f - lo).to(part.device))
             grid = torch.meshgrid(*to, indexing="ij")
             flat[grid] = part.to(flat.device, flat.dtype)
 
@@ -260,10 +400,30 @@ class _Reader:
 def load_sharded(module, optimizer, folder) -> dict:
     """Load a save_sharded checkpoint (``folder``: a published step-<k> folder, e.g.
     latest_checkpoint's) into ``module`` and ``optimizer`` on any composition of axes, or
-    one process: each rank reads only the pieces that hold its part of each tensor (files
-    are memory-mapped, so only those bytes are read). Restores each rank's RNG states when
+    one process: each rank reads, from the pieces that hold its part of each tensor, only
+    the bytes of that part's box. Restores each rank's RNG states when
     the world size is the one saved. Returns the checkpoint's ``extra``."""
     reader = _Reader(folder)
+    try:
+        _load(reader, module, optimizer)
+    finally:
+        reader.close()
+    if reader.meta["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        path = os.path.join(folder, f"shard-{rank:05d}.safetensors")
+        if os.path.exists(path):
+            f = SafetensorsFile(path)
+            rng = {k: f.read(f"rng/{k}") for k in ("cpu", "cuda") if f"rng/{k}" in f.header}
+            f.close()
+        else:   # (saved by an earlier version of this file)
+            rng = torch.load(os.path.join(folder, f"shard-{rank:05d}.pt"), mmap=True, weights_only=True)["rng"]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return reader.meta["extra"]
+
+
+def _load(reader, module, optimizer):
     for name, t in module.state_dict(keep_vars=True).items():
         reader.fill(f"model/{name}", t, placements(t))
     if optimizer is not None:
@@ -284,22 +444,16 @@ def load_sharded(module, optimizer, folder) -> dict:
                 for key in keys:
                     k, first = key.rsplit("/", 1)[1], reader.meta["tensors"][key][0]
                     if first.get("python"):
-                        entry[k] = reader.tensor(first, key).item()
+                        entry[k] = reader.read(first, key).item()
                     elif tuple(first["shape"]) == _whole_shape(p, placements(p)) and p.dim():
                         entry[k] = torch.zeros_like(p, memory_format=torch.contiguous_format)   # padding: 0
                         reader.fill(key, entry[k], placements(p))
                     else:
-                        entry[k] = reader.tensor(first, key).clone()
+                        entry[k] = reader.read(first, key).clone()
                 if entry:
                     state[index] = entry
                 ids.append(index)
                 index += 1
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+            groups.append({**{k: tuple(v) if isinstance(group.get(k), tuple) else v   # (JSON kept a tuple,
+                              for k, v in g.items() if k != "params"}, "params": ids})   # AdamW's betas, as a list)
         optimizer.load_state_dict({"state": state, "param_groups": groups})
-    if reader.meta["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        rng = torch.load(os.path.join(folder, f"shard-{rank:05d}.pt"), mmap=True, weights_only=True)["rng"]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    return reader.meta["extra"]

@@ -705,6 +705,79 @@ def test_a_rank_dying_mid_save_leaves_the_last_checkpoint_and_ignores_the_partia
     assert set(got["weights"]) == set(saved) and all(torch.equal(got["weights"][k], saved[k]) for k in saved)
 
 
+def test_a_save_is_a_safetensors_file_a_rank_written_from_the_tensors_own_memory_and_a_pt_one_still_loads(
+        one_rank, tmp_path, monkeypatch):
+    """save_sharded writes each rank's tensors as one safetensors file, straight from the
+    tensors' own memory: a sync save on the host makes no copy of the state (a save had
+    copied all of it, then written it: 1851 ms beside DCP's 1596 for the small LM on 2
+    ranks of a 2-core CPU, now 1107), an async one writes the copies it took. A tied weight
+    and its optimizer state are stored once. A tensor on a device is copied to the host a
+    tensor ahead of the disk, at most two held at once. A checkpoint in the earlier format
+    (shard-*.pt, torch.save's) loads as before."""
+    import json as json_
+    import weakref
+    import safetensors.torch
+    import sharded_checkpoint as sc
+    torch.manual_seed(0)
+    model = common.ToyModel(tied=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 20)).square().mean().backward()
+    opt.step()
+    own = {t.data_ptr() for t in [*model.state_dict().values(), *(v for s in opt.state.values() for v in s.values())]}
+    written = []
+    real = sc._on_host
+    monkeypatch.setattr(sc, "_on_host", lambda t: written.append(real(t)) or written[-1])
+    for mode in ("sync", "async"):
+        written.clear()
+        folder = sc.save_sharded(model, opt, str(tmp_path / mode), 1, async_save=mode == "async")
+        sc.wait_for_saves()
+        apart = sum(t.numel() * t.element_size() for t in written if t.data_ptr() not in own)
+        stored = sum(t.numel() * t.element_size() for t in written)
+        rng = torch.get_rng_state().numel()
+        assert (apart == rng) if mode == "sync" else (apart == stored), (mode, apart, stored)
+        saved = safetensors.torch.load_file(os.path.join(folder, "shard-00000.safetensors"))
+        assert "model/fc2.weight" in saved and "model/fc3.weight" not in saved, sorted(saved)
+        assert all(torch.equal(saved[f"model/{k}"], v) for k, v in model.state_dict().items() if k != "fc3.weight")
+        assert stored == sum(t.numel() * t.element_size() for t in saved.values())
+    again = common.ToyModel(tied=True)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    sc.load_sharded(again, again_opt, folder)
+    assert again.fc3.weight is again.fc2.weight
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert str(again_opt.state_dict()) == str(opt.state_dict())
+    older = tmp_path / "older"   # the same checkpoint as the earlier format wrote it
+    os.rename(folder, older)
+    saved = safetensors.torch.load_file(older / "shard-00000.safetensors")
+    torch.save({"tensors": {k: v for k, v in saved.items() if not k.startswith("rng/")},
+                "rng": {"cpu": saved["rng/cpu"]}}, older / "shard-00000.pt")
+    os.remove(older / "shard-00000.safetensors")
+    meta = json_.loads((older / "metadata.json").read_text())
+    for entries in meta["tensors"].values():
+        for e in entries:
+            e["file"] = "shard-00000.pt"
+    (older / "metadata.json").write_text(json_.dumps(meta))
+    torch.manual_seed(1)
+    again, again_opt = common.ToyModel(tied=True), None
+    sc.load_sharded(again, None, str(older))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert torch.equal(torch.get_rng_state(), saved["rng/cpu"])
+    alive, most = [], 0   # a device's tensors: each copied ahead of the disk, two held at most
+
+    def copied(t):
+        nonlocal most
+        c = t.clone()
+        alive.append(weakref.ref(c))
+        most = max(most, sum(r() is not None for r in alive))
+        return c
+    monkeypatch.setattr(sc, "_on_host", copied)
+    many = {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
+    with open(tmp_path / "many.safetensors", "wb") as f:
+        sc._stream(f, many)
+    got = safetensors.torch.load_file(tmp_path / "many.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in many.items())
+    assert most == 2, most
+
+
 def test_a_background_save_that_fails_raises_at_the_next_wait(tmp_path):
     """An async save whose files cannot be written: the error comes out of wait_for_saves
     (once), not lost in its thread, and nothing is published."""
