@@ -1040,7 +1040,7 @@ class Pipeline:
                     x = list(x0) if isinstance(x0, tuple) else [x0]
                 else:
                     x = _recv_object(self.prev, self.group, wire)
-                    failed = failed or (x if isinstance(x, str) else None)   # (a chunk before failed: its words)
+                    failed = failed or (x if isinstance(x, tuple) else None)   # (a chunk before failed: its words)
                 if failed is None:
                     try:
                         x = [t.to(device) for t in x] if v > 0 else x   # (the inputs as given)
@@ -1048,7 +1048,7 @@ class Pipeline:
                         outs = _tensors_in(out)
                     except Exception as e:   # (every rank raises it below, after the gather)
                         chunk = f" (chunk {v // self.n_stages})" if self.chunks > 1 else ""
-                        failed, raised = f"{type(e).__name__}: stage {self.stage}{chunk}'s first forward: {e}", e
+                        failed, raised = (type(e).__name__, f"stage {self.stage}{chunk}'s first forward: {e}"), e
                 if v + 1 < total:
                     if failed is None:
                         found[v + 1] = [(tuple(t.shape), t.dtype) for t in outs]
@@ -1059,7 +1059,7 @@ class Pipeline:
             raise raised
         failed = next((f for _, f in parts if f), None)
         if failed is not None:
-            kind, _, words = failed.partition(": ")
+            kind, words = failed
             kind = getattr(builtins, kind, None)   # (the same kind where it is Python's own: a ValueError)
             raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(words)
         parts = [found for found, _ in parts]
