@@ -158,7 +158,9 @@ def _stream(f, tensors):
     are held at once, never the rank's whole state."""
     f.write(_header([(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]))
     todo, ahead = iter(tensors.values()), collections.deque()
-    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint copy") as pool:
+    gpu = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)   # the thread's device
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint copy",   # its own (a new thread's is GPU 0)
+                            initializer=torch.cuda.set_device if gpu else None, initargs=(gpu,) if gpu else ()) as pool:
         def fetch():
             t = next(todo, None)
             if t is not None:
