@@ -6,9 +6,9 @@ host memory now, the writing while training goes on, ``wait_for_saves`` before e
 Each rank's file is a safetensors file, written a tensor at a time from the tensor's own
 memory (a device's copied to the host by a thread while the one before it is written), so
 a save holds no second copy of the state. A save is atomic: a folder is complete or
-ignored. Used by 07's and 10's --train runs and
-by any loop on the kit's classes. It needs torch, the standard library and placement.py
-(whose record says what each rank holds): a copy is this file and placement.py.
+ignored. Used by 07's and 10's --train runs and by any loop on the kit's classes. It
+needs torch, the standard library and placement.py (whose record says what each rank
+holds): a copy is this file and placement.py.
 """
 import collections
 import contextlib
@@ -143,7 +143,6 @@ def _header(entries) -> bytes:
     raw = json.dumps(meta, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
 
 
 def _on_host(t) -> torch.Tensor:
