@@ -75,7 +75,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
            "U64": getattr(torch, "uint64", None), "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
-           "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+           "F8_E5M2": getattr(torch, "float8_e5m2", None), "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+           "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None), "C64": torch.complex64}
 _DTYPES = {code: dtype for code, dtype in _DTYPES.items() if dtype is not None}   # (an older torch lacks some)
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
@@ -155,7 +156,9 @@ def _stream(f, tensors):
     host is written from its own memory; one on a device is copied to the host by a thread
     while the one before it is written, so the copies hide behind the disk and at most two
     are held at once, never the rank's whole state."""
-    f.write(_header([(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]))
+    f.write(_header([(key, t.dtype, tuple(t.shape)) if t.dtype in _CODES else   # (a dtype safetensors
+                     (key, torch.uint8, (t.numel() * t.element_size(),))         # lacks: its bytes)
+                     for key, t in tensors.items()]))
     todo, ahead = iter(tensors.values()), collections.deque()
     gpu = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)   # the thread's device
     with ThreadPoolExecutor(1, thread_name_prefix="checkpoint copy",   # its own (a new thread's is GPU 0)
@@ -182,12 +185,11 @@ def _snapshot(module, optimizer, copy):
     def add(key, t, record):
         if not _sends(record, None):
             return
-        if t.dtype not in _CODES:
-            raise TypeError(f"save_sharded: {key} is a {t.dtype} tensor, which a checkpoint file cannot hold "
-                            f"(its types: {', '.join(str(d) for d in _CODES)})")
         shape = _whole_shape(t, record)
         where[key] = {"shape": list(shape), "dtype": str(t.dtype).replace("torch.", ""),
                       "index": {str(d): _runs(i) for d, i in _indices(record, shape).items()}}
+        if t.dtype not in _CODES:   # (complex128, say: stored as its bytes, this rank's shape kept here)
+            where[key]["bytes_of"] = list(t.shape)
         first = stored.setdefault(id(t), key)
         if first != key:
             where[key]["key"] = first
@@ -350,9 +352,11 @@ class _Reader:
             self.files[name] = SafetensorsFile(path) if not name.endswith(".pt") else \
                 torch.load(path, mmap=True, weights_only=True)["tensors"]
         f = self.files[name]
-        if isinstance(f, SafetensorsFile):
+        if isinstance(f, SafetensorsFile) and "bytes_of" not in entry:
             return f.read(key, box)
-        return f[key][tuple(slice(a, b) for a, b in box)] if box is not None else f[key]
+        t = f[key] if not isinstance(f, SafetensorsFile) else \
+            f.read(key).view(getattr(torch, entry["dtype"])).reshape(entry["bytes_of"])
+        return t[tuple(slice(a, b) for a, b in box)] if box is not None else t
 
     def close(self):
         for f in self.files.values():
