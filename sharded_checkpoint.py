@@ -185,6 +185,9 @@ def _snapshot(module, optimizer, copy):
     def add(key, t, record):
         if not _sends(record, None):
             return
+        if t.is_meta:
+            raise ValueError(f"save_sharded: {key} is on the meta device, with no values to save "
+                             f"(placement.materialize gives a meta-built model its storage)")
         shape = _whole_shape(t, record)
         where[key] = {"shape": list(shape), "dtype": str(t.dtype).replace("torch.", ""),
                       "index": {str(d): _runs(i) for d, i in _indices(record, shape).items()}}
