@@ -403,7 +403,7 @@ class _Reader:
                     part = part.index_select(d, (f - lo).to(part.device))
             if all(t[-1] - t[0] + 1 == t.numel() for t in to):   # (one box of target: copied in place)
                 flat[tuple(slice(int(t[0]), int(t[-1]) + 1) for t in to)].copy_(part)
-            else:   # (an index grid: on a GPU it would be made there, 16 bytes an element)
+            else:   # (scattered: through an index grid the piece's size)
                 flat[torch.meshgrid(*to, indexing="ij")] = part.to(flat.device, flat.dtype)
 
 

@@ -714,10 +714,9 @@ def test_a_save_is_a_safetensors_file_a_rank_written_from_the_tensors_own_memory
     and its optimizer state are stored once. A tensor on a device is copied to the host a
     tensor ahead of the disk, at most two held at once. A dtype safetensors lacks
     (complex128) is stored as its bytes and comes back as it was; a tensor left on the meta
-    device is refused by name. A piece that lands in one box of
-    the target is copied there in place (an index grid as large as the tensor, on a GPU
-    made there, had been built for every piece: loading the small LM and its AdamW state
-    took 1.74 to 1.84 s, now 0.80 to 0.89). A checkpoint in the earlier format
+    device is refused by name. A piece that lands in one box of the target is copied there
+    in place (every piece had gone through an index grid the piece's size: loading the
+    small LM and its AdamW state took 1.74 to 1.84 s, now 0.80 to 0.89). A checkpoint in the earlier format
     (shard-*.pt, torch.save's) loads as before."""
     import json as json_
     import weakref
