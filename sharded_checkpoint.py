@@ -411,8 +411,8 @@ def load_sharded(module, optimizer, folder) -> dict:
     """Load a save_sharded checkpoint (``folder``: a published step-<k> folder, e.g.
     latest_checkpoint's) into ``module`` and ``optimizer`` on any composition of axes, or
     one process: each rank reads, from the pieces that hold its part of each tensor, only
-    the bytes of that part's box. Restores each rank's RNG states when
-    the world size is the one saved. Returns the checkpoint's ``extra``."""
+    the bytes of that part's box. Restores each rank's RNG states when the world size is
+    the one saved. Returns the checkpoint's ``extra``."""
     reader = _Reader(folder)
     try:
         _load(reader, module, optimizer)
