@@ -203,8 +203,11 @@ def test_script_times_routes_and_counts(tmp_path):
     timing = json.loads((tmp_path / "12_time_model.json").read_text())   # the model's terms, each measured
     [m], rounds = timing["rows"], timing["per_round"]
     assert m["method"] == "EP 2, aux 0.01" and m["ep_allreduce_ms"] == 0 and m["rounds"] == len(rounds) > 1
-    assert min(m[k] for k in ("replicated_experts_ms", "experts_allreduce_ms", "ep_experts_ms", "alltoall_ms",
-                              "alltoall_alpha_beta_ms")) > 0
+    assert min(m[k] for k in ("replicated_experts_ms", "experts_allreduce_ms", "ep_experts_ms",
+                              "alltoall_alpha_beta_ms")) > 0   # each timed (or modelled) on its own
+    # the all-to-all's term is a difference of two steps' times (with the exchanges, without), so on a
+    # busy machine its median can fall below zero (-0.2 ms once on 2 cores): held to its rounds, not to a sign
+    assert m["alltoall_ms"] == pytest.approx(statistics.median(r["alltoall"] for r in rounds) * 1e3)
     for r in rounds:   # each round's model from its own terms, each step beside EP's on the same batch
         assert 0 <= r["experts_allreduce_exposed"] <= m["experts_allreduce_ms"] / 1e3   # no more than the collective
         assert r["alltoall"] == pytest.approx(r["replicated_exchanging"] - r["replicated"])
