@@ -978,10 +978,10 @@ class ReplicaManager:
         """The source sends each joiner its layout and every tensor of its state (rank k to
         rank k), then their digest; a joiner makes its optimizer state to that layout,
         receives (the next tensor already on its way while it takes one in) and checks the
-        digest against what it received (on a CPU, its state itself). Each side hashes a tensor while the next one travels
-        (_Digest). The ranks of a replica agree before a joiner takes the step: where any of
-        them failed (a peer lost midway), it stays behind (and heals again) and this returns
-        False."""
+        digest against what it received (on a CPU, its state itself). Each side hashes a
+        tensor while the next one travels (_Digest). The ranks of a replica agree before a
+        joiner takes the step: where any of them failed (a peer lost midway), it stays behind
+        (and heals again) and this returns False."""
         began, index, joiner = time.perf_counter(), self.members.index, self.replica_id in heal
         peers = [heal[self.replica_id]] if joiner else [j for j, s in heal.items() if s == self.replica_id]
         tensors, result, dropped = self._state(), {}, threading.Lock()   # (held by whoever writes into the state)
