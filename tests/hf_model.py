@@ -22,7 +22,8 @@ import transformers
 import common
 import hf_checkpoint as hfc
 import placement
-from own_model import MAX_NORM, batches, compare, cpm, with_floor, ddp, everyone, ep, fsdp, nd, pp, tp
+from own_model import (MAX_NORM, batches, compare, cpm, with_floor, ddp, everyone, ep, fsdp, nd, norms_close, pp,
+                       tp)
 
 overlap = common.load_script(os.path.join(common.ROOT, "04_overlap_ddp.py"))
 MODELS = ("llama", "qwen3-moe")
@@ -192,7 +193,8 @@ def against_one_process(kind, data, put, parts=1, layers=2, router_loss=True, ti
     if not first:
         return {}
     r = compare(full, ref)
-    r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+    r.update(norms=norms_close(norms, want), norm_diffs=[abs(a - b) / b for a, b in zip(norms, want)],
+             norm_floors=want.floor)
     return r
 
 
@@ -304,7 +306,7 @@ def replicas(ctx, kind, data, tied=False, inner=None, join=2):
     if coordinator:
         coordinator.close()
     r = compare(full, ref)
-    r["norms"] = max(abs(norms[i] - want[i]) / want[i] for i in stepped[ctx.rank]) < 1e-4
+    r["norms"] = norms_close(norms, want, stepped[ctx.rank])
     weights = sum(p.numel() * p.element_size() for p in module.parameters())   # (this rank's: a shard under FSDP)
     trained = sum(p.numel() * p.element_size() for p in module.parameters() if opt.state.get(p))   # (AdamW's moments:
     r.update(stepped=stepped, heals=heals, weights=weights, trained=trained, refused=refused)   # not a vision tower's)

@@ -102,10 +102,32 @@ def with_floor(ref, data, train, *args, twin=None):
     if hasattr(twin, "config"):   # a transformers model: its grouped expert GEMMs take no float64
         twin.config._experts_implementation = "eager"
     out = train(ref, data, *args)
-    train(twin, data, *args)
+    other = train(twin, data, *args)
     mine, theirs = ref.state_dict(), twin.state_dict()
     ref.rounding_floor = max((mine[n].double() - theirs[n].double()).abs().max().item() for n in mine)
+    if isinstance(out, list) and out and all(isinstance(v, float) for v in out):   # each step's norm
+        out, worst = Norms(out), 0.0
+        for a, b in zip(out, other):
+            worst = max(worst, abs(a - b) / b)
+            out.floor.append(worst)
     return out
+
+
+class Norms(list):
+    """One process's global norm at each step, and ``floor``: at each step, the largest
+    relative difference so far between them and its float64 twin's (with_floor)."""
+    def __init__(self, norms=()):
+        super().__init__(norms)
+        self.floor = []
+
+
+def norms_close(norms, want, steps=None) -> bool:
+    """Whether each step's global norm is one process's (``want``): within 1e-4 of it, or,
+    where float32's rounding alone moves that run's norms further (Gemma 4's: 4e-4 by its
+    fourth step), within FLOOR_TIMES that step's floor. ``steps``: those compared (all)."""
+    floor = getattr(want, "floor", None) or [0.0] * len(want)
+    return all(abs(norms[i] - want[i]) / want[i] < max(1e-4, FLOOR_TIMES * floor[i])
+               for i in (range(min(len(norms), len(want))) if steps is None else steps))
 
 
 def tensor_parallel(ctx, args):
@@ -136,7 +158,7 @@ def tensor_parallel(ctx, args):
             norms.append(tp.clip_grad_norm_(model, MAX_NORM, process_group=tp_group).item())
             opt.step()
         r = compare(tp.full_state_dict(model, all_ranks=True), ref_trained)
-        r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+        r["norms"] = norms_close(norms, want)
         out[f"dp {dp} x tp {t}"] = r
     if ctx.world_size == 2:
         out.update(between_split_layers())
@@ -193,7 +215,7 @@ def between_split_layers():
     want = with_floor(ref, data, _train_scaled)
     norms = _train_scaled(model, data, lambda m: tp.clip_grad_norm_(m, MAX_NORM))
     r = compare(tp.full_state_dict(model, all_ranks=True), ref)
-    r.update(norms=max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4, summed=tp.summed_whole(model))
+    r.update(norms=norms_close(norms, want), summed=tp.summed_whole(model))
     refused = {}
     for case, block in (("a gain per split feature", dict(gain=True)), ("a mean over split features", dict(center=True))):
         torch.manual_seed(0)
@@ -296,7 +318,7 @@ def train_experts(ctx, model, wrapped, ref, data) -> dict:
         for opt in opts:
             opt.step()
     r = compare(ep.full_state_dict(model, all_ranks=True), ref)
-    r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+    r["norms"] = norms_close(norms, want)
     return r
 
 
@@ -373,7 +395,7 @@ def context_parallel(ctx, args):
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())   # replicated: whole
             opt.step()
         r = compare(model.module.state_dict(), ref_trained)
-        r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+        r["norms"] = norms_close(norms, want)
         out[f"llama, {method}"] = r
     return out
 
@@ -420,7 +442,7 @@ def pipeline(ctx, args):
         full = pp.full_state_dict(stage)   # on the first rank ({} on the others)
         r = compare(full, ref_trained) if full else None
         if full:
-            r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+            r["norms"] = norms_close(norms, want)
             loaded = llama.Transformer(llama.ModelArgs(n_layers=4))
             loaded.load_state_dict(full)   # the model's own names: one process loads it as it is
             r["loads"] = compare(loaded.state_dict(), ref_trained)["ok"]
@@ -457,7 +479,7 @@ def tied_pipeline(ctx, data, m):
     r = None
     if full:
         r = compare(full, ref_trained)
-        r["norms"] = max(abs(a - b) / b for a, b in zip(norms, want)) < 1e-4
+        r["norms"] = norms_close(norms, want)
     return everyone(r)[0]
 
 
@@ -589,7 +611,7 @@ def composed(ctx, args):
     norms = [other]
     composed_steps(mesh, stage, module, pipe, opt, data, norms)
     r = compare(placement.full_state_dict(stage, all_ranks=True), ref_trained)
-    r["norms"] = max(abs(a - b) / b for a, b in zip(norms[1:], want)) < 1e-4
+    r["norms"] = norms_close(norms[1:], want)
     r["held"] = held / numel
     out["pp 2 x fsdp 2 x tp 2, built on meta"] = everyone(r)
     counter = placement._counter   # the control: every rank counts what it holds (the record ignored)
