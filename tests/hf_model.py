@@ -873,8 +873,8 @@ def checkpoints(ctx, args):
         if ctx.rank == 0:
             ref.save_pretrained(src, max_shard_size="40KB")   # several files and their index
         dist.barrier()
-        trained = copy.deepcopy(ref)
-        if ctx.rank == 0:   # (the one that compares)
+        if ctx.rank == 0:   # (the one that compares; a copy of a transformers model is 0.1 s of CPU a rank)
+            trained = copy.deepcopy(ref)
             train_reference(trained, data)
         cases = dict(CHECKPOINT_MESHES) if kind in MODELS else {k: v for k, v in CHECKPOINT_MESHES.items()
                                                                 if k.startswith("pp")}

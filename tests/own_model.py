@@ -137,9 +137,8 @@ def tensor_parallel(ctx, args):
     out, data = {}, batches()
     torch.manual_seed(0)
     ref = llama.Transformer(llama.ModelArgs())
-    want = train_reference(copy.deepcopy(ref), data)
     ref_trained = copy.deepcopy(ref)
-    train_reference(ref_trained, data)
+    want = train_reference(ref_trained, data)
     layouts = [(1, 2)] if ctx.world_size == 2 else [(2, 2)]   # 2 key/value heads: tp 2 at most
     for dp, t in layouts:
         tp_groups = [dist.new_group(list(range(i, i + t))) for i in range(0, ctx.world_size, t)]
