@@ -623,10 +623,10 @@ class FlightRecorder:
         if self.store.add(count, 1) == len(ranks):
             return
         if not wait:
-            self.unsettled.append((count, mine, sign, time.time(), [False]))
+            self.unsettled.append((count, mine, sign, time.time(), [False], set()))
             return
         others = [r for r in ranks if r != self.rank]
-        start, pause, posted, look = time.time(), 5e-5, False, 0.0
+        start, pause, posted, look, compared = time.time(), 5e-5, False, 0.0, set()
         while self.store.add(count, 0) < len(ranks):   # (polled: a store's wait that times out logs warnings)
             time.sleep(pause)
             now = time.time()
@@ -638,7 +638,7 @@ class FlightRecorder:
                 continue
             if not posted:
                 self.store.set(f"now/{self.rank}", json.dumps(mine))
-            self._posted_mismatch(mine, sign, posted)
+            self._posted_mismatch(mine, sign, posted, compared)
             posted = True
             if now < look:
                 continue
@@ -657,31 +657,34 @@ class FlightRecorder:
         with what the others posted there (a mismatch raises now, refusing the next call)."""
         now = time.time()
         for item in list(self.unsettled):
-            count, mine, sign, t0, posted = item
+            count, mine, sign, t0, posted, compared = item
             if self.store.add(count, 0) == len(mine["ranks"]):
                 self.unsettled.remove(item)
                 continue
             if now < t0 + _POST:
                 continue
             try:
-                self._posted_mismatch(mine, sign, posted[0])
+                self._posted_mismatch(mine, sign, posted[0], compared)
             except CollectiveMismatch:
                 self.unsettled.clear()
                 raise
             posted[0] = True
 
-    def _posted_mismatch(self, mine, sign, posted):
+    def _posted_mismatch(self, mine, sign, posted, compared):
         """Post this rank's call at its place (unless ``posted``) and compare it with what the
-        group's other ranks posted there: one with another signature is a mismatch."""
+        group's other ranks posted there: one with another signature is a mismatch. A post
+        never changes: ``compared`` holds the ranks whose post matched, not read again (on 8
+        ranks of 2 cores a wait past _POST is common, and each look was 7 store round trips)."""
         key, seq = mine["group"], mine["seq"]
         if not posted:
             self.store.set(f"sig/{key}/{seq}/{self.rank}", json.dumps(mine))
         for r in mine["ranks"]:
             k = f"sig/{key}/{seq}/{r}"
-            if r != self.rank and self.store.check([k]):
+            if r != self.rank and r not in compared and self.store.check([k]):
                 theirs = json.loads(self.store.get(k))
                 if _signature(theirs, mine["op"]) != sign:
                     raise CollectiveMismatch(_mismatch_text(key, seq, {self.rank: mine, r: theirs}, self.world))
+                compared.add(r)
 
     # -- the published state
     def _state(self, stack=True) -> dict:
