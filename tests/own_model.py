@@ -2,6 +2,7 @@
 one process and never changed) put on the kit's axes with documented calls only, each
 against one process trained on the same batches with the same clipped AdamW steps."""
 import copy
+import itertools
 import json
 import os
 import sys
@@ -106,19 +107,16 @@ def with_floor(ref, data, train, *args, twin=None):
     mine, theirs = ref.state_dict(), twin.state_dict()
     ref.rounding_floor = max((mine[n].double() - theirs[n].double()).abs().max().item() for n in mine)
     if isinstance(out, list) and out and all(isinstance(v, float) for v in out):   # each step's norm
-        out, worst = Norms(out), 0.0
-        for a, b in zip(out, other):
-            worst = max(worst, abs(a - b) / b)
-            out.floor.append(worst)
+        out = Norms(out, itertools.accumulate((abs(a - b) / b for a, b in zip(out, other)), max))
     return out
 
 
 class Norms(list):
     """One process's global norm at each step, and ``floor``: at each step, the largest
     relative difference so far between them and its float64 twin's (with_floor)."""
-    def __init__(self, norms=()):
+    def __init__(self, norms, floor):
         super().__init__(norms)
-        self.floor = []
+        self.floor = list(floor)
 
 
 def norms_close(norms, want, steps=None) -> bool:
