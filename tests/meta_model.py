@@ -162,7 +162,56 @@ def axes(ctx, args):
         out["load_sharded"]["exact"] = all(torch.equal(v, saved.state_dict()[k])
                                            for k, v in placement.full_state_dict(model, all_ranks=True).items())
     out["collectives seen"] = watch.seen
+    out["collect"] = collected(ctx)
     return out
+
+
+def collected(ctx):
+    """placement's merge of every rank's tensors (full_state_dict's and full_optim_state_dict's
+    transport: tensors in one flat buffer a rank, the rest pickled), on the world and on a
+    group of the last ranks, to the first rank and to all: each rank's tensors arrive bit
+    for bit, on the host, with their dtypes and shapes (bf16, complex, bool, 0-d, no elements,
+    a transposed view), one tensor named twice still one object, a Parameter and the values
+    that are not tensors as pickled, nothing sharing memory with the sender's."""
+    def mine(r, most=False):   # most: this rank sends nearly all (the others' buffers not padded to it)
+        g = torch.Generator().manual_seed(r)
+        shared = torch.randn(3, generator=g)
+        return {"most": torch.randn(4096 if most else 1, generator=g),"bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16), "0-d": torch.tensor(r + 0.5, dtype=torch.float64),
+                "empty": torch.empty(0, 5), "transposed": torch.randn(3, 5, generator=g).t(),
+                "complex": torch.randn(2, generator=g, dtype=torch.complex64), "bool": torch.arange(5) % (r + 2) == 0,
+                "tied": shared, "tied again": shared, "param": torch.nn.Parameter(torch.full((2,), float(r))),
+                "state": {"step": torch.tensor(float(r + 1)), "lr": 1e-3 * r, "names": [f"rank {r}"]}}
+
+    def same(a, b):
+        if torch.is_tensor(a):
+            return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and b.device.type == "cpu" and \
+                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+    out, last = {}, list(range(1, ctx.world_size))
+    groups = {"world": None, "last ranks": dist.new_group(last)}
+    for label, group in groups.items():
+        ranks = list(range(ctx.world_size)) if group is None else last
+        if ctx.rank not in ranks:
+            continue
+        for most, all_ranks in ((most, all_ranks) for most in (None, ranks[-1]) for all_ranks in (True, False)):
+            case = f"{label}, {'to all' if all_ranks else 'to the first'}{', one sends most' if most else ''}"
+            sent = mine(ctx.rank, ctx.rank == most)
+            parts = placement._collect(sent, group, all_ranks)
+            if not all_ranks and ctx.rank != ranks[0]:
+                out[case] = parts is None
+                continue
+            ok = len(parts) == len(ranks) and all(same(mine(r, r == most), p) for r, p in zip(ranks, parts))
+            ok = ok and all(p["tied"] is p["tied again"] for p in parts)
+            if len(ranks) > 1:   # a copy: the sender's tensor keeps its values (a group of one returns its own)
+                parts[ranks.index(ctx.rank)]["bf16"].zero_()
+            out[case] = ok and same(mine(ctx.rank, ctx.rank == most), sent)
+        out[f"{label}, nothing but values"] = placement._collect({"rank": ctx.rank}, group, True) == \
+            [{"rank": r} for r in ranks]
+    if ctx.rank in last:
+        dist.destroy_process_group(groups["last ranks"])
+    return everyone(out)
 
 
 def refusals(ctx, args):

@@ -110,6 +110,14 @@ def test_a_meta_built_model_loads_a_checkpoint_into_its_storage(world_size, how)
     assert r["ok"] and r["max_diff"] == 0.0, r
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_state_merged_over_ranks_arrives_bit_for_bit_whatever_its_tensors(world_size):
+    """full_state_dict's and full_optim_state_dict's transport (placement._collect) on the
+    world and on a group of the last ranks, to the first rank and to all (meta_model.collected)."""
+    for r in run("axes", world_size)["collect"]:
+        assert r and all(r.values()), r
+
+
 @pytest.mark.parametrize("case, words", [
     ("shape", "activation_shape says [[4, 16, 32] float32] crosses into stage 1 (chunk 0), but the model sends "
               "[[4, 16, 64] float32, [16, 4] float32, [16, 4] float32]"),
