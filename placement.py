@@ -328,6 +328,8 @@ def _collect(mine, process_group, all_ranks):
     heads = [None] * n
     dist.all_gather_object(heads, (f.getvalue(), apart.size), group=process_group)
     sizes, me = [h[1] for h in heads], dist.get_rank(process_group)
+    if not max(sizes):   # no tensors anywhere
+        return [pickle.loads(h[0]) for h in heads] if all_ranks or me == 0 else None
     padded = n * max(sizes) <= 2 * sum(sizes)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" \
         else torch.device("cpu")
@@ -336,8 +338,6 @@ def _collect(mine, process_group, all_ranks):
         b = t.detach().reshape(-1).view(torch.uint8)
         flat[offset:offset + b.numel()].copy_(b)
     ranks = [dist.get_global_rank(process_group or dist.group.WORLD, i) for i in range(n)]
-    if not max(sizes):   # no tensors anywhere
-        return [pickle.loads(h[0]) for h in heads] if all_ranks or me == 0 else None
     if not all_ranks and me != 0:   # what the first rank alone receives
         if padded:
             dist.gather(flat, None, dst=ranks[0], group=process_group)
