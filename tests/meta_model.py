@@ -177,7 +177,8 @@ def collected(ctx):
         g = torch.Generator().manual_seed(r)
         shared = torch.randn(3, generator=g)
         return {"most": torch.randn(4096 if most else 1, generator=g),
-                "bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16), "0-d": torch.tensor(r + 0.5, dtype=torch.float64),
+                "bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+                "0-d": torch.tensor(r + 0.5, dtype=torch.float64),
                 "empty": torch.empty(0, 5), "transposed": torch.randn(3, 5, generator=g).t(),
                 "complex": torch.randn(2, generator=g, dtype=torch.complex64), "bool": torch.arange(5) % (r + 2) == 0,
                 "tied": shared, "tied again": shared, "param": torch.nn.Parameter(torch.full((2,), float(r))),
@@ -197,7 +198,8 @@ def collected(ctx):
         if ctx.rank not in ranks:
             continue
         for most, all_ranks in ((most, all_ranks) for most in (None, ranks[-1]) for all_ranks in (True, False)):
-            case = f"{label}, {'to all' if all_ranks else 'to the first'}{', one sends most' if most is not None else ''}"
+            case = f"{label}, {'to all' if all_ranks else 'to the first'}" + \
+                (", one sends most" if most is not None else "")
             sent = mine(ctx.rank, ctx.rank == most)
             parts = placement._collect(sent, group, all_ranks)
             if not all_ranks and ctx.rank != ranks[0]:
