@@ -155,6 +155,12 @@ def _parameters(model_or_parameters) -> list:
     return list(unique.values())
 
 
+def _group_device(process_group):
+    """Where a tensor of the group's collectives lives: the current GPU under NCCL, else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" \
+        else torch.device("cpu")
+
+
 @torch.no_grad()
 def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0, process_group=None):
     """torch.nn.utils.clip_grad_norm_ for a model split over ranks by any composition of axes
@@ -165,9 +171,7 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
     other ranks train something else; a group that replicates a parameter beyond it (data-
     parallel copies, each clipping alike) is left out of the count."""
     params = [p for p in _parameters(model_or_parameters) if p.grad is not None]
-    device = params[0].grad.device if params else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl"
-        else torch.device("cpu"))
+    device = params[0].grad.device if params else _group_device(process_group)
     counts, fp32, rest = _counter(process_group, _known_groups(params)), [], []
     for p in params:   # (torch's fused norms for float32; each other dtype's in float32)
         if counts(p) and p.grad.numel():
@@ -331,8 +335,7 @@ def _collect(mine, process_group, all_ranks):
     if not max(sizes):   # no tensors anywhere
         return [pickle.loads(h[0]) for h in heads] if all_ranks or me == 0 else None
     padded = n * max(sizes) <= 2 * sum(sizes)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" \
-        else torch.device("cpu")
+    device = _group_device(process_group)
     flat = torch.zeros(max(sizes) if padded else sizes[me], dtype=torch.uint8, device=device)
     for t, offset in apart.tensors:
         b = t.detach().reshape(-1).view(torch.uint8)
