@@ -1257,20 +1257,22 @@ def report_setup_memory(args):
     rows, settings = [], {"backend": args.backend, "device": args.device, "context_length": args.context_length,
                           "model_size": args.model_size, "big_size": args.big_size, "seed": args.seed}
 
-    def show(name, title, rows, headers, note):
+    def show(name, title, rows, headers, note, done=True):   # (saved as each row comes; printed when done)
         if common.is_reporter():
             table = common.save_results(args.out, name, rows, settings, headers=headers, title=title, note=note)
-            print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{name}.json and .md')}", flush=True)
-    for shape in SETUP_MESHES:
-        for method in SETUP_METHODS:
-            try:
-                rows.append(common.launch(setup_memory, args, shape, method, args.model_size, 0,
-                                          world_size=math.prod(shape.values())))
-            except common.LaunchError as e:
-                print(f"setup-memory: SKIP {method} on {nd.label(shape)}: {str(e).splitlines()[0]}")
-            show("13_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
-                 f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks",
-                 rows, headers, SETUP_NOTE)
+            if done:
+                print(f"\n{title}\n{table}\n{common.wrote(args.out, f'{name}.json and .md')}", flush=True)
+    runs = [(shape, method) for shape in SETUP_MESHES for method in SETUP_METHODS]
+    for i, (shape, method) in enumerate(runs):
+        try:
+            rows.append(common.launch(setup_memory, args, shape, method, args.model_size, 0,
+                                      world_size=math.prod(shape.values())))
+        except common.LaunchError as e:
+            print(f"setup-memory: SKIP {method} on {nd.label(shape)}: {str(e).splitlines()[0]}")
+        done = i == len(runs) - 1
+        show("13_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
+             f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks", rows, headers,
+             SETUP_NOTE + ("" if done else f" (partial: {i + 1} of {len(runs)} setups done)"), done)
     if args.big_size != "none":
         big = common.launch(setup_memory, args, nd.mesh_of(fsdp=8), SETUP_METHODS[1], args.big_size, args.big_steps,
                             world_size=8)

@@ -1955,16 +1955,17 @@ def benchmark(args):
     if missing:
         print(f"benchmark: SKIP torchft's Manager: {missing}; ours and torch DDP only", flush=True)
     fast = argparse.Namespace(**{**vars(args), "pace_ms": 0.0})   # (one rank a replica: --inner unused)
-    for n in args.bench_replicas:
+    sizes = list(args.bench_replicas)
+    for i, n in enumerate(sizes):   # each replica count's row saved as it comes; the table printed once
         run = run_scenario(fast, n, 1, bench_phases(n, args.bench_steps), deadline=args.deadline)
         ddp = common.launch(ddp_steps, fast, BENCH_WARM + args.bench_steps, world_size=n, backend="gloo")
         rows.append(bench_row(args, n, run, statistics.median(ddp[BENCH_WARM:]) * 1000))
         if not missing:
             rows[-1].update(torchft_run(fast, n, args.bench_steps))
             rows[-1]["torchft_vs_ddp"] = round(rows[-1]["torchft_step_ms"] / rows[-1]["torch_ddp_step_ms"], 3)
-        table = common.save_results(args.out, NAME, rows, settings, title=BENCH_TITLE, note=BENCH_NOTE)
-        print(f"\n{BENCH_TITLE}\n{table}", flush=True)
-    print(common.wrote(args.out, f"{NAME}.json and .md"), flush=True)
+        partial = f" (partial: {i + 1} of {len(sizes)} replica counts done)" if i < len(sizes) - 1 else ""
+        table = common.save_results(args.out, NAME, rows, settings, title=BENCH_TITLE, note=BENCH_NOTE + partial)
+    print(f"\n{BENCH_TITLE}\n{table}\n{common.wrote(args.out, f'{NAME}.json and .md')}", flush=True)
 
 
 BENCH_TITLE = "Replicas that survive a loss: a step beside torch DDP, a kill, a heal (one rank a replica)"

@@ -491,6 +491,28 @@ def test_setup_memory_rows_hold_the_ranks_part_and_the_meta_path_trains():
     assert ours["step_s"] > 0 and 8.0 < ours["loss"] < 10.5   # ln(10000) = 9.2: a fresh LM's loss
 
 
+def test_setup_memory_saves_each_row_as_it_comes_and_prints_its_table_once(tmp_path):
+    """--setup-memory's report, its 8-rank jobs played: the results file is written after
+    each setup (marked partial until the last), a setup that fails is a SKIP line, and the
+    table is printed once, at the end (it had been printed again after every row)."""
+    train = load("13_train")
+    runs, md = [], tmp_path / "13_setup_memory.md"
+
+    def launch(worker, args, shape, method, size, steps, world_size=None):
+        runs.append(md.read_text() if md.exists() else None)
+        if len(runs) == 2:
+            raise kit.LaunchError("rank 3 failed: played")
+        return {**dict.fromkeys(train.SETUP_HEADERS, 1.0), "mesh": train.nd.label(shape), "setup": method}
+    p = run_inline("13_train.py", "--setup-memory", "--big-size", "none", "--out", str(tmp_path), launch=launch)
+    n = len(train.SETUP_MESHES) * len(train.SETUP_METHODS)
+    assert p.returncode == 0, p.stderr
+    assert len(runs) == n and runs[0] is None and f"(partial: {n - 1} of {n} setups done)" in runs[-1], runs
+    assert "(partial: 1 of" in runs[1] and "partial" not in md.read_text()
+    assert p.stdout.count("Each rank's peak host memory while it sets up") == 1, p.stdout
+    assert p.stdout.count("13_setup_memory.json and .md") == 1 and p.stdout.count("setup-memory: SKIP") == 1
+    assert len(json.loads((tmp_path / "13_setup_memory.json").read_text())["rows"]) == n - 1
+
+
 def test_the_measurements_take_their_own_flags(tmp_path):
     """--setup-memory and --hf-checkpoint parse their own flags (10's LM, 8 ranks): a flag of
     the training run is refused, and so are both at once."""

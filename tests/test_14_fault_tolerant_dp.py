@@ -532,7 +532,13 @@ def test_the_benchmark_on_one_gpu_times_torch_ddp_over_gloo_as_ours_and_leaves_t
         jobs.append((worker.__name__, world_size, backend))
         return [0.01] * (ft.BENCH_WARM + args.bench_steps)
     monkeypatch.setattr(common, "launch", launch)
-    monkeypatch.setattr(ft, "run_scenario", lambda args, n, ranks, phases, deadline: {"replicas": n, "ranks": ranks})
+    saved = []   # the results file as each replica count's run starts
+
+    def run_scenario(args, n, ranks, phases, deadline):
+        md = tmp_path / "14_fault_tolerant_dp.md"
+        saved.append(md.read_text() if md.exists() else None)
+        return {"replicas": n, "ranks": ranks}
+    monkeypatch.setattr(ft, "run_scenario", run_scenario)
     monkeypatch.setattr(ft, "bench_row", lambda args, n, run, ddp: {"replicas": n, "torch_ddp_step_ms": ddp})
     monkeypatch.setattr(ft, "torchft_missing", lambda: None)   # as if installed: it must still be left out
     monkeypatch.setattr(ft, "torchft_run", lambda *a: pytest.fail("torchft timed beside ours on the GPU"))
@@ -544,6 +550,10 @@ def test_the_benchmark_on_one_gpu_times_torch_ddp_over_gloo_as_ours_and_leaves_t
     assert "SKIP torchft's Manager: its replicas here run on the CPU" in out
     rows = json.loads((tmp_path / "14_fault_tolerant_dp.json").read_text())["rows"]
     assert [(r["replicas"], r["torch_ddp_step_ms"]) for r in rows] == [(2, 10.0), (3, 10.0)]
+    # each count's row saved as it comes (marked partial until the last), the table printed once
+    assert saved[0] is None and "(partial: 1 of 2 replica counts done)" in saved[1], saved
+    assert "partial" not in (tmp_path / "14_fault_tolerant_dp.md").read_text()
+    assert out.count(ft.BENCH_TITLE) == 1 and out.count("14_fault_tolerant_dp.json and .md") == 1, out
 
 
 def test_the_check_holds_each_tensor_to_how_far_training_moved_it_and_a_step_a_replica_short_fails_it(monkeypatch):
