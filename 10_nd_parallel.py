@@ -1329,17 +1329,21 @@ MEMORY_HEADERS = ["mesh", "stage", "params_MB", "params_predicted_MB", "grads_MB
 NAME, TITLE = "10_nd_parallel", "N-D parallelism: ours against torch's composition, steps alternating"
 
 
-def report(args, rows, accounting, dims):
+def report(args, rows, accounting, dims, partial=""):
+    """Save the three tables; print them unless ``partial`` (saved after each benchmark job,
+    marked so until the last: a run cut short keeps its rows, and the tables print once)."""
     settings = {**common.lm_settings(args), "world_size": sorted({r["world_size"] for r in rows}),
                 "model_dims": dims, "schedule": args.schedule, "chunks": chunks_of(args.schedule, args.chunks)}
-    table = common.save_results(args.out, NAME, rows, settings, headers=TIME_HEADERS, title=TITLE)
+    table = common.save_results(args.out, NAME, rows, settings, headers=TIME_HEADERS, title=TITLE, note=partial.strip())
     traffic, memory = accounting_rows(accounting)
     t2 = common.save_results(args.out, "10_accounting", traffic, settings, headers=TRAFFIC_HEADERS,
                              title="Bytes each axis sends per step and rank, counted beside the formula",
-                             note=predicted_bytes.__doc__.split("\n\n")[0].replace("\n    ", " "))
+                             note=predicted_bytes.__doc__.split("\n\n")[0].replace("\n    ", " ") + partial)
     t3 = common.save_results(args.out, "10_memory", memory, settings, headers=MEMORY_HEADERS,
                              title="Memory per rank after a step (MiB), counted beside the formula",
-                             note=predicted_memory.__doc__.replace("\n    ", " "))
+                             note=predicted_memory.__doc__.replace("\n    ", " ") + partial)
+    if partial:
+        return
     print(f"\n{TITLE}\n({args.model_size} LM, {args.backend}/{args.device}, context {args.context_length}; step times "
           f"in ms, median [min, max] of {args.steps} steps; vs_torch: median of paired steps [min, max]; with pp, "
           f"split by {args.split}, torch's on the same cuts: bubble, its idle share (09's), beside theory_split, "
@@ -1593,14 +1597,14 @@ def run_verification(args, shape, single, levers):
 
 
 def run_benchmark(args, shape, single, timed):
-    """The timed meshes beside torch's composition, one job per world size (the tables and
-    the timeline rewritten after each)."""
+    """The timed meshes beside torch's composition, one job per world size (the tables
+    saved after each, printed after the last)."""
     dims = common.MODEL_SIZES[args.model_size]
     trace = mesh_of(pp=2, dp=2, tp=2) if not single else (shape if sum(k > 1 for k in shape.values()) >= 2 else None)
     bench = [(args.world_size, [shape])] if single else [(w, [s for s in timed if math.prod(s.values()) == w])
                                                           for w in (4, 8)]
     rows, accounting = [], []
-    for world, group in bench:
+    for i, (world, group) in enumerate(bench):
         got, acc, lanes = common.launch(benchmark, args, group, dims, trace, world_size=world)
         for s in group:
             reason = torch_skip(s, dataclasses.replace(levers_of(args), tie=False), args.ep, args.backend, args.device)
@@ -1608,7 +1612,8 @@ def run_benchmark(args, shape, single, timed):
                 print(f"benchmark: SKIP torch's composition on {label(s)}: {reason}")
         rows, accounting = rows + got, accounting + acc
         if common.is_reporter():
-            report(args, rows, accounting, dims)
+            report(args, rows, accounting, dims,
+                   f" (partial: {i + 1} of {len(bench)} benchmark jobs done)" if i < len(bench) - 1 else "")
             if lanes:
                 path = f"{args.out}/10_timeline.png"
                 draw_timeline(lanes, f"One step of {label(trace)} ({args.model_size} LM, {args.backend}/{args.device})",

@@ -182,6 +182,30 @@ def test_script_verifies_times_against_torch_counts_and_draws(tmp_path):
     assert (tmp_path / "10_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_suites_benchmark_saves_after_each_job_and_prints_its_tables_once(tmp_path):
+    """The suite's benchmark (jobs of 4 and 8 ranks, played): the three tables are saved
+    after each job, marked partial until the last, and printed once, after it (each had
+    been printed again with every job's rows)."""
+    saved = []
+
+    def launch(worker, args, group, dims, trace, world_size=None):
+        md = tmp_path / "10_nd_parallel.md"
+        saved.append(md.read_text() if md.exists() else None)
+        acc = [{"mesh": f"mesh of {world_size}", "shape": {"pp": 1}, "ranks": [
+            {"coords": {"pp": 0}, "counted": {"dp": 1.0}, "predicted": {"dp": 1.0}, "memory": {"activations": 1.0},
+             "memory_predicted": {"activations": 1.0}}]}]
+        return [{"method": f"{nd.label(s)} (ours)", "world_size": world_size, "step_ms": 1.0} for s in group], acc, None
+    p = run_inline("10_nd_parallel.py", "--no-verify", "--model-size", "nano", "--out", str(tmp_path), launch=launch)
+    assert p.returncode == 0, p.stderr
+    assert saved[0] is None and "(partial: 1 of 2 benchmark jobs done)" in saved[1], saved
+    for name in ("10_nd_parallel", "10_accounting", "10_memory"):
+        assert "partial" not in (tmp_path / f"{name}.md").read_text()
+    assert {r["world_size"] for r in json.loads((tmp_path / "10_nd_parallel.json").read_text())["rows"]} == {4, 8}
+    for line in ("N-D parallelism: ours against torch's composition", "Bytes each axis sends per step",
+                 "Memory per rank (MiB)", "10_accounting.*, 10_memory.*"):
+        assert p.stdout.count(line) == 1, p.stdout
+
+
 def test_bad_input_exits_2_with_one_line():
     assert "--tp 3 does not divide the verification LM's 4 heads" in refused("10_nd_parallel.py", "--tp", "3")
 
