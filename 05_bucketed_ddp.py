@@ -805,7 +805,7 @@ def run_sweep(args, caps) -> tuple:
             rows, fit = rows + got["rows"], fit or got["fit"]
         if report and i < len(jobs) - 1:
             common.save_results(args.out, NAME, rows, settings(args), headers=HEADERS, title=TITLE,
-                                note=f"(partial: {i + 1} of {len(jobs)} benchmark jobs done)")
+                                note=common.partial_note(i + 1, len(jobs), "benchmark jobs").strip())
     return rows, fit, note
 
 

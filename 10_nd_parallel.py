@@ -1612,8 +1612,7 @@ def run_benchmark(args, shape, single, timed):
                 print(f"benchmark: SKIP torch's composition on {label(s)}: {reason}")
         rows, accounting = rows + got, accounting + acc
         if common.is_reporter():
-            report(args, rows, accounting, dims,
-                   f" (partial: {i + 1} of {len(bench)} benchmark jobs done)" if i < len(bench) - 1 else "")
+            report(args, rows, accounting, dims, common.partial_note(i + 1, len(bench), "benchmark jobs"))
             if lanes:
                 path = f"{args.out}/10_timeline.png"
                 draw_timeline(lanes, f"One step of {label(trace)} ({args.model_size} LM, {args.backend}/{args.device})",

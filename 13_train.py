@@ -1276,7 +1276,7 @@ def report_setup_memory(args):
         done = i == len(runs) - 1
         show("13_setup_memory", f"Each rank's peak host memory while it sets up the {args.model_size} LM "
              f"({lm_param_count_mib(args.model_size, args):.0f} MiB of float32 weights), 8 ranks", rows, headers,
-             SETUP_NOTE + ("" if done else f" (partial: {i + 1} of {len(runs)} setups done)"), done)
+             SETUP_NOTE + common.partial_note(i + 1, len(runs), "setups"), done)
     if args.big_size != "none":
         big = common.launch(setup_memory, args, nd.mesh_of(fsdp=8), SETUP_METHODS[1], args.big_size, args.big_steps,
                             world_size=8)

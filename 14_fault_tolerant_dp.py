@@ -1963,8 +1963,8 @@ def benchmark(args):
         if not missing:
             rows[-1].update(torchft_run(fast, n, args.bench_steps))
             rows[-1]["torchft_vs_ddp"] = round(rows[-1]["torchft_step_ms"] / rows[-1]["torch_ddp_step_ms"], 3)
-        partial = f" (partial: {i + 1} of {len(sizes)} replica counts done)" if i < len(sizes) - 1 else ""
-        table = common.save_results(args.out, NAME, rows, settings, title=BENCH_TITLE, note=BENCH_NOTE + partial)
+        table = common.save_results(args.out, NAME, rows, settings, title=BENCH_TITLE,
+                                    note=BENCH_NOTE + common.partial_note(i + 1, len(sizes), "replica counts"))
     print(f"\n{BENCH_TITLE}\n{table}\n{common.wrote(args.out, f'{NAME}.json and .md')}", flush=True)
 
 

@@ -1658,6 +1658,13 @@ def save_results(out_dir, name: str, rows: list[dict], settings: dict, *, header
     return fit_width(rows, headers) if rows else table
 
 
+def partial_note(done: int, of: int, what: str) -> str:
+    """The mark a report's results file carries while its jobs are still running, saved after
+    each so that a run cut short keeps its rows: ' (partial: 2 of 3 <what> done)', and '' once
+    ``done`` reaches ``of`` (the file then holds the whole table, printed once)."""
+    return f" (partial: {done} of {of} {what} done)" if done < of else ""
+
+
 def pyplot():
     import matplotlib
     matplotlib.use("Agg")
